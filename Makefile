@@ -1,0 +1,27 @@
+# Quick start: `make test` builds .venv from this repository's files alone, then runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.locus-installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: test generate venv clean
+
+venv: $(STAMP)
+
+# torch goes in first and pinned: a bare `torch` requirement in an empty venv pulls CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==$(TORCH_VERSION)
+	$(PY) -m pip install -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# A short generation on the embedded default model (random weights, so the text is gibberish).
+generate: $(STAMP)
+	$(VENV)/bin/locus generate --prompt "The expert said" --max-tokens 24 --seed 0
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

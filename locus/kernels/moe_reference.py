@@ -1,0 +1,71 @@
+"""Torch reference for the fused-MoE expert computation (the Triton kernels are checked against it).
+
+For each token t and each of its K slots: expert e = topk_ids[t, k], weight w = topk_weights[t, k],
+    y_tk = (silu(g) * u) @ down[e]   where [g | u] = x_in @ gate_up[e]
+with x_in = w * x[t] when the weight scales the input (Llama-4), else x_in = x[t] and y_tk is scaled by w
+(Qwen3 / DeepSeek). The output row is sum_k y_tk.
+
+Only the selected experts run: the T*K (token, slot) pairs are sorted by expert and each expert
+multiplies just its own rows. Running every expert on every token (as transformers' Llama-4 does)
+costs E/K times the FLOPs.
+
+Shape legend: T tokens, K slots per token, E experts held here, H hidden, I expert width.
+    x            [T, H]
+    gate_up      [E, H, 2I]   (gate = first I columns, up = last I)
+    down         [E, I, H]
+    topk_ids     [T, K]       global expert ids (int)
+    topk_weights [T, K]       float
+    expert_map   [E_global]   global id -> local index into gate_up/down, or -1 if not held here
+    out          [T, H]       same dtype as x; pairs whose expert is not held contribute zero
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weight_on_input: bool = True,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, _, two_i = gate_up.shape
+    I = two_i // 2
+    if gate_up.shape[1] != H or down.shape != (E, I, H):
+        raise ValueError(f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} do not match hidden {H}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={T}, K]")
+
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map.to(ids.device).long()[ids]  # global -> local; -1 = not held here
+    weights = topk_weights.reshape(-1).to(x.dtype)
+    token_of_pair = torch.arange(T * K, device=x.device) // K
+
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    counts = torch.bincount(sorted_ids[sorted_ids >= 0], minlength=E).tolist()
+    start = int((sorted_ids < 0).sum())  # skipped pairs sort first
+
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        rows = token_of_pair[pairs]
+        w = weights[pairs, None]
+        x_in = x[rows] * w if weight_on_input else x[rows]
+        gate, up = (x_in @ gate_up[e]).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ down[e]
+        if not weight_on_input:
+            y = y * w
+        out.index_add_(0, rows, y.float())
+    return out.to(x.dtype)

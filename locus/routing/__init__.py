@@ -1,0 +1,1 @@
+"""Router math, placement plans, planners, grouper, replay and expert-parallel dispatch."""

@@ -1,0 +1,1 @@
+"""Expert-activation traces: format, reader/writer, synthesis, import, statistics. numpy only."""
