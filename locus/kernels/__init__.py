@@ -1,6 +1,12 @@
 """Expert kernels: Triton fused-MoE and the torch references beside them. Imports nothing of ours.
 
-`fused_moe` is the one entry point the model calls; `backend` picks the implementation.
+`fused_moe` is the one entry point the model calls; `backend` picks the implementation:
+    "torch"   moe_reference.fused_moe_reference (any device)
+    "triton"  moe_triton.fused_moe_triton: align (moe_align) -> grouped GEMMs (moe_gemm) -> slot sum,
+              block sizes from moe_configs; needs CUDA, or TRITON_INTERPRET=1 on CPU (tests)
+    "auto"    triton for CUDA tensors, torch otherwise
+The Triton modules are imported on first use, so importing this package never needs triton and the
+interpreter switch can still be set by whoever runs first (a test's conftest, a bench script).
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ import torch
 
 from locus.kernels.moe_reference import fused_moe_reference
 
-MOE_BACKENDS = ("torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton")
 
 
 def fused_moe(
@@ -20,9 +26,21 @@ def fused_moe(
     topk_weights: torch.Tensor,
     weight_on_input: bool = True,
     expert_map: torch.Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Routed-expert output [T, H] for x [T, H]; see moe_reference for the math and shapes."""
+    backend = resolve_backend(backend, x.device)
     if backend == "torch":
         return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
-    raise ValueError(f"unknown MoE backend {backend!r}; choose one of {MOE_BACKENDS}")
+    from locus.kernels.moe_triton import fused_moe_triton
+
+    return fused_moe_triton(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend ("torch" or "triton") that `backend` means for tensors on `device`."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; choose one of {MOE_BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend

@@ -1,0 +1,103 @@
+"""Llama-4 attention: GQA with per-layer position rules.
+
+Every rule of DESIGN.md's attention section lives here:
+- RoPE layers (`no_rope_layers[i] == 1`): pairwise RoPE, then (if `use_qk_norm`) an L2 norm of q and k
+  over head_dim, and causal attention *within chunks* of `attention_chunk_size` tokens.
+- NoPE layers: no rotation, causal attention over everything, and (if `attn_temperature_tuning`) q is
+  scaled by 1 + attn_scale * log(1 + floor((pos + 1) / floor_scale)) at absolute position pos, which
+  keeps attention sharp at long range.
+
+Shape legend: T batch tokens, S visible key positions, Hq query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from locus.engine.config import ModelConfig
+from locus.engine.forward_batch import ForwardBatch
+from locus.engine.kv_cache import KVCache
+from locus.engine.layers import l2_normalize
+from locus.engine.rope import apply_rope
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """[Tq, S] bool: key position j is visible to query position t iff j <= t (and same chunk)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if chunk_size is not None:
+        mask &= (k_pos[None, :] // chunk_size) == (q_pos[:, None] // chunk_size)
+    return mask
+
+
+def first_visible(start: int, chunk_size: int | None) -> int:
+    """Earliest key position any query at position >= start can see."""
+    return 0 if chunk_size is None else (start // chunk_size) * chunk_size
+
+
+def temperature_scale(positions: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:
+    """[T] float32 query scale of NoPE layers."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = D = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.use_rope = config.uses_rope(layer)
+        self.use_qk_norm = config.use_qk_norm and self.use_rope
+        self.use_temperature = config.attn_temperature_tuning and not self.use_rope
+        self.attn_scale, self.floor_scale = config.attn_scale, config.floor_scale
+        self.chunk_size = config.attention_chunk_size if self.use_rope else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, D/2]
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.use_qk_norm:
+            q, k = l2_normalize(q, self.eps), l2_normalize(k, self.eps)
+        if self.use_temperature:
+            scale = temperature_scale(batch.positions, self.attn_scale, self.floor_scale)
+            q = (q * scale[:, None, None]).to(q.dtype)
+
+        out = torch.empty_like(q)
+        for span, lo, hi in batch.row_ranges():
+            first = first_visible(span.start, self.chunk_size)
+            if cache is not None:
+                cache.write(self.layer, span, k[lo:hi], v[lo:hi])
+                keys, values = cache.read(self.layer, span, first)
+            elif span.start == 0:
+                keys, values = k[lo + first:hi], v[lo + first:hi]
+            else:
+                raise ValueError("a span that continues a sequence needs a KV cache")
+            k_pos = torch.arange(first, span.end, device=x.device)
+            mask = visible(batch.positions[lo:hi], k_pos, self.chunk_size)
+            out[lo:hi] = self._attend(q[lo:hi], keys, values, mask)
+        return self.o_proj(out.reshape(T, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # q [Tq, Hq, D], k/v [S, Hkv, D], mask [Tq, S] -> [Tq, Hq, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.transpose(0, 1)

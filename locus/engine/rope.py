@@ -1,0 +1,50 @@
+"""Rotary position embedding, Llama-4 flavour.
+
+Llama-4 rotates *adjacent pairs*: dims (2m, 2m+1) of a head form one complex number, rotated by
+angle pos * inv_freq[m] with inv_freq[m] = theta^(-2m/D). (Llama-2/3 in HF format rotate the two
+halves instead; mixing the two up is the classic Llama-4 port bug.) The `llama3` rule rescales the
+low frequencies for long context; `linear` divides all of them by `factor`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from locus.engine.config import RopeConfig
+
+
+def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[D/2] float32 inverse frequencies."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # llama3: wavelengths longer than the original context are stretched by `factor`, shorter than
+    # original/high_freq_factor kept, the band between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] float32 for absolute positions [T]."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [T, heads, D] (computed in float32, cast back)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)

@@ -1,0 +1,170 @@
+"""Tokenizers: a checkpoint's `tokenizer.json` (HF `tokenizers`), or a built-in byte-level one.
+
+With `tokenizer.json` present, the chat template comes from `tokenizer_config.json` (or a
+`chat_template.jinja` file) and is rendered with a sandboxed jinja2 environment, as transformers does.
+Without one, `ByteTokenizer` maps each UTF-8 byte to its own id and adds a few Llama-4-style special
+tokens, so the embedded default model runs with no download at all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from locus.errors import LocusError
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """ids 0..255 are raw bytes; special tokens follow. The chat format mirrors Llama-4's headers."""
+
+    BOS, EOS, PAD, HEADER_START, HEADER_END = 256, 257, 258, 259, 260
+    SPECIALS = {"<|begin_of_text|>": BOS, "<|eot|>": EOS, "<|pad|>": PAD,
+                "<|header_start|>": HEADER_START, "<|header_end|>": HEADER_END}
+    MIN_VOCAB = 261
+    _special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+
+    def __init__(self, vocab_size: int = MIN_VOCAB):
+        if vocab_size < self.MIN_VOCAB:
+            raise LocusError(f"the byte tokenizer needs a vocabulary of at least {self.MIN_VOCAB} ids; the model has {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bos_token_id = self.BOS
+        self.eos_token_ids = (self.EOS,)
+        self._names = {v: k for k, v in self.SPECIALS.items()}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.BOS] if add_special_tokens else []
+        for piece in self._special_re.split(text):
+            if piece in self.SPECIALS:
+                ids.append(self.SPECIALS[piece])
+            elif piece:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            if not skip_special_tokens:
+                out.append(self._names.get(i, f"<|reserved_{i}|>"))
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """<|begin_of_text|> then <|header_start|>role<|header_end|>\\n\\ncontent<|eot|> per message."""
+        parts = ["<|begin_of_text|>"]
+        for m in messages:
+            parts.append(f"<|header_start|>{m['role']}<|header_end|>\n\n{_content_text(m.get('content'))}<|eot|>")
+        if add_generation_prompt:
+            parts.append("<|header_start|>assistant<|header_end|>\n\n")
+        return "".join(parts)
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content may be a string or a list of parts; only text parts carry meaning here."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+class HFTokenizer:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_from_config: tuple[int, ...]):
+        from tokenizers import Tokenizer as _Tok
+
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise LocusError(f"{path}: cannot load tokenizer ({exc})") from None
+        cfg = _read_json(model_dir / "tokenizer_config.json") or {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos_ids = set(eos_from_config)
+        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
+            eos_ids.add(self._tok.token_to_id(self.eos_token))
+        self.eos_token_ids = tuple(sorted(eos_ids))
+        self.vocab_size = vocab_size
+        self.chat_template = _find_chat_template(model_dir, cfg)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise LocusError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise LocusError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    except jinja2.TemplateError as exc:
+        raise LocusError(f"chat template failed to render: {exc}") from None
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LocusError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _find_chat_template(model_dir: Path, cfg: dict) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = cfg.get("chat_template")
+    if template is None:
+        template = (_read_json(model_dir / "chat_template.json") or {}).get("chat_template")
+    if isinstance(template, list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """The checkpoint's tokenizer.json if there is one, else the byte tokenizer."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return HFTokenizer(Path(model_dir), vocab_size, eos_token_ids)
+    return ByteTokenizer(vocab_size)

@@ -1,0 +1,45 @@
+"""DESIGN.md's layering rule, checked on the source: a lower layer never imports a higher one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import locus
+
+ROOT = Path(locus.__file__).parent
+# package -> the locus packages it may import (besides the leaf modules at the package root)
+ALLOWED = {
+    "kernels": set(),
+    "traces": set(),
+    "routing": {"kernels", "traces"},
+    "engine": {"routing", "kernels", "traces"},
+    "server": {"engine", "routing", "kernels", "traces"},
+}
+
+
+def imported_locus_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "locus" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_no_layer_imports_a_higher_one():
+    violations = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            own = {package}
+            extra = {"errors"} if package not in ("kernels", "traces") else set()
+            bad = imported_locus_packages(path) - allowed - own - extra
+            if bad:
+                violations.append(f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}")
+    assert not violations, "\n".join(violations)
