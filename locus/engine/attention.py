@@ -24,16 +24,15 @@ from locus.engine.rope import apply_rope
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-    """[Tq, S] bool: key position j is visible to query position t iff j <= t (and same chunk)."""
-    mask = k_pos[None, :] <= q_pos[:, None]
+    """[..., Tq, S] bool: key position j is visible to query position t iff j <= t (and same chunk).
+
+    q_pos [..., Tq], k_pos [..., S]; padding (-1) on either side is never visible.
+    """
+    q, k = q_pos[..., :, None], k_pos[..., None, :]
+    mask = (k <= q) & (k >= 0) & (q >= 0)
     if chunk_size is not None:
-        mask &= (k_pos[None, :] // chunk_size) == (q_pos[:, None] // chunk_size)
+        mask &= (k // chunk_size) == (q // chunk_size)
     return mask
-
-
-def first_visible(start: int, chunk_size: int | None) -> int:
-    """Earliest key position any query at position >= start can see."""
-    return 0 if chunk_size is None else (start // chunk_size) * chunk_size
 
 
 def temperature_scale(positions: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:
@@ -79,25 +78,26 @@ class Attention(nn.Module):
             scale = temperature_scale(batch.positions, self.attn_scale, self.floor_scale)
             q = (q * scale[:, None, None]).to(q.dtype)
 
-        out = torch.empty_like(q)
-        for span, lo, hi in batch.row_ranges():
-            first = first_visible(span.start, self.chunk_size)
-            if cache is not None:
-                cache.write(self.layer, span, k[lo:hi], v[lo:hi])
-                keys, values = cache.read(self.layer, span, first)
-            elif span.start == 0:
-                keys, values = k[lo + first:hi], v[lo + first:hi]
-            else:
-                raise ValueError("a span that continues a sequence needs a KV cache")
-            k_pos = torch.arange(first, span.end, device=x.device)
-            mask = visible(batch.positions[lo:hi], k_pos, self.chunk_size)
-            out[lo:hi] = self._attend(q[lo:hi], keys, values, mask)
-        return self.o_proj(out.reshape(T, -1))
+        if cache is not None:
+            cache.write(self.layer, batch, k, v)
+            keys, values, k_pos = cache.read(self.layer, batch, self.chunk_size)
+        elif all(span.start == 0 for span in batch.spans):
+            rows = batch.query_rows().clamp(min=0)  # without a cache each sequence sees only its own new tokens
+            keys, values, k_pos = k[rows], v[rows], batch.query_positions()
+        else:
+            raise ValueError("a span that continues a sequence needs a KV cache")
+        return self.o_proj(self._attend(q, batch, keys, values, k_pos).reshape(T, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q [Tq, Hq, D], k/v [S, Hkv, D], mask [Tq, S] -> [Tq, Hq, D]
+    def _attend(self, q: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor, values: torch.Tensor,
+                k_pos: torch.Tensor) -> torch.Tensor:
+        """All sequences in one padded SDPA call. q [T, Hq, D]; keys/values [B, S, Hkv, D] -> [T, Hq, D]."""
+        rows = batch.query_rows()  # [B, Q]
+        q_pad = q[rows.clamp(min=0)]  # [B, Q, Hq, D]
+        mask = visible(batch.query_positions(), k_pos, self.chunk_size)  # [B, Q, S]
+        # Padding queries see nothing; give them one key so softmax stays finite (their rows are dropped).
+        mask[..., 0] |= ~mask.any(-1)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.transpose(0, 1)
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
+            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, Hq, Q, D]
+        return o.transpose(1, 2)[rows >= 0]  # rows are in flat order: sequences are contiguous

@@ -6,13 +6,15 @@ Tokens of a sequence are contiguous in the batch. A sequence's span says where i
 span with start 0 (or, for chunked prefill, the first position not yet cached); a decode step is a
 span of length 1.
 
-The contiguous cache (kv_cache.py) maps a slot to a row of a preallocated tensor; a paged cache maps
-it to a block table. The model never sees the difference.
+Attention runs all sequences at once on padded tensors, so the batch also precomputes the padding
+maps (built once per forward, shared by every layer).
+
+Shape legend: T flat tokens, B sequences, Q = longest span in the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +35,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute positions
     spans: list[SequenceSpan]  # in batch order; lengths sum to T
+    memo: dict = field(default_factory=dict, repr=False)  # per-forward index tensors (caches fill it too)
 
     @classmethod
     def from_spans(cls, token_ids: list[list[int]], spans: list[SequenceSpan], device: torch.device | str = "cpu") -> "ForwardBatch":
@@ -50,10 +53,25 @@ class ForwardBatch:
     def single(cls, token_ids: list[int], start: int = 0, slot: int = 0, device: torch.device | str = "cpu") -> "ForwardBatch":
         return cls.from_spans([token_ids], [SequenceSpan(slot, start, len(token_ids))], device)
 
-    def row_ranges(self) -> list[tuple[SequenceSpan, int, int]]:
-        """(span, first row, last row + 1) of each sequence in the flat batch."""
-        out, row = [], 0
-        for span in self.spans:
-            out.append((span, row, row + span.length))
-            row += span.length
-        return out
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def query_rows(self) -> torch.Tensor:
+        """[B, Q] int64: flat row of each sequence's i-th new token; -1 where the sequence is shorter."""
+        if "query_rows" not in self.memo:
+            Q = max(s.length for s in self.spans)
+            rows = torch.full((len(self.spans), Q), -1, dtype=torch.long)
+            row = 0
+            for b, s in enumerate(self.spans):
+                rows[b, : s.length] = torch.arange(row, row + s.length)
+                row += s.length
+            self.memo["query_rows"] = rows.to(self.device)
+        return self.memo["query_rows"]
+
+    def query_positions(self) -> torch.Tensor:
+        """[B, Q] absolute positions of the padded queries (-1 = padding)."""
+        if "query_positions" not in self.memo:
+            rows = self.query_rows()
+            self.memo["query_positions"] = torch.where(rows >= 0, self.positions[rows.clamp(min=0)], -1)
+        return self.memo["query_positions"]

@@ -1,9 +1,15 @@
-"""KV cache interface and the contiguous cache used for single-sequence and small-batch decoding.
+"""KV caches: the interface attention uses, a contiguous cache and the paged cache.
 
-Attention talks to a cache only through `write` and `read`, per layer and per sequence span, so the
-paged cache (block tables, prefix sharing) implements the same two methods.
+Attention talks to a cache through two calls per layer: `write` the batch's new keys/values, then
+`read` every sequence's visible keys/values as one padded tensor. Both caches store each layer as one
+flat [capacity, Hkv, D] tensor and differ only in how (sequence, position) maps to a flat row:
+- ContiguousKVCache: row = slot * max_len + position (one preallocated stripe per sequence);
+- PagedKVCache: row = block_table[slot][position // block_size] * block_size + position % block_size,
+  so sequences own fixed-size blocks from a shared pool (allocated by block_manager.py) and
+  identical prompt prefixes can share blocks.
+The per-batch index tensors are computed once per forward and memoised on the batch.
 
-Shape legend: S cached positions, Hkv key/value heads, D head dim.
+Shape legend: T batch tokens, B sequences, S longest visible key range, Hkv kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -13,31 +19,107 @@ from typing import Protocol
 import torch
 
 from locus.engine.config import ModelConfig
-from locus.engine.forward_batch import SequenceSpan
+from locus.engine.forward_batch import ForwardBatch
 
 
 class KVCache(Protocol):
-    def write(self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [span.length, Hkv, D] at positions span.start .. span.end - 1."""
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the batch's new k, v [T, Hkv, D] at their sequences' positions."""
 
-    def read(self, layer: int, span: SequenceSpan, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [span.end - first, Hkv, D] for positions first .. span.end - 1."""
+    def read(self, layer: int, batch: ForwardBatch, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v [B, S, Hkv, D] and key positions [B, S] (-1 = padding) of what each sequence's new
+        tokens may see: positions from the start of the earliest query's attention chunk (0 when
+        chunk_size is None) up to the sequence's last new token."""
 
 
-class ContiguousKVCache:
-    """One preallocated [slots, max_len, Hkv, D] tensor pair per layer; a slot is one sequence."""
+def first_visible(start: int, chunk_size: int | None) -> int:
+    """Earliest key position that any query at position >= start can see."""
+    return 0 if chunk_size is None else (start // chunk_size) * chunk_size
 
-    def __init__(self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (slots, max_len, config.num_key_value_heads, config.head_dim)
-        self.max_len = max_len
+
+class FlatKVCache:
+    """Shared mechanics; subclasses define `flat_rows(slot, positions)`."""
+
+    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (capacity, config.num_key_value_heads, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def write(self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor) -> None:
-        if span.end > self.max_len:
-            raise ValueError(f"sequence reaches position {span.end}, beyond the cache's {self.max_len}")
-        self.keys[layer][span.slot, span.start:span.end] = k
-        self.values[layer][span.slot, span.start:span.end] = v
+    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
-    def read(self, layer: int, span: SequenceSpan, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer][span.slot, first:span.end], self.values[layer][span.slot, first:span.end]
+    def _write_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        key = ("write_rows", id(self))
+        if key not in batch.memo:
+            parts = [self.flat_rows(s.slot, torch.arange(s.start, s.end)) for s in batch.spans]
+            batch.memo[key] = torch.cat(parts).to(batch.device)
+        return batch.memo[key]
+
+    def _read_rows(self, batch: ForwardBatch, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("read_rows", id(self), chunk_size)
+        if key not in batch.memo:
+            firsts = [first_visible(s.start, chunk_size) for s in batch.spans]
+            S = max(s.end - f for s, f in zip(batch.spans, firsts))
+            rows = torch.zeros(len(batch.spans), S, dtype=torch.long)
+            pos = torch.full((len(batch.spans), S), -1, dtype=torch.long)
+            for b, (s, f) in enumerate(zip(batch.spans, firsts)):
+                p = torch.arange(f, s.end)
+                rows[b, : len(p)] = self.flat_rows(s.slot, p)
+                pos[b, : len(p)] = p
+            batch.memo[key] = (rows.to(batch.device), pos.to(batch.device))
+        return batch.memo[key]
+
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = self._write_rows(batch)
+        self.keys[layer].index_copy_(0, rows, k)
+        self.values[layer].index_copy_(0, rows, v)
+
+    def read(self, layer: int, batch: ForwardBatch, chunk_size: int | None):
+        rows, pos = self._read_rows(batch, chunk_size)
+        return self.keys[layer][rows], self.values[layer][rows], pos
+
+
+class ContiguousKVCache(FlatKVCache):
+    """`slots` sequences of up to `max_len` positions each."""
+
+    def __init__(self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(config, slots * max_len, dtype, device)
+        self.slots, self.max_len = slots, max_len
+
+    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"cache slot {slot} out of range 0..{self.slots - 1}")
+        if len(positions) and int(positions.max()) >= self.max_len:
+            raise ValueError(f"position {int(positions.max())} is beyond the cache's {self.max_len}")
+        return slot * self.max_len + positions
+
+
+class PagedKVCache(FlatKVCache):
+    """A pool of `num_blocks` blocks of `block_size` positions; `bind` gives each slot its block table."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(config, num_blocks * block_size, dtype, device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.block_tables: dict[int, list[int]] = {}
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+    def bind(self, block_tables: dict[int, list[int]]) -> None:
+        """Set the block tables the next forward uses (slot -> block ids in position order)."""
+        self.block_tables = block_tables
+
+    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(self.block_tables[slot], dtype=torch.long)
+        block_index = positions // self.block_size
+        if len(positions) and int(block_index.max()) >= len(table):
+            raise ValueError(f"sequence slot {slot} reaches position {int(positions.max())} but holds {len(table)} blocks")
+        return table[block_index] * self.block_size + positions % self.block_size
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV in every layer (copy-on-write when sequences fork)."""
+        bs = self.block_size
+        for cache in (*self.keys, *self.values):
+            cache[dst * bs:(dst + 1) * bs] = cache[src * bs:(src + 1) * bs]

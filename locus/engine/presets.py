@@ -24,7 +24,7 @@ def _layers(n: int, nope_interval: int = 4) -> tuple[int, ...]:
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+        vocab_size=ByteTokenizer.MIN_VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_local_experts=8, num_experts_per_tok=2, moe_layers=(0, 1, 3), no_rope_layers=_layers(4),
         attention_chunk_size=64, floor_scale=16, attn_scale=0.1, max_position_embeddings=4096,

@@ -1,0 +1,190 @@
+"""The engine for the server: one background thread runs EngineCore; asyncio callers stream results.
+
+The asyncio loop never runs a forward pass. Callers post commands (add, abort) to a queue; the
+engine thread applies them between steps, runs `step()`, and hands each request's outputs to that
+request's asyncio.Queue with `call_soon_threadsafe`. A caller that stops listening (client gone,
+task cancelled) aborts its request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from locus.engine.engine_core import EngineCore, EngineStats
+from locus.engine.outputs import RequestOutput
+from locus.engine.sampling import SamplingParams
+from locus.errors import LocusError
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; the server reports unhealthy."""
+
+
+class QueueFullError(LocusError):
+    """Too many requests waiting; retry later."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_waiting: int | None = None):
+        self.core = core
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._stats = core.stats()
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._admitting = True
+        self._thread = threading.Thread(target=self._loop, name="locus-engine", daemon=True)
+        self.step_count = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop_admitting(self) -> None:
+        self._admitting = False
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def stats(self) -> EngineStats:
+        """Counters as of the end of the last step (a snapshot; safe from any thread)."""
+        return self._stats
+
+    # --- requests -------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       domain: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream this request's incremental outputs; the last one has `finished` True.
+        Validation errors raise before anything streams."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        if not self._admitting:
+            raise QueueFullError("the server is shutting down")
+        if self.max_waiting is not None and self._stats.num_waiting + self._pending_adds() >= self.max_waiting:
+            raise QueueFullError(f"too many requests waiting ({self.max_waiting}); retry later")
+        self.core.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._sinks:
+            raise LocusError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request_id] = (sink, loop)
+        self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._sinks.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    def _pending_adds(self) -> int:
+        return self._commands.qsize()
+
+    # --- the engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._apply_commands()
+                if not self.core.has_unfinished():
+                    self._stats = self.core.stats()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.core.step()
+                self.step_count += 1
+                self._stats = self.core.stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # the step crashed: fail every waiting caller, stay dead
+            self._error = exc
+            err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
+            for request_id in list(self._sinks):
+                self._deliver(request_id, err)
+        finally:
+            # on shutdown, whoever is still waiting gets an aborted final output
+            for request_id in list(self.core.requests):
+                out = self.core.abort(request_id)
+                if out is not None:
+                    self._deliver(request_id, out)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
+                except LocusError as exc:
+                    self._deliver(cmd.request_id, exc)
+            elif isinstance(cmd, _Abort):
+                out = self.core.abort(cmd.request_id)
+                if out is not None:
+                    self._deliver(cmd.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._sinks.get(request_id)
+        if target is None:
+            return
+        sink, loop = target
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll helper for tests and shutdown paths."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,271 @@
+"""The engine loop: schedule -> run -> sample -> postprocess, one step at a time.
+
+`EngineCore` is synchronous and single-threaded; `LLM` (offline) drives it in a loop and
+`AsyncEngine` (serving) drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from locus.engine.block_manager import BlockManager
+from locus.engine.detokenizer import IncrementalDetokenizer
+from locus.engine.grouping import GroupingPolicy
+from locus.engine.kv_cache import PagedKVCache
+from locus.engine.model import Llama4ForCausalLM
+from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.runner import ModelRunner
+from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
+from locus.engine.scheduler import Scheduler, SchedulerConfig
+from locus.engine.sequence import Request, Sequence, SequenceStatus
+from locus.engine.tokenizer import Tokenizer
+from locus.errors import LocusError
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 * GiB  # bytes for the KV pool (all layers, keys and values)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_micro_batches: int = 1
+
+
+@dataclass
+class EngineStats:
+    num_running: int  # requests with a sequence holding KV blocks
+    num_waiting: int  # requests not yet (or no longer) holding blocks
+    kv_usage: float  # share of KV blocks in use
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_chunked_prefills: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    generation_tokens: int  # tokens sampled
+    prefix_cache_queries: int  # full prompt blocks looked up
+    prefix_cache_hits: int  # of which reused
+
+
+def parse_memory(value: str | int) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes."""
+    if isinstance(value, int):
+        return value
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    text = value.strip().lower()
+    number = text.rstrip("kmgib")
+    try:
+        return int(float(number) * units[text[len(number):]])
+    except (ValueError, KeyError):
+        raise LocusError(f"cannot read memory size {value!r} (examples: 512MiB, 2GiB, 1000000)") from None
+
+
+class EngineCore:
+    def __init__(self, model: Llama4ForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 grouping: GroupingPolicy | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        mc = model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory // PagedKVCache.bytes_per_block(mc, config.block_size, model.dtype)
+        if num_blocks < 1:
+            raise LocusError(f"KV cache memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
+        self.cache = PagedKVCache(mc, num_blocks, config.block_size, model.dtype, model.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                                config.num_micro_batches), grouping)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.step_observers: list = []  # callables(result, items) run after each micro-batch (trace recording)
+
+    # --- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter/LocusError for a request that can never run; the engine keeps nothing."""
+        params.validate()
+        if not prompt_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        limit = self.max_model_len
+        if len(prompt_ids) >= limit:
+            raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context limit is {limit} tokens, including at least one generated")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's context limit of {limit} tokens")
+        pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        if len(prompt_ids) + 1 > pool_tokens:
+            raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only {pool_tokens}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None = None) -> Request:
+        if request_id in self.requests:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        if params.max_tokens is None:  # up to the context limit
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(prompt_ids)})
+        request = Request(request_id, list(prompt_ids), params, domain, forked=params.n == 1)
+        request.seqs.append(self._new_sequence(request, 0))
+        self.scheduler.add(request.seqs[0])
+        self.requests[request_id] = request
+        self.prompt_tokens += len(prompt_ids)
+        return request
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        state = SequenceSamplingState.create(request.params, request.prompt_ids, index)
+        return Sequence(next(self._seq_ids), request, index, state,
+                        IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return its KV blocks to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        request.metrics.finished_time = time.monotonic()
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        touched: OrderedDict[str, Request] = OrderedDict()
+        for items in batch.micro_batches:
+            result = self.runner.run(items)
+            for item in items:
+                item.seq.num_computed += item.num_tokens
+                self._register_full_blocks(item.seq)
+            for observer in self.step_observers:
+                observer(result, items)
+            if result.sampled:
+                self._sample(result.sampled, result.logits, touched)
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, touched: OrderedDict) -> None:
+        rows, expanded = [], []
+        for i, seq in enumerate(seqs):
+            group = [seq]
+            if not seq.request.forked:
+                group += self._fork(seq)
+            for s in group:
+                if s.status is SequenceStatus.RUNNING and s.num_uncomputed == 0:
+                    rows.append(i)
+                    expanded.append(s)
+        if not expanded:
+            return
+        sample = self.sampler.sample(logits[torch.tensor(rows, device=logits.device)], [s.sampling for s in expanded])
+        now = time.monotonic()
+        for seq, token, logprob in zip(expanded, sample.token_ids, sample.logprobs):
+            self._append(seq, token, logprob)
+            if seq.request.request_id not in touched:
+                touched[seq.request.request_id] = seq.request
+                seq.request.metrics.note_token(now)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Create the other n-1 choices; they share the parent's full prompt blocks and copy its last partial one."""
+        request = parent.request
+        request.forked = True
+        children = []
+        bs = self.blocks.block_size
+        partial = parent.num_computed % bs != 0
+        for index in range(1, request.params.n):
+            child = self._new_sequence(request, index)
+            request.seqs.append(child)
+            children.append(child)
+            full = parent.block_table[: parent.num_computed // bs]
+            if partial and not self.scheduler.make_room(1, protect={parent.seq_id, *(c.seq_id for c in children)}):
+                self.scheduler.add(child)  # no room: it recomputes its prompt later (prefix blocks are cached)
+                continue
+            for block in full:
+                self.blocks.take(block)
+            child.block_table = list(full)
+            if partial:
+                block = self.blocks.allocate()
+                self.cache.copy_block(parent.block_table[len(full)], block)
+                child.block_table.append(block)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed = parent.num_computed
+            self.scheduler.add_running(child)
+        return children
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.blocks.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(self.blocks.register(seq.block_table[i], parent, tuple(seq.token_slice(i * bs, (i + 1) * bs))))
+
+    def _append(self, seq: Sequence, token: int, logprob) -> None:
+        seq.output_ids.append(token)
+        self.generation_tokens += 1
+        seq.pending_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.pending_logprobs.append(logprob)
+        # A stop token (EOS or a stop_token_id) ends the sequence without becoming text (as in vLLM).
+        reason = self.sampler.finish_reason(seq.sampling)
+        stop_string = None
+        if reason == "stop":
+            seq.stop_reason = token
+        else:
+            step = seq.detokenizer.add(token)
+            seq.pending_text += step.text_delta
+            if step.stop_string is not None:
+                reason, stop_string = "stop", step.stop_string
+                seq.stop_reason = stop_string
+            elif reason is None and seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if stop_string is None:
+                seq.pending_text += seq.detokenizer.flush()
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            if seq.request.finished:
+                seq.request.metrics.finished_time = time.monotonic()
+
+    def _output(self, request: Request) -> RequestOutput:
+        outs = []
+        for seq in request.seqs:
+            want = seq.sampling.params.logprobs is not None
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.detokenizer.text, token_ids=list(seq.output_ids),
+                delta_text=seq.pending_text, delta_token_ids=seq.pending_ids,
+                delta_logprobs=seq.pending_logprobs, logprobs=list(seq.logprobs) if want else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+            seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
+        return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics)
+
+    # --- counters -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        running = sum(1 for r in self.requests.values() if any(s.status is SequenceStatus.RUNNING for s in r.seqs))
+        return EngineStats(
+            num_running=running, num_waiting=len(self.requests) - running, kv_usage=self.blocks.usage,
+            num_free_blocks=self.blocks.num_free_blocks, num_blocks=self.blocks.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions, num_chunked_prefills=self.scheduler.num_chunked_prefills,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens, prefix_cache_queries=self.blocks.stats.queried_blocks,
+            prefix_cache_hits=self.blocks.stats.hit_blocks,
+        )

@@ -1,0 +1,54 @@
+"""Offline batch generation: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.loader import load
+from locus.engine.model import Llama4ForCausalLM
+from locus.engine.outputs import RequestOutput
+from locus.engine.sampling import SamplingParams
+from locus.engine.tokenizer import Tokenizer
+
+
+class LLM:
+    """Runs many prompts through the continuous-batching engine and returns the finished outputs in order."""
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
+                 moe_backend: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0):
+        loaded = load(model, dtype, device, moe_backend, seed)
+        self.engine = EngineCore(loaded.model, loaded.tokenizer, engine_config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: Llama4ForCausalLM, tokenizer: Tokenizer, engine_config: EngineConfig | None = None) -> "LLM":
+        self = cls.__new__(cls)
+        self.engine = EngineCore(model, tokenizer, engine_config)
+        self._ids = itertools.count()
+        return self
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized here) or token-id lists. One params for all, or one each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, tokens, p)
+            ids.append(request_id)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,53 @@
+"""Model runner: turns one scheduled micro-batch into a forward pass over the paged KV cache.
+
+It computes logits only for the sequences that sample this step (those whose every token is now
+computed): the middle chunks of a long prefill need no lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from locus.engine.forward_batch import ForwardBatch, SequenceSpan
+from locus.engine.grouping import ScheduledSeq
+from locus.engine.kv_cache import PagedKVCache
+from locus.engine.model import Llama4ForCausalLM
+from locus.engine.sequence import Sequence
+from locus.routing.gate import TopK
+
+
+@dataclass
+class RunResult:
+    sampled: list[Sequence]  # sequences that get a new token, in batch order
+    logits: torch.Tensor | None  # [len(sampled), vocab] float32
+    routing: dict[int, TopK] | None  # layer -> top-k of every token of the batch (when recording)
+    batch: ForwardBatch
+
+
+class ModelRunner:
+    def __init__(self, model: Llama4ForCausalLM, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+        self.record_routing = False
+
+    @torch.inference_mode()
+    def run(self, items: list[ScheduledSeq]) -> RunResult:
+        spans, tokens, sample_rows, sampled = [], [], [], []
+        row = 0
+        for item in items:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            spans.append(SequenceSpan(seq.seq_id, start, n))
+            tokens.append(seq.token_slice(start, start + n))
+            row += n
+            if start + n == seq.num_tokens:
+                sample_rows.append(row - 1)
+                sampled.append(seq)
+        self.cache.bind({item.seq.seq_id: item.seq.block_table for item in items})
+        batch = ForwardBatch.from_spans(tokens, spans, device=self.model.device)
+        out = self.model(batch, self.cache, record_routing=self.record_routing)
+        logits = None
+        if sample_rows:
+            logits = self.model.compute_logits(out.hidden[torch.tensor(sample_rows, device=out.hidden.device)])
+        return RunResult(sampled, logits, out.routing, batch)

@@ -1,0 +1,118 @@
+"""Requests and their sequences, as the scheduler and engine track them.
+
+A request with `n` choices has `n` sequences. Only the first exists until the prompt is prefilled;
+then it forks, the children sharing the prompt's KV blocks (see EngineCore._fork).
+
+A sequence's tokens are prompt + output. `num_computed` of them have KV in the cache; the rest are
+computed by the next scheduled step(s). When all are computed, the last position's logits give the
+next token. So a prefill, a chunk of a long prefill, a decode step, and the recompute of a
+preempted sequence are the same operation with different token counts.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from locus.engine.sampling import SamplingParams, SequenceSamplingState, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # holds no KV blocks
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def note_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int  # choice index within the request, 0..n-1
+    sampling: SequenceSamplingState
+    detokenizer: object  # IncrementalDetokenizer
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the registered full blocks
+    admitted_order: int = -1  # larger = admitted later (preempted first)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # what the next RequestOutput reports as new
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.sampling.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.sampling.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # True once all n sequences exist
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def finished(self) -> bool:
+        # Before the fork only the first sequence exists; it can finish early only by abort.
+        return bool(self.seqs) and all(s.is_finished for s in self.seqs)
