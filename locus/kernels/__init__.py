@@ -5,8 +5,8 @@
     "triton"  moe_triton.fused_moe_triton: align (moe_align) -> grouped GEMMs (moe_gemm) -> slot sum,
               block sizes from moe_configs; needs CUDA, or TRITON_INTERPRET=1 on CPU (tests)
     "auto"    triton for CUDA tensors, torch otherwise
-The Triton modules are imported on first use, so importing this package never needs triton and the
-interpreter switch can still be set by whoever runs first (a test's conftest, a bench script).
+The Triton modules are imported on first use, so importing this package never needs triton. On CPU,
+TRITON_INTERPRET=1 must be set before anything imports Triton at all (tests/conftest.py, bench scripts).
 """
 
 from __future__ import annotations

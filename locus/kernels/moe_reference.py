@@ -44,28 +44,33 @@ def fused_moe_reference(
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={T}, K]")
 
     ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        ids = expert_map.to(ids.device).long()[ids]  # global -> local; -1 = not held here
+    if expert_map is not None:  # global -> local; -1 = not held here (a -1 id stays -1)
+        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
     weights = topk_weights.reshape(-1).to(x.dtype)
     token_of_pair = torch.arange(T * K, device=x.device) // K
 
+    # Sort the pairs by expert once, so each expert multiplies one contiguous slice; skipped pairs
+    # (id -1) sort first and stay zero. Results are un-sorted with one scatter and summed over K:
+    # no per-expert index_add (slow on CPU for small slices).
     order = torch.argsort(ids, stable=True)
     sorted_ids = ids[order]
     counts = torch.bincount(sorted_ids[sorted_ids >= 0], minlength=E).tolist()
-    start = int((sorted_ids < 0).sum())  # skipped pairs sort first
-
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    start = T * K - sum(counts)
+    rows = token_of_pair[order]
+    x_sorted = x[rows]  # [T*K, H]
+    w_sorted = weights[order, None]
+    if weight_on_input:
+        x_sorted = x_sorted * w_sorted
+    y_sorted = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        pairs = order[start:start + n]
+        block = slice(start, start + n)
+        gate, up = (x_sorted[block] @ gate_up[e]).chunk(2, dim=-1)
+        y_sorted[block] = (F.silu(gate) * up) @ down[e]
         start += n
-        rows = token_of_pair[pairs]
-        w = weights[pairs, None]
-        x_in = x[rows] * w if weight_on_input else x[rows]
-        gate, up = (x_in @ gate_up[e]).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ down[e]
-        if not weight_on_input:
-            y = y * w
-        out.index_add_(0, rows, y.float())
-    return out.to(x.dtype)
+    if not weight_on_input:
+        y_sorted = y_sorted * w_sorted
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return y.view(T, K, H).float().sum(dim=1).to(x.dtype)

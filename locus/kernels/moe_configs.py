@@ -1,0 +1,155 @@
+"""Block sizes for the fused-MoE kernels: a table of tuned configs per expert shape, and a default.
+
+The best tiles depend on the expert shape (E, I, H), the dtype, the GPU, and the batch: a decode batch
+gives each expert a handful of rows (small BLOCK_M, wide weight tiles, memory-bound), a prefill batch
+gives it hundreds (large square tiles, compute-bound). `bench/tune_moe.py` times candidates on a GPU
+and writes one JSON file per (E, I, H, dtype, device) under `configs/`, named like
+`E128_I8192_H5120_bfloat16_NVIDIA_H200.json`:
+
+    {"format": "locus-moe-configs", "version": 1,
+     "E": 128, "I": 8192, "H": 5120, "dtype": "bfloat16", "device": "NVIDIA H200",
+     "configs": {"1": {"block_m": 16, ...}, "64": {...}, "4096": {...}},   # keyed by token count T
+     "provenance": {...}}
+
+A lookup takes the entry whose T is nearest (on a log scale) to the batch's; without a file it falls
+back to `default_config`, which is reasonable everywhere and tuned nowhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+CONFIG_FORMAT = "locus-moe-configs"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Meta-parameters of one fused-MoE launch (both GEMMs share BLOCK_M through the align step)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8  # BLOCK_M-row blocks that share a weight tile in L2 before moving along N
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot needs it), got {value}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"group_m, num_warps and num_stages must be positive: {self}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MoeConfig":
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+def device_name(device: torch.device) -> str:
+    """Name used in config file names: the CUDA device's name, or "cpu" (the Triton interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_file_name(E: int, I: int, H: int, dtype: torch.dtype | str, device: str) -> str:
+    dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    safe_device = re.sub(r"[^A-Za-z0-9.-]+", "_", device)
+    return f"E{E}_I{I}_H{H}_{dtype}_{safe_device}.json"
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, device: str) -> MoeConfig:
+    """Untuned but sane tiles, chosen by how many rows each expert gets on average."""
+    if device == "cpu":
+        # The interpreter runs programs one by one: fewer, larger tiles are faster; BLOCK_M stays
+        # small because padding each expert's run to it is work the interpreter really does.
+        return MoeConfig(block_m=16, block_n=64, block_k=64, group_m=1)
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    # fp32 tiles take twice the shared memory per pipeline stage.
+    block_k = 64 if dtype in (torch.float16, torch.bfloat16) else 32
+    if rows_per_expert <= 16:  # decode: weight-bandwidth bound, few rows
+        return MoeConfig(block_m=16, block_n=64, block_k=2 * block_k, group_m=1, num_warps=4, num_stages=3)
+    if rows_per_expert <= 128:
+        return MoeConfig(block_m=32, block_n=64, block_k=block_k, group_m=8, num_warps=4, num_stages=4)
+    return MoeConfig(block_m=64, block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+
+
+def pick_nearest(table: dict[int, MoeConfig], num_tokens: int) -> MoeConfig:
+    """The entry whose token count is nearest on a log scale (ties go to the smaller batch)."""
+    target = math.log(max(num_tokens, 1))
+    best = min(table, key=lambda t: (abs(math.log(max(t, 1)) - target), t))
+    return table[best]
+
+
+def get_config(
+    num_tokens: int,
+    top_k: int,
+    E: int,
+    I: int,
+    H: int,
+    dtype: torch.dtype,
+    device: str,
+    config_dir: Path | None = None,
+) -> MoeConfig:
+    """Tuned config for this shape and batch if a table exists, else `default_config`."""
+    table = load_table(config_dir or CONFIG_DIR, config_file_name(E, I, H, dtype, device))
+    if table:
+        return pick_nearest(table, num_tokens)
+    return default_config(num_tokens, top_k, E, dtype, device)
+
+
+@functools.lru_cache(maxsize=64)
+def load_table(config_dir: Path, name: str) -> dict[int, MoeConfig]:
+    """Token count -> config from one table file; empty if the file does not exist."""
+    path = Path(config_dir) / name
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("format") != CONFIG_FORMAT or data.get("version") != 1:
+        raise ValueError(f"{path}: not a {CONFIG_FORMAT} version 1 file")
+    try:
+        return {int(t): MoeConfig.from_json(c) for t, c in data["configs"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: bad configs entry: {exc}") from exc
+
+
+def write_table(
+    path: Path,
+    E: int,
+    I: int,
+    H: int,
+    dtype: torch.dtype,
+    device: str,
+    table: dict[int, MoeConfig],
+    provenance: dict | None = None,
+) -> Path:
+    """Write a table in the format `load_table` reads; `path` is a directory or a file name."""
+    path = Path(path)
+    if path.suffix != ".json":
+        path = path / config_file_name(E, I, H, dtype, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "format": CONFIG_FORMAT, "version": 1,
+        "E": E, "I": I, "H": H, "dtype": dtype_name(dtype), "device": device,
+        "configs": {str(t): table[t].to_json() for t in sorted(table)},
+        "provenance": provenance or {},
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    load_table.cache_clear()
+    return path
