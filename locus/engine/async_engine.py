@@ -89,12 +89,7 @@ class AsyncEngine:
                        domain: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream this request's incremental outputs; the last one has `finished` True.
         Validation errors raise before anything streams."""
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError("the engine is not running")
-        if not self._admitting:
-            raise QueueFullError("the server is shutting down")
-        if self.max_waiting is not None and self._stats.num_waiting + self._pending_adds() >= self.max_waiting:
-            raise QueueFullError(f"too many requests waiting ({self.max_waiting}); retry later")
+        self.check_admission()
         self.core.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._sinks:
@@ -118,6 +113,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
             self._sinks.pop(request_id, None)
+
+    def check_admission(self) -> None:
+        """Raise EngineDeadError / QueueFullError if a new request cannot be taken now."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        if not self._admitting:
+            raise QueueFullError("the server is shutting down")
+        if self.max_waiting is not None and self._stats.num_waiting + self._pending_adds() >= self.max_waiting:
+            raise QueueFullError(f"too many requests waiting ({self.max_waiting}); retry later")
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

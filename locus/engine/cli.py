@@ -43,33 +43,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--per-expert", action="store_true", help="store experts one by one ([out, in] per expert)")
     init.set_defaults(func=run_init_model)
 
+    bench = subparsers.add_parser("bench", help="run a benchmark script from bench/ (offline, serve, ...)",
+                                  description="Runs bench/NAME.py of a source checkout with the remaining arguments.")
+    bench.add_argument("name", help="benchmark name, e.g. offline, serve, moe_kernels, replay")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    bench.set_defaults(func=run_bench)
+
 
 def run_generate(args: argparse.Namespace) -> int:
     import time
 
-    from locus.engine.generate import SimpleSampling, generate_tokens
-    from locus.engine.loader import load
+    from locus.engine.llm import LLM
+    from locus.engine.sampling import InvalidParameter, SamplingParams
 
     try:
-        sampling = SimpleSampling(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens)
+        params.validate()
+    except InvalidParameter as exc:
         print(f"locus: error: {exc}", file=sys.stderr)
         return 2
-    loaded = load(args.model, args.dtype, args.device, args.moe_backend)
-    tok = loaded.tokenizer
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, moe_backend=args.moe_backend)
+    tok = llm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tok.encode(text, add_special_tokens=not args.chat)
-    if loaded.random_weights:
-        print(f"[locus] model '{loaded.name}': preset with random weights (output is gibberish)", file=sys.stderr)
+    if llm.random_weights:
+        print(f"[locus] model '{llm.name}': preset with random weights (output is gibberish)", file=sys.stderr)
     start = time.perf_counter()
-    try:
-        new = generate_tokens(loaded.model, prompt_ids, args.max_tokens, sampling, stop_ids=tok.eos_token_ids)
-    except ValueError as exc:
-        print(f"locus: error: {exc}", file=sys.stderr)
-        return 2
+    out = llm.generate([prompt_ids], params)[0].outputs[0]
     elapsed = time.perf_counter() - start
-    print(args.prompt + tok.decode(new))
-    print(f"[locus] {len(prompt_ids)} prompt + {len(new)} generated tokens in {elapsed:.2f}s", file=sys.stderr)
+    print(args.prompt + out.text)
+    print(f"[locus] {len(prompt_ids)} prompt + {len(out.token_ids)} generated tokens in {elapsed:.2f}s "
+          f"(finish: {out.finish_reason})", file=sys.stderr)
     return 0
 
 
@@ -80,4 +85,26 @@ def run_init_model(args: argparse.Namespace) -> int:
     model = build_preset(args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype))
     out = save_checkpoint(model, args.out, per_expert=args.per_expert)
     print(f"wrote {args.preset} checkpoint (seed {args.seed}, random weights) to {out}")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Benchmarks live in the repository's bench/ folder (not installed): find it next to the package."""
+    import runpy
+    from pathlib import Path
+
+    import locus
+    from locus.errors import LocusError
+
+    bench_dir = Path(locus.__file__).resolve().parents[1] / "bench"
+    script = bench_dir / f"{args.name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in bench_dir.glob("*.py")) if bench_dir.is_dir() else []
+        raise LocusError(f"no benchmark {args.name!r} in {bench_dir}" + (f" (have: {', '.join(names)})" if names else
+                         " (benchmarks need a source checkout: pip install -e .)"))
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0)
     return 0

@@ -15,6 +15,7 @@ import torch
 
 from locus.engine.block_manager import BlockManager
 from locus.engine.detokenizer import IncrementalDetokenizer
+from locus.engine.expert_load import ExpertLoadCounter
 from locus.engine.grouping import GroupingPolicy
 from locus.engine.kv_cache import PagedKVCache
 from locus.engine.model import Llama4ForCausalLM
@@ -39,6 +40,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_micro_batches: int = 1
+    count_expert_load: bool = True  # per-layer expert token counters (for /metrics); costs a bincount per layer
 
 
 @dataclass
@@ -89,6 +91,11 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
         self.step_observers: list = []  # callables(result, items) run after each micro-batch (trace recording)
+        self.expert_load: ExpertLoadCounter | None = None
+        if config.count_expert_load and mc.moe_layers:
+            self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
+            self.step_observers.append(self.expert_load)
+            self.runner.record_routing = True
 
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -18,12 +18,14 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
                  moe_backend: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0):
         loaded = load(model, dtype, device, moe_backend, seed)
+        self.name, self.random_weights = loaded.name, loaded.random_weights
         self.engine = EngineCore(loaded.model, loaded.tokenizer, engine_config)
         self._ids = itertools.count()
 
     @classmethod
     def from_model(cls, model: Llama4ForCausalLM, tokenizer: Tokenizer, engine_config: EngineConfig | None = None) -> "LLM":
         self = cls.__new__(cls)
+        self.name, self.random_weights = "custom", False
         self.engine = EngineCore(model, tokenizer, engine_config)
         self._ids = itertools.count()
         return self
