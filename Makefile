@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.locus-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test generate venv clean
+.PHONY: test serve generate venv clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,13 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The OpenAI-compatible server on the embedded default model (random weights, no download).
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(VENV)/bin/locus serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # A short generation on the embedded default model (random weights, so the text is gibberish).
 generate: $(STAMP)

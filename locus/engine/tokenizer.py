@@ -66,6 +66,12 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a special token: its name)."""
+        if token_id < 256:
+            return bytes([token_id])
+        return self._names.get(token_id, f"<|reserved_{token_id}|>").encode()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """<|begin_of_text|> then <|header_start|>role<|header_end|>\\n\\ncontent<|eot|> per message."""
         parts = ["<|begin_of_text|>"]

@@ -1,0 +1,260 @@
+"""The FastAPI app: OpenAI-compatible endpoints over the AsyncEngine.
+
+The model loads in a background thread after the server starts listening, so /health answers 503
+("loading") at once and 200 when ready. Every request is validated completely (schema, sampling
+ranges, context limit, queue room) before anything streams, so a bad request gets a proper status
+code; errors that happen mid-stream are sent as one SSE error frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from locus.engine.async_engine import AsyncEngine
+from locus.engine.engine_core import EngineConfig, EngineCore, parse_memory
+from locus.engine.loader import load
+from locus.engine.sampling import InvalidParameter
+from locus.server import responses
+from locus.server.errors import APIError, error_response, install_handlers, sse_error
+from locus.server.metrics import ServerMetrics
+from locus.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("locus.server")
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    moe_backend: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int | None = None
+    enable_prefix_caching: bool = True
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.metrics: ServerMetrics | None = None
+        self.model_name = config.served_model_name or (config.model or "tiny").rstrip("/").split("/")[-1]
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    def load(self) -> None:
+        try:
+            c = self.config
+            loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+            core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig(
+                block_size=c.block_size, kv_cache_memory=parse_memory(c.kv_cache_memory), num_kv_blocks=c.num_kv_blocks,
+                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching))
+            engine = AsyncEngine(core, max_waiting=c.max_waiting)
+            engine.start()
+            self.metrics = ServerMetrics(engine, self.model_name)
+            self.engine = engine
+            if loaded.random_weights:
+                log.warning("model %r is a preset with RANDOM weights: its text is gibberish", self.model_name)
+            log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, core.blocks.num_blocks, core.blocks.block_size)
+        except Exception as exc:  # reported by /health; the process stays up to say so
+            log.exception("model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(503, self.load_error or "the model is still loading", "service_unavailable")
+        if not self.engine.healthy:
+            raise APIError(503, "the engine is not healthy", "service_unavailable")
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=state.load, name="locus-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.stop_admitting()
+            await asyncio.to_thread(state.engine.shutdown, 10.0)
+
+    app = FastAPI(title="Locus", lifespan=lifespan)
+    app.state.locus = state
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if state.engine is not None and state.engine.healthy:
+            return {"status": "ok"}
+        status = "error" if state.load_error or state.engine is not None else "loading"
+        return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            return Response("", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        engine = state.engine
+        max_len = engine.core.max_model_len if engine else None
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "locus", "root": config.model or "tiny", "max_model_len": max_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        tok = engine.core.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+        if body.messages is not None:
+            text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        vocab = engine.core.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter("tokens", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return {"prompt": engine.core.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        body.check_unsupported()
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = responses.completion_prompts(body.prompt, engine.core.tokenizer)
+        return await serve(raw, engine, prompts, params, body, "cmpl", responses.CompletionFormat(state.model_name, engine.core.tokenizer))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        body.check_unsupported()
+        params = body.sampling_params(body.effective_max_tokens, body.logprobs_count)
+        tok = engine.core.tokenizer
+        text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt)
+        prompts = [tok.encode(text, add_special_tokens=False)]
+        return await serve(raw, engine, prompts, params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
+
+    async def serve(raw: Request, engine: AsyncEngine, prompts, params, body, prefix: str, fmt):
+        for p in prompts:  # everything that can be rejected is rejected before a byte is sent
+            engine.core.validate(p, params)
+        engine.check_admission()
+        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        domain = body.domain or raw.headers.get("x-locus-domain")
+        streams = [engine.generate(p, params, f"{request_id}-{i}", domain) for i, p in enumerate(prompts)]
+        on_finish = state.metrics.observe_finished if state.metrics else None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                stream_events(streams, params.n, request_id, fmt, include_usage, on_finish),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        finals = await until_disconnected(raw, collect_all(streams, on_finish))
+        if finals is None:
+            return Response(status_code=499)  # client gone; nobody reads this
+        return JSONResponse(fmt.full_response(request_id, finals, params.n))
+
+    return app
+
+
+async def collect_all(streams, on_finish):
+    async def last(stream):
+        final = None
+        async for out in stream:
+            final = out
+        if on_finish is not None:
+            on_finish(final.metrics, [c.finish_reason for c in final.outputs])
+        return final
+
+    return await asyncio.gather(*(last(s) for s in streams))
+
+
+async def until_disconnected(raw: Request, coro):
+    """Run coro; if the client disconnects first, cancel it (which aborts the engine requests)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool, on_finish):
+    """Fan in the prompts' output streams and emit SSE frames; cancelling this generator (client gone)
+    cancels the readers, which aborts their requests in the engine."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+                if out.finished and on_finish is not None:
+                    on_finish(out.metrics, [c.finish_reason for c in out.outputs])
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the client as an SSE error frame
+            await queue.put((i, exc))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    open_streams = len(tasks)
+    usage = responses.Usage()
+    try:
+        for frame in fmt.stream_start(request_id, len(streams), n):
+            yield frame
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                if isinstance(item, asyncio.CancelledError):
+                    continue
+                yield sse_error(item)
+                return
+            for frame in fmt.stream_chunk(request_id, i, n, item, usage):
+                yield frame
+        if include_usage:
+            yield fmt.usage_chunk(request_id, usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()

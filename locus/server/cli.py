@@ -1,0 +1,62 @@
+"""`locus serve`: the OpenAI-compatible HTTP server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from locus.engine.cli import add_model_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                              description="Serve a model over an OpenAI-compatible HTTP API. Without --model, the "
+                                          "embedded 'tiny' preset with RANDOM weights is served (no download).")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: the model dir's name)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed for presets")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one decode batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one prefill step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB, 4GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-waiting", type=int, default=None, help="reject new requests with 503 beyond this many waiting")
+    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from locus.server.app import ServerConfig, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(ServerConfig(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+        moe_backend=args.moe_backend, seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # SIGTERM/SIGINT: stop admitting at once, then let uvicorn drain in-flight requests
+            # (up to --graceful-timeout). Unlike uvicorn's own handler this does not re-raise the
+            # signal after the drain, so a clean shutdown exits 0; a second SIGINT forces the exit.
+            state = app.state.locus
+            if state.engine is not None:
+                state.engine.stop_admitting()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    Server(config).run()
+    return 0

@@ -1,0 +1,94 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the matching status.
+
+No traceback ever reaches a client: unexpected exceptions become a generic 500 (logged server-side).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from locus.engine.async_engine import EngineDeadError, QueueFullError
+from locus.engine.sampling import InvalidParameter
+from locus.errors import LocusError
+
+log = logging.getLogger("locus.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code if code is not None else status}}
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine is not available", "service_unavailable")
+    if isinstance(exc, LocusError):
+        return APIError(400, str(exc), "invalid_request_error")
+    log.exception("internal error", exc_info=exc)
+    return APIError(500, "internal server error", "server_error")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    err = to_api_error(exc)
+    return JSONResponse(error_body(err.status, err.message, err.type, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error inside a stream: one SSE frame with the error object (the stream then ends)."""
+    err = to_api_error(exc)
+    return f"data: {json.dumps(error_body(err.status, err.message, err.type, err.param, err.code))}\n\n"
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(400, f"malformed JSON body: {first.get('msg', '')}", "invalid_request_error"), 400)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:3])
+        return JSONResponse(error_body(400, message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), type_), exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(LocusError)
+    async def _locus(request: Request, exc: LocusError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)

@@ -1,0 +1,83 @@
+"""Prometheus metrics: engine gauges and counters read at scrape time, latency histograms observed
+as requests finish, and per-layer expert load counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from locus.engine.async_engine import AsyncEngine
+from locus.engine.sequence import RequestMetrics
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineCollector:
+    """Reads the engine's snapshot on every scrape, so gauges are never stale."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s = self.engine.stats()
+        labels = ["model_name"]
+        v = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(v, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(v, value)
+            return c
+
+        yield gauge("locus_num_requests_running", "Requests whose sequences hold KV blocks.", s.num_running)
+        yield gauge("locus_num_requests_waiting", "Requests waiting for KV blocks.", s.num_waiting)
+        yield gauge("locus_kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", s.kv_usage)
+        yield gauge("locus_kv_cache_free_blocks", "Free KV-cache blocks.", s.num_free_blocks)
+        yield gauge("locus_kv_cache_total_blocks", "KV-cache blocks in the pool.", s.num_blocks)
+        yield counter("locus_num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions)
+        yield counter("locus_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield counter("locus_generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("locus_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("locus_prefix_cache_hits", "Prompt blocks reused from the prefix cache.", s.prefix_cache_hits)
+        load = self.engine.core.expert_load
+        if load is not None:
+            c = CounterMetricFamily("locus_expert_tokens", "(token, slot) pairs routed to each expert, per MoE layer.",
+                                    labels=["model_name", "layer", "expert"])
+            for layer, counts in load.snapshot().items():
+                for expert, n in enumerate(counts):
+                    c.add_metric([self.model_name, str(layer), str(expert)], n)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        h = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("locus_time_to_first_token_seconds", "Time to first token.", **h)
+        self.itl = Histogram("locus_inter_token_latency_seconds", "Time between consecutive output tokens.", **h)
+        self.e2e = Histogram("locus_e2e_request_latency_seconds", "Arrival to finish.", **h)
+        self.queue = Histogram("locus_request_queue_time_seconds", "Arrival to first scheduled.", **h)
+        self.finished = Counter("locus_request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+
+    def observe_finished(self, metrics: RequestMetrics, finish_reasons: list[str | None]) -> None:
+        m = self.model_name
+        if metrics.ttft is not None:
+            self.ttft.labels(m).observe(metrics.ttft)
+        for gap in metrics.inter_token_latencies:
+            self.itl.labels(m).observe(gap)
+        if metrics.e2e_latency is not None:
+            self.e2e.labels(m).observe(metrics.e2e_latency)
+        if metrics.queue_time is not None:
+            self.queue.labels(m).observe(metrics.queue_time)
+        for reason in finish_reasons:
+            self.finished.labels(m, reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

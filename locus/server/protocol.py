@@ -1,0 +1,150 @@
+"""OpenAI request schemas (pydantic) and their translation into engine sampling parameters.
+
+Field names, defaults and ranges follow OpenAI's API; vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too. Range checks live
+in one place, SamplingParams.validate, so the engine and the server can never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from locus.engine.sampling import InvalidParameter, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Locus: the task family (code, math, chat, ...) for traces and the grouper; header X-Locus-Domain works too
+    domain: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        params = SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=SamplingParams.normalize_stop(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        params.validate()
+        return params
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        if self.suffix:
+            raise InvalidParameter("suffix", "suffix (insertion) is not supported")
+        if self.echo:
+            raise InvalidParameter("echo", "echo is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameter("best_of", "best_of other than n is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise InvalidParameter("logprobs", f"logprobs must be in [0, 5] for completions, got {self.logprobs}")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_unsupported(self) -> None:
+        if not self.messages:
+            raise InvalidParameter("messages", "messages must contain at least one message")
+        if self.tools:
+            raise InvalidParameter("tools", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidParameter("response_format", "only response_format type 'text' is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidParameter("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", "service_unavailable"]

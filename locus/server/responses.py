@@ -1,0 +1,159 @@
+"""OpenAI response bodies and SSE chunks for completions and chat completions.
+
+Choice indices: prompt i, choice j -> index i * n + j (as OpenAI numbers choices of a list prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.sampling import InvalidParameter, TokenLogprob
+from locus.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seen_prompts: frozenset = frozenset()
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def completion_prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+    """OpenAI's four prompt forms -> token-id lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise InvalidParameter("prompt", "the prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Format:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer):
+        self.model_name, self.tokenizer = model_name, tokenizer
+        self.created = int(time.time())
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text; a piece of a multi-byte character (not text on its own) is named
+        `token_id:N` so that logprob alternatives never collide on U+FFFD."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}" if "\ufffd" in text else text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        raw = getattr(self.tokenizer, "token_bytes", None)
+        if raw is not None:
+            return list(raw(token_id))
+        return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+
+    def full_response(self, request_id: str, finals: list[RequestOutput], n: int) -> dict:
+        usage = Usage()
+        choices = []
+        for i, out in enumerate(finals):
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(self.full_choice(i * n + c.index, c))
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": request_id, "object": self.object_name, "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": usage.as_dict()}
+
+    def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
+        return []
+
+    def stream_chunk(self, request_id: str, prompt_index: int, n: int, out: RequestOutput, usage: Usage) -> list[str]:
+        if prompt_index not in usage.seen_prompts:
+            usage.seen_prompts = usage.seen_prompts | {prompt_index}
+            usage.prompt_tokens += len(out.prompt_token_ids)
+        frames = []
+        for c in out.outputs:
+            usage.completion_tokens += len(c.delta_token_ids)
+            if c.delta_text or c.delta_token_ids or c.finish_reason:
+                frames.append(sse(self._chunk(request_id, [self.delta_choice(prompt_index * n + c.index, c)])))
+        return frames
+
+    def usage_chunk(self, request_id: str, usage: Usage) -> str:
+        body = self._chunk(request_id, [])
+        body["usage"] = usage.as_dict()
+        return sse(body)
+
+    def _chunk(self, request_id: str, choices: list[dict]) -> dict:
+        return {"id": request_id, "object": self.chunk_object, "created": self.created, "model": self.model_name,
+                "choices": choices}
+
+    def full_choice(self, index: int, c: CompletionOutput) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(_Format):
+    object_name = chunk_object = "text_completion"
+
+    def logprobs(self, items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        if items is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in items:
+            text = self.token_text(lp.token_id)
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top.append({self.token_text(t): v for t, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def full_choice(self, index: int, c: CompletionOutput) -> dict:
+        return {"index": index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+        lp = self.logprobs(c.delta_logprobs) if c.logprobs is not None else None
+        return {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": self.token_bytes(token_id)}
+
+    def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
+        if items is None:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in items]}
+
+    def full_choice(self, index: int, c: CompletionOutput) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
+        # the first chunk of each choice carries the role, as OpenAI's do
+        return [sse(self._chunk(request_id, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}])) for i in range(num_prompts * n)]
+
+    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+        delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
+        lp = self.logprobs(c.delta_logprobs) if c.logprobs is not None else None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}

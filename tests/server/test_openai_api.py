@@ -1,0 +1,210 @@
+"""A real `locus serve` process driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+
+import httpx
+import openai
+import pytest
+
+from tests.server.server_process import running_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--model", MODEL, "--num-kv-blocks", "512", "--block-size", "16") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_health_tokenize_detokenize(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    toks = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "hello"}).json()
+    assert toks["count"] == len(toks["tokens"]) == 6  # BOS + 5 bytes
+    assert httpx.post(f"{server.base_url}/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "hello"
+
+
+def test_completion_usage_matches_the_tokenizer(server, client):
+    r = client.completions.create(model=MODEL, prompt="The expert", max_tokens=7, temperature=0)
+    count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "The expert"}).json()["count"]
+    assert r.usage.prompt_tokens == count and r.usage.completion_tokens == 7 and r.usage.total_tokens == count + 7
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_concatenates_to_the_greedy_result(client):
+    full = client.completions.create(model=MODEL, prompt="stream test", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="stream test", max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+
+
+def test_chat_streaming_and_non_streaming_agree(server, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    count = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["count"]
+    assert full.usage.prompt_tokens == count
+
+
+def test_n_seed_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=1.0, n=2, seed=42)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 24
+    again = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=1.0, n=2, seed=42)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    greedy = client.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0).choices[0].text
+    clean = [ch for ch in greedy if ch != "\ufffd"]
+    if len(clean) >= 3:
+        stop = clean[2]
+        stopped = client.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, stop=[stop])
+        assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+        assert greedy.startswith(stopped.choices[0].text)
+
+
+def test_logprobs_completion_and_chat(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(max(top.values()) == pytest.approx(chosen, abs=1e-5) for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ('{"model": "tiny", "prompt": ', 400, None),  # malformed JSON
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),  # wrong type
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "a" * 1_000_000}, 400, "prompt"),  # a 1-million-token prompt
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": []}, 400, "prompt"),
+])
+def test_bad_completion_requests(server, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert err["param"] == param
+    if status == 400 and param == "prompt" and isinstance(body, dict) and len(body["prompt"]) > 1000:
+        assert re.search(r"context limit is \d+", err["message"])
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs"),
+])
+def test_bad_chat_requests(server, body, status, param):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_server_still_serves_after_bad_requests(client):
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_64_streams_half_disconnected_leave_nothing_running(server):
+    async def scenario():
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as http:
+            async def one(i: int):
+                body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 400 if i % 2 else 24,
+                        "temperature": 0, "stream": True, "ignore_eos": True}
+                events = 0
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events += 1
+                            if i % 2 and events == 3:
+                                return "disconnected"  # leaving the block closes the connection mid-stream
+                            if line == "data: [DONE]":
+                                return "done"
+                return "ended"
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(scenario())
+    assert results.count("done") == 32 and results.count("disconnected") == 32
+    text = ""
+    for _ in range(100):
+        text = httpx.get(f"{server.base_url}/metrics").text
+        if metric(text, "locus_num_requests_running") == 0 and \
+                metric(text, "locus_kv_cache_free_blocks") == metric(text, "locus_kv_cache_total_blocks"):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(text, "locus_num_requests_running") == 0
+    assert metric(text, "locus_num_requests_waiting") == 0
+    assert metric(text, "locus_kv_cache_free_blocks") == metric(text, "locus_kv_cache_total_blocks") == 512
+    assert metric(text, "locus_generation_tokens_total") < 32 * 400  # the aborted streams stopped early
+    assert 'locus_expert_tokens_total{expert="0",layer="0"' in text
+    assert "locus_time_to_first_token_seconds_bucket" in text
+
+
+def test_sigterm_drains_and_exits_zero():
+    with running_server("--model", MODEL) as proc:
+        async def long_stream():
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as http:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "temperature": 0, "stream": True, "ignore_eos": True}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                    return lines
+
+        async def scenario():
+            task = asyncio.create_task(long_stream())
+            await asyncio.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            return await task
+
+        lines = asyncio.run(scenario())
+        assert lines[-1] == "data: [DONE]"  # the in-flight request finished
+        assert sum(len(json.loads(l[6:])["choices"]) for l in lines[:-1]) >= 1
+        assert proc.wait(30) == 0
+
+
+def test_queue_full_gets_503_with_retry_after():
+    with running_server("--model", MODEL, "--max-waiting", "1", "--max-num-seqs", "1") as proc:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=180) as http:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(scenario())
+        codes = [r.status_code for r in responses]
+        assert 503 in codes and 200 in codes
+        rejected = [r for r in responses if r.status_code == 503]
+        assert rejected and rejected[0].headers.get("retry-after") == "1"
+        assert rejected[0].json()["error"]["type"] == "service_unavailable"
