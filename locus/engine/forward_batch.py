@@ -57,6 +57,14 @@ class ForwardBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
+    def row_ranges(self) -> list[tuple[SequenceSpan, int, int]]:
+        """(span, first row, last row + 1) of each sequence in the flat batch."""
+        out, row = [], 0
+        for span in self.spans:
+            out.append((span, row, row + span.length))
+            row += span.length
+        return out
+
     def query_rows(self) -> torch.Tensor:
         """[B, Q] int64: flat row of each sequence's i-th new token; -1 where the sequence is shorter."""
         if "query_rows" not in self.memo:

@@ -38,35 +38,38 @@ def first_visible(start: int, chunk_size: int | None) -> int:
 
 
 class FlatKVCache:
-    """Shared mechanics; subclasses define `flat_rows(slot, positions)`."""
+    """Shared mechanics; subclasses map (sequence b of the batch, positions [B, S]) to flat rows."""
 
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
         shape = (capacity, config.num_key_value_heads, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+    def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat rows of `positions` (any shape) of the batch's sequences `seq_index` (same shape)."""
         raise NotImplementedError
 
     def _write_rows(self, batch: ForwardBatch) -> torch.Tensor:
         key = ("write_rows", id(self))
         if key not in batch.memo:
-            parts = [self.flat_rows(s.slot, torch.arange(s.start, s.end)) for s in batch.spans]
-            batch.memo[key] = torch.cat(parts).to(batch.device)
+            lengths = torch.tensor([s.length for s in batch.spans], device=batch.device)
+            seq_index = torch.repeat_interleave(torch.arange(len(batch.spans), device=batch.device), lengths)
+            batch.memo[key] = self.rows(batch, seq_index, batch.positions)
         return batch.memo[key]
 
     def _read_rows(self, batch: ForwardBatch, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("read_rows", id(self), chunk_size)
         if key not in batch.memo:
-            firsts = [first_visible(s.start, chunk_size) for s in batch.spans]
-            S = max(s.end - f for s, f in zip(batch.spans, firsts))
-            rows = torch.zeros(len(batch.spans), S, dtype=torch.long)
-            pos = torch.full((len(batch.spans), S), -1, dtype=torch.long)
-            for b, (s, f) in enumerate(zip(batch.spans, firsts)):
-                p = torch.arange(f, s.end)
-                rows[b, : len(p)] = self.flat_rows(s.slot, p)
-                pos[b, : len(p)] = p
-            batch.memo[key] = (rows.to(batch.device), pos.to(batch.device))
+            dev = batch.device
+            firsts = torch.tensor([first_visible(s.start, chunk_size) for s in batch.spans], device=dev)
+            ends = torch.tensor([s.end for s in batch.spans], device=dev)
+            S = int((ends - firsts).max())
+            pos = firsts[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
+            valid = pos < ends[:, None]
+            pos = torch.where(valid, pos, firsts[:, None])  # padding reads a real row; the mask hides it
+            seq_index = torch.arange(len(batch.spans), device=dev)[:, None].expand_as(pos)
+            rows = self.rows(batch, seq_index, pos)
+            batch.memo[key] = (rows, torch.where(valid, pos, -1))
         return batch.memo[key]
 
     def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -86,12 +89,13 @@ class ContiguousKVCache(FlatKVCache):
         super().__init__(config, slots * max_len, dtype, device)
         self.slots, self.max_len = slots, max_len
 
-    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
-        if not 0 <= slot < self.slots:
-            raise ValueError(f"cache slot {slot} out of range 0..{self.slots - 1}")
-        if len(positions) and int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} is beyond the cache's {self.max_len}")
-        return slot * self.max_len + positions
+    def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        slots = torch.tensor([s.slot for s in batch.spans], device=batch.device)
+        if int(slots.max()) >= self.slots or int(slots.min()) < 0:
+            raise ValueError(f"cache slot out of range 0..{self.slots - 1}")
+        if max(s.end for s in batch.spans) > self.max_len:
+            raise ValueError(f"a sequence reaches position {max(s.end for s in batch.spans)}, beyond the cache's {self.max_len}")
+        return slots[seq_index] * self.max_len + positions
 
 
 class PagedKVCache(FlatKVCache):
@@ -111,12 +115,17 @@ class PagedKVCache(FlatKVCache):
         """Set the block tables the next forward uses (slot -> block ids in position order)."""
         self.block_tables = block_tables
 
-    def flat_rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(self.block_tables[slot], dtype=torch.long)
-        block_index = positions // self.block_size
-        if len(positions) and int(block_index.max()) >= len(table):
-            raise ValueError(f"sequence slot {slot} reaches position {int(positions.max())} but holds {len(table)} blocks")
-        return table[block_index] * self.block_size + positions % self.block_size
+    def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        key = ("block_tables", id(self))
+        if key not in batch.memo:  # [B, max blocks] padded block tables, built once per forward
+            tables = [self.block_tables[s.slot] for s in batch.spans]
+            for s, table in zip(batch.spans, tables):
+                if len(table) * self.block_size < s.end:
+                    raise ValueError(f"sequence slot {s.slot} reaches position {s.end} but holds {len(table)} blocks")
+            width = max(len(t) for t in tables)
+            batch.memo[key] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=batch.device)
+        tables = batch.memo[key]
+        return tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's KV in every layer (copy-on-write when sequences fork)."""
