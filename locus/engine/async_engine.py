@@ -45,6 +45,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: object  # callable(EngineCore) -> result, run in the engine thread between steps
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_waiting: int | None = None):
         self.core = core
@@ -127,6 +134,16 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
+    async def call(self, fn):
+        """Run fn(core) in the engine thread between two steps and return its result (or raise its error)."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        self._wake.set()
+        return await future
+
     def _pending_adds(self) -> int:
         return self._commands.qsize()
 
@@ -172,6 +189,12 @@ class AsyncEngine:
                 out = self.core.abort(cmd.request_id)
                 if out is not None:
                     self._deliver(cmd.request_id, out)
+            elif isinstance(cmd, _Call):
+                try:
+                    result, error = cmd.fn(self.core), None
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result, error = None, exc
+                cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, error)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._sinks.get(request_id)
@@ -182,6 +205,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(sink.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, Seq
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Sequence, SequenceStatus
 from locus.engine.tokenizer import Tokenizer
+from locus.engine.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
 
 GiB = 1 << 30
@@ -91,6 +93,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
         self.step_observers: list = []  # callables(result, items) run after each micro-batch (trace recording)
+        self.recorder: TraceRecorder | None = None
         self.expert_load: ExpertLoadCounter | None = None
         if config.count_expert_load and mc.moe_layers:
             self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
@@ -143,6 +146,8 @@ class EngineCore:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+                if self.recorder is not None:
+                    self.recorder.finish(seq)
         request.metrics.finished_time = time.monotonic()
         return self._output(request)
 
@@ -162,6 +167,8 @@ class EngineCore:
                 self._register_full_blocks(item.seq)
             for observer in self.step_observers:
                 observer(result, items)
+            if self.recorder is not None:
+                self.recorder.observe(result, items)
             if result.sampled:
                 self._sample(result.sampled, result.logits, touched)
         outputs = []
@@ -205,6 +212,8 @@ class EngineCore:
             full = parent.block_table[: parent.num_computed // bs]
             if partial and not self.scheduler.make_room(1, protect={parent.seq_id, *(c.seq_id for c in children)}):
                 self.scheduler.add(child)  # no room: it recomputes its prompt later (prefix blocks are cached)
+                if self.recorder is not None:
+                    self.recorder.fork(parent, child)
                 continue
             for block in full:
                 self.blocks.take(block)
@@ -214,6 +223,8 @@ class EngineCore:
                 self.cache.copy_block(parent.block_table[len(full)], block)
                 child.block_table.append(block)
             child.block_hashes = list(parent.block_hashes)
+            if self.recorder is not None:
+                self.recorder.fork(parent, child)
             child.num_computed = parent.num_computed
             self.scheduler.add_running(child)
         return children
@@ -249,6 +260,8 @@ class EngineCore:
                 seq.pending_text += seq.detokenizer.flush()
             seq.finish_reason = reason
             self.scheduler.finish(seq)
+            if self.recorder is not None:
+                self.recorder.finish(seq)
             if seq.request.finished:
                 seq.request.metrics.finished_time = time.monotonic()
 
@@ -264,6 +277,31 @@ class EngineCore:
             ))
             seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
         return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics)
+
+    # --- trace recording ------------------------------------------------------------------------
+    def start_recording(self, path: str | Path, model_name: str = "locus") -> None:
+        """Record the routing of every request admitted from now on into a locus-trace directory."""
+        if self.recorder is not None:
+            raise LocusError(f"already recording to {self.recorder.path}; dump it first")
+        self.recorder = TraceRecorder(self.model.config, Path(path), model_name)
+        self.runner.record_routing = True
+        self._prefix_caching_before = self.blocks.enable_prefix_caching
+        self.blocks.enable_prefix_caching = False  # every token must go through the model
+
+    def stop_recording(self) -> None:
+        """Record no new requests; those being recorded still finish into the trace."""
+        if self.recorder is None:
+            raise LocusError("not recording")
+        self.recorder.accepting = False
+
+    def dump_recording(self) -> RecordingSummary:
+        """Write the trace and end the recording."""
+        if self.recorder is None:
+            raise LocusError("not recording")
+        recorder, self.recorder = self.recorder, None
+        self.blocks.enable_prefix_caching = self._prefix_caching_before
+        self.runner.record_routing = self.expert_load is not None
+        return recorder.dump()
 
     # --- counters -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

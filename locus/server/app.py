@@ -26,7 +26,13 @@ from locus.engine.sampling import InvalidParameter
 from locus.server import responses
 from locus.server.errors import APIError, error_response, install_handlers, sse_error
 from locus.server.metrics import ServerMetrics
-from locus.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from locus.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    TraceStartRequest,
+)
 
 log = logging.getLogger("locus.server")
 
@@ -47,6 +53,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
+    record_trace: str | None = None  # record every request's expert routing into this trace directory
 
 
 class ServerState:
@@ -66,6 +73,8 @@ class ServerState:
                 block_size=c.block_size, kv_cache_memory=parse_memory(c.kv_cache_memory), num_kv_blocks=c.num_kv_blocks,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching))
+            if c.record_trace:
+                core.start_recording(c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting)
             engine.start()
             self.metrics = ServerMetrics(engine, self.model_name)
@@ -98,6 +107,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         yield
         if state.engine is not None:
             state.engine.stop_admitting()
+            if state.engine.core.recorder is not None and state.engine.healthy:
+                summary = await state.engine.call(lambda core: core.dump_recording())
+                log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests, summary.tokens)
             await asyncio.to_thread(state.engine.shutdown, 10.0)
 
     app = FastAPI(title="Locus", lifespan=lifespan)
@@ -147,6 +159,23 @@ def create_app(config: ServerConfig) -> FastAPI:
         if bad:
             raise InvalidParameter("tokens", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return {"prompt": engine.core.tokenizer.decode(body.tokens)}
+
+    @app.post("/traces/start")
+    async def traces_start(body: TraceStartRequest):
+        engine = state.ready_engine()
+        path = body.path or f"traces/{state.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        await engine.call(lambda core: core.start_recording(path, state.model_name))
+        return {"status": "recording", "path": path}
+
+    @app.post("/traces/stop")
+    async def traces_stop():
+        await state.ready_engine().call(lambda core: core.stop_recording())
+        return {"status": "stopped"}
+
+    @app.post("/traces/dump")
+    async def traces_dump():
+        summary = await state.ready_engine().call(lambda core: core.dump_recording())
+        return {"status": "written", **summary.__dict__}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

@@ -140,6 +140,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class TraceStartRequest(BaseModel):
+    path: str | None = None  # trace directory to create (default: traces/<model>-<time>)
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

@@ -1,0 +1,109 @@
+"""Request -> rank assignment: the rank where a request's attention runs, where its tokens start at
+every MoE layer.
+
+Policies:
+  balanced     each request, in trace order, to the rank with the fewest tokens assigned so far
+               (ties: lowest rank), as a load-balancing DP-attention front end would do;
+  round_robin  request i of the replayed range to rank i % R;
+  a file       JSON {request_id: rank} (what the micro-batch grouper writes); it must name every
+               replayed request;
+  grouper      the plan's micro-batch grouper run online over the replayed requests
+               (grouper_simulation.py): a request may run its prefill on one rank and, moved after it,
+               its decode on another; `decode_ranks` then says where, and the KV cache that moved is
+               counted apart from the dispatch traffic.
+An assignment covers the replayed request range only; `save_assignment` writes the file form (the
+prefill rank of every request).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from locus.errors import LocusError
+
+
+@dataclass(frozen=True)
+class Assignment:
+    policy: str
+    request_start: int  # first request index (in trace order) covered
+    ranks: np.ndarray  # [requests] int64: rank of request request_start + i (its prefill rank)
+    decode_ranks: np.ndarray | None = None  # [requests] rank of its decode rows; None: same as ranks
+    migrations: int = 0  # requests moved between prefill and decode
+    migrated_kv_bytes: int = 0  # KV cache bytes those moves sent between nodes
+
+    @property
+    def request_stop(self) -> int:
+        return self.request_start + len(self.ranks)
+
+    @property
+    def splits(self) -> bool:
+        return self.decode_ranks is not None
+
+    def row_ranks(self, request: np.ndarray, position: np.ndarray, prompt_tokens: np.ndarray | None) -> np.ndarray:
+        """Rank of every row: request [T] (index relative to request_start), position [T] in its
+        request, prompt_tokens [requests] (needed only when the assignment splits requests)."""
+        ranks = np.asarray(self.ranks, dtype=np.int64)
+        if self.decode_ranks is None:
+            return ranks[request]
+        decode = np.asarray(self.decode_ranks, dtype=np.int64)
+        return np.where(position < np.asarray(prompt_tokens)[request], ranks[request], decode[request])
+
+
+def assign_balanced(tokens, num_ranks: int, request_start: int = 0) -> Assignment:
+    """tokens [requests]: token count of each request, in trace order."""
+    heap = [(0, rank) for rank in range(num_ranks)]  # (tokens so far, rank): the minimum is the target
+    ranks = np.empty(len(tokens), dtype=np.int64)
+    for i, n in enumerate(np.asarray(tokens, dtype=np.int64).tolist()):
+        load, rank = heapq.heappop(heap)
+        ranks[i] = rank
+        heapq.heappush(heap, (load + n, rank))
+    return Assignment("balanced", request_start, ranks)
+
+
+def assign_round_robin(num_requests: int, num_ranks: int, request_start: int = 0) -> Assignment:
+    return Assignment("round_robin", request_start, np.arange(num_requests, dtype=np.int64) % num_ranks)
+
+
+def load_assignment(path: str | Path, request_ids, num_ranks: int, request_start: int = 0) -> Assignment:
+    """Ranks for `request_ids` (the replayed requests, in order) from a {request_id: rank} JSON file."""
+    path = Path(path)
+    try:
+        mapping = json.loads(path.read_text())
+    except OSError as exc:
+        raise LocusError(f"cannot read assignment {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise LocusError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(mapping, dict):
+        raise LocusError(f"{path}: an assignment must be a JSON object {{request_id: rank}}")
+    ranks = np.empty(len(request_ids), dtype=np.int64)
+    for i, rid in enumerate(request_ids):
+        if rid not in mapping:
+            raise LocusError(f"{path}: request {rid!r} (index {request_start + i}) has no rank")
+        rank = mapping[rid]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+            raise LocusError(f"{path}: request {rid!r} has rank {rank!r}, expected an integer in 0..{num_ranks - 1}")
+        ranks[i] = rank
+    return Assignment(f"file:{path.name}", request_start, ranks)
+
+
+def save_assignment(assignment: Assignment, request_ids, path: str | Path) -> None:
+    """Write {request_id: rank} atomically (the form `load_assignment` reads)."""
+    if len(request_ids) != len(assignment.ranks):
+        raise ValueError(f"{len(request_ids)} request ids for {len(assignment.ranks)} assigned requests")
+    path = Path(path)
+    text = json.dumps({str(rid): int(r) for rid, r in zip(request_ids, assignment.ranks)}, indent=0) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,164 @@
+"""`locus replay`: what a placement plan would cost on a trace (see docs/replay.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from locus.errors import LocusError
+
+BUILTIN_PLANS = ("round_robin", "eplb")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a trace under a placement plan and report traffic and balance",
+        description="Replay a trace's requests under a placement plan and a request->rank assignment; "
+        "report inter/intra-node bytes, locality, load imbalance and estimated all-to-all time.",
+    )
+    p.add_argument("trace", help="trace directory (locus-trace v1)")
+    p.add_argument("--plan", required=True, help="placement plan JSON, or a built-in planner: round_robin, eplb")
+    p.add_argument("--topology", help="NODESxGPUS, e.g. 2x8 (required with a built-in planner)")
+    p.add_argument("--slots", type=int, help="expert slots per GPU for a built-in planner (default: just enough)")
+    p.add_argument("--expert-groups", type=int, help="eplb: expert groups, for the hierarchical policy (DeepSeek-V3: 8)")
+    p.add_argument("--plan-requests", metavar="START:STOP",
+                   help="request range a built-in planner counts loads on (default: the replayed range)")
+    p.add_argument("--save-plan", metavar="FILE", help="write the plan used (useful with a built-in planner)")
+    p.add_argument("--assign", default="balanced",
+                   help="request->rank assignment: balanced (default), round_robin, or a {request_id: rank} JSON file")
+    p.add_argument("--save-assignment", metavar="FILE", help="write the assignment used as {request_id: rank} JSON")
+    p.add_argument("--requests", metavar="START:STOP",
+                   help="requests to replay: indices (100:200) or fractions (0.5:1.0); default all")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
+    p.add_argument("--step-order", choices=("trace", "ranks"), default="trace",
+                   help="trace: a step is batch-tokens consecutive rows in trace order (default); ranks: every "
+                   "rank takes batch-tokens/ranks rows of its own request queue per step (DP attention)")
+    p.add_argument("--inter-gbps", type=float, default=50.0, help="inter-node GB/s per GPU (default 50)")
+    p.add_argument("--intra-gbps", type=float, default=450.0, help="intra-node GB/s per GPU (default 450)")
+    p.add_argument("--latency-us", type=float, default=5.0, help="all-to-all latency in microseconds (default 5)")
+    p.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
+    p.set_defaults(func=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from locus.routing.assignment import save_assignment
+    from locus.routing.placement import load_plan
+    from locus.routing.replay import replay, parse_request_range
+    from locus.routing.replay_metrics import LinkModel
+    from locus.traces.format import TraceFormatError
+
+    if args.batch_tokens < 1:
+        raise LocusError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
+    if min(args.inter_gbps, args.intra_gbps) <= 0 or args.latency_us < 0:
+        raise LocusError("--inter-gbps and --intra-gbps must be positive, --latency-us non-negative")
+    try:
+        from locus.traces.reader import TraceReader
+
+        reader = TraceReader(args.trace)
+    except TraceFormatError as exc:
+        raise LocusError(str(exc)) from None
+    start, stop = parse_request_range(args.requests, len(reader.requests))
+
+    if args.plan in BUILTIN_PLANS:
+        plan, plan_range = _builtin_plan(args, reader, (start, stop))
+    else:
+        for flag, value in (("--plan-requests", args.plan_requests), ("--expert-groups", args.expert_groups)):
+            if value is not None:
+                raise LocusError(f"{flag} applies to a built-in planner, not to a plan file")
+        plan, plan_range = load_plan(args.plan), None
+        if args.slots is not None and args.slots != plan.topology.slots_per_gpu:
+            raise LocusError(f"--slots {args.slots} contradicts the plan's {plan.topology.slots_per_gpu} slots per GPU")
+        if args.topology:
+            shape = f"{plan.topology.nodes}x{plan.topology.gpus_per_node}"
+            if args.topology.strip().lower() != shape:
+                raise LocusError(f"--topology {args.topology} contradicts the plan's {shape}")
+    if args.save_plan:
+        _write(args.save_plan, plan.save)
+
+    assignment = _assignment(args, reader, plan.topology.ranks, start, stop)
+    if args.save_assignment:
+        ids = [r.id for r in reader.requests[start:stop]]
+        _write(args.save_assignment, lambda path: save_assignment(assignment, ids, path))
+
+    links = LinkModel(args.inter_gbps, args.intra_gbps, args.latency_us)
+    bar = ProgressBar() if args.progress or sys.stderr.isatty() else None
+    report = replay(reader, plan, plan.topology, assignment, batch_tokens=args.batch_tokens, links=links,
+                    progress=bar, step_order=args.step_order)
+    if bar:
+        bar.close()
+    print(report.format_table())
+    if plan_range is not None and plan_range[0] < stop and start < plan_range[1]:
+        print(f"note: the {plan.planner} plan was computed on requests {plan_range[0]}:{plan_range[1]}, which overlap "
+              f"the replayed {start}:{stop}; figures on planning data are not results (see --plan-requests)",
+              file=sys.stderr)
+    if args.json:
+        doc = {"trace": str(args.trace), "plan_requests": list(plan_range) if plan_range else None, **report.to_dict()}
+        _write(args.json, lambda path: Path(path).write_text(json.dumps(doc, indent=1) + "\n"))
+    return 0
+
+
+def _write(path: str, write) -> None:
+    """Run write(path), reporting an unwritable path as one line rather than a traceback."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise LocusError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _builtin_plan(args, reader, replayed: tuple[int, int]):
+    from locus.routing.baselines import eplb, round_robin
+    from locus.routing.replay import count_expert_loads, parse_request_range
+    from locus.routing.topology import parse_topology
+
+    meta = reader.meta
+    if not args.topology:
+        raise LocusError(f"--plan {args.plan} needs --topology NODESxGPUS")
+    if args.slots is not None and args.slots < 1:
+        raise LocusError(f"--slots must be at least 1, got {args.slots}")
+    topology = parse_topology(args.topology, meta.num_experts, args.slots)
+    if args.plan == "round_robin":
+        plan = round_robin(meta.num_experts, meta.moe_layers, topology, model=meta.model)
+        plan_range = None  # round_robin does not look at the trace
+    else:
+        plan_range = parse_request_range(args.plan_requests, len(reader.requests)) if args.plan_requests else replayed
+        loads = count_expert_loads(reader, *plan_range)
+        plan = eplb(loads, meta.moe_layers, topology, groups=args.expert_groups, model=meta.model)
+        plan.provenance.update(trace=str(args.trace), requests=f"{plan_range[0]}:{plan_range[1]}")
+    return plan, plan_range
+
+
+def _assignment(args, reader, num_ranks: int, start: int, stop: int):
+    from locus.routing.assignment import assign_balanced, assign_round_robin, load_assignment
+
+    if args.assign == "balanced":
+        tokens = [r.tokens for r in reader.requests[start:stop]]
+        return assign_balanced(tokens, num_ranks, request_start=start)
+    if args.assign == "round_robin":
+        return assign_round_robin(stop - start, num_ranks, request_start=start)
+    ids = [r.id for r in reader.requests[start:stop]]
+    return load_assignment(args.assign, ids, num_ranks, request_start=start)
+
+
+class ProgressBar:
+    """A one-line bar on stderr, redrawn at most every 0.2 s (a progress callback for replay)."""
+
+    def __init__(self, width: int = 30):
+        self.width, self.last = width, 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < 0.2:
+            return
+        self.last = now
+        filled = self.width * done // max(total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        print(f"\rreplay [{bar}] {100 * done / max(total, 1):5.1f}% {done:,}/{total:,} tokens",
+              end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr, flush=True)

@@ -1,0 +1,174 @@
+"""Replay: what a placement plan and a request assignment would cost on a recorded trace.
+
+    reader (TraceReader or anything with .meta, .requests, .offsets, .expert_ids [N, L, K])
+      -> rows of the assigned request range, in trace order, in chunks
+      -> dispatch rule (the serving runtime's own) -> TrafficMeter -> ReplayReport
+
+Step orders (whole-replay figures do not depend on it; per-step figures do):
+  trace  the rows of the assignment's request range in trace order; a step is `batch_tokens`
+         consecutive rows (DESIGN.md's definition). A step then holds a few whole requests, so it
+         sees only the ranks those requests run on.
+  ranks  what a DP-attention deployment runs: each rank works through its own queue (its requests'
+         rows, in trace order), and step j takes the next c = max(1, batch_tokens // R) rows of
+         every rank's queue (fewer once a queue runs dry). Needs 40 bytes of index per replayed row.
+Plan on one part of a trace and replay another: figures measured on the planning data itself are not
+results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from locus.errors import LocusError
+from locus.routing.assignment import Assignment
+from locus.routing.dispatch_rule import build_dispatch_table
+from locus.routing.placement import PlacementPlan, validate
+from locus.routing.replay_metrics import LinkModel, TrafficMeter
+from locus.routing.replay_report import ReplayReport
+from locus.routing.topology import Topology
+
+# Rows per chunk are chosen so a chunk has about this many (token, layer, k) routings: small enough
+# for the per-chunk temporaries to stay in cache, large enough to amortise numpy call overhead.
+CHUNK_ROUTINGS = 1 << 19
+
+Progress = Callable[[int, int], None]  # (rows done, rows total)
+STEP_ORDERS = ("trace", "ranks")
+
+
+def parse_request_range(spec: str | None, num_requests: int) -> tuple[int, int]:
+    """"START:STOP" -> [start, stop) request indices; either side may be empty.
+
+    If either bound has a '.', both are fractions of the request count, rounded down (floor(f * R), so
+    "0:0.5" and "0.5:1" split a trace exactly); otherwise they are indices (negative ones count from
+    the end, like Python slices).
+    """
+    if spec is None or spec.strip() in ("", ":"):
+        return 0, num_requests
+    if spec.count(":") != 1:
+        raise LocusError(f"request range {spec!r} is not of the form START:STOP (e.g. 0:0.5 or 100:200)")
+    texts = [t.strip() for t in spec.split(":")]
+    fractions = any("." in t for t in texts)
+
+    def bound(text: str, default: int) -> int:
+        if not text:
+            return default
+        try:
+            value = float(text) if fractions else int(text)
+        except ValueError:
+            raise LocusError(f"request range {spec!r}: {text!r} is not a number") from None
+        if fractions:
+            if not 0.0 <= value <= 1.0:
+                raise LocusError(f"request range {spec!r}: fraction {text} is outside 0..1")
+            return int(np.floor(value * num_requests + 1e-9))
+        return value + num_requests if value < 0 else value
+
+    start, stop = bound(texts[0], 0), bound(texts[1], num_requests)
+    if not 0 <= start <= stop <= num_requests:
+        raise LocusError(f"request range {spec!r} gives {start}:{stop}, outside 0:{num_requests} or reversed")
+    return start, stop
+
+
+def count_expert_loads(reader, request_start: int, request_stop: int) -> np.ndarray:
+    """Tokens routed to each expert per layer over a request range, [L, E] int64 (planner input)."""
+    meta = reader.meta
+    L, E = len(meta.moe_layers), meta.num_experts
+    lo, hi = int(reader.offsets[request_start]), int(reader.offsets[request_stop])
+    layer_base = np.arange(L, dtype=np.int64)[None, :, None] * E
+    counts = np.zeros(L * E, dtype=np.int64)
+    step = max(1, CHUNK_ROUTINGS // (L * meta.top_k))
+    for a in range(lo, hi, step):
+        ids = np.asarray(reader.expert_ids[a : min(a + step, hi)], dtype=np.int64)
+        counts += np.bincount((ids + layer_base)[ids >= 0], minlength=L * E)
+    return counts.reshape(L, E)
+
+
+def plan_in_trace_order(plan: PlacementPlan, moe_layers) -> PlacementPlan:
+    """The plan with its layers in the trace's order (a plan may list them in any order)."""
+    order = [plan.moe_layers.index(int(x)) for x in moe_layers]
+    return dataclasses.replace(plan, moe_layers=tuple(int(x) for x in moe_layers), slots=np.asarray(plan.slots)[order])
+
+
+def rank_step_order(offsets: np.ndarray, assignment: Assignment, num_ranks: int, batch_tokens: int,
+                    prompt_tokens: np.ndarray | None = None):
+    """Rows of the assignment's requests in the `ranks` step order, and the step of each: (rows, steps).
+
+    A rank's queue is its rows in trace order (a request the grouper moved after prefill has its
+    prompt rows in one queue and its decode rows in another). prompt_tokens [requests] is needed only
+    when the assignment splits requests.
+    """
+    start, stop = assignment.request_start, assignment.request_stop
+    rows = np.arange(offsets[start], offsets[stop])
+    request = np.searchsorted(offsets, rows, side="right") - 1 - start
+    row_rank = assignment.row_ranks(request, rows - offsets[start + request], prompt_tokens)
+    # Where each row sits in its rank's queue: its index among the rows of the same rank.
+    by_rank = np.argsort(row_rank, kind="stable")
+    first = np.searchsorted(row_rank[by_rank], row_rank[by_rank], side="left")
+    queue_pos = np.empty_like(rows)
+    queue_pos[by_rank] = np.arange(len(rows)) - first
+    step = queue_pos // max(1, batch_tokens // num_ranks)
+    order = np.lexsort((queue_pos, row_rank, step))
+    return rows[order], step[order]
+
+
+def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignment, batch_tokens: int = 4096,
+           links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace") -> ReplayReport:
+    """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's."""
+    meta = reader.meta
+    validate(plan, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
+    if plan.topology != topology:
+        raise LocusError(f"the plan is laid out for {plan.topology}, not {topology}")
+    if step_order not in STEP_ORDERS:
+        raise LocusError(f"step order {step_order!r} is not one of {', '.join(STEP_ORDERS)}")
+    start, stop = assignment.request_start, assignment.request_stop
+    if not 0 <= start <= stop <= len(reader.requests):
+        raise LocusError(f"assignment covers requests {start}:{stop}, the trace has {len(reader.requests)}")
+    for ranks in (assignment.ranks, assignment.decode_ranks):
+        ranks = np.asarray(ranks if ranks is not None else [], dtype=np.int64)
+        if len(ranks) and (ranks.min() < 0 or ranks.max() >= topology.ranks):
+            bad = int(ranks.min()) if ranks.min() < 0 else int(ranks.max())
+            raise LocusError(f"assignment names rank {bad}, topology {topology} has {topology.ranks} ranks")
+    if assignment.splits and len(assignment.decode_ranks) != len(assignment.ranks):
+        raise LocusError(f"assignment has {len(assignment.decode_ranks)} decode ranks for {len(assignment.ranks)} requests")
+    prompt = None
+    if assignment.splits:
+        prompt = np.fromiter((r.prompt_tokens for r in reader.requests[start:stop]), dtype=np.int64, count=stop - start)
+    offsets = np.asarray(reader.offsets, dtype=np.int64)
+    lo, hi = int(offsets[start]), int(offsets[stop])
+    if hi == lo:
+        raise LocusError(f"requests {start}:{stop} hold no tokens; nothing to replay")
+
+    table = build_dispatch_table(plan_in_trace_order(plan, meta.moe_layers))
+    meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links)
+    rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
+    order = rank_step_order(offsets, assignment, topology.ranks, batch_tokens, prompt) if step_order == "ranks" else None
+    for a in range(0, hi - lo, rows_per_chunk):
+        b = min(a + rows_per_chunk, hi - lo)
+        if order is None:
+            rows, steps = np.arange(lo + a, lo + b), None
+            ids = np.asarray(reader.expert_ids[lo + a : lo + b])
+        else:
+            rows, steps = order[0][a:b], order[1][a:b]
+            ids = np.asarray(reader.expert_ids[rows])
+        request = np.searchsorted(offsets, rows, side="right") - 1  # [T] request index of each row
+        position = rows - offsets[request]
+        meter.add(ids, assignment.row_ranks(request - start, position, prompt), position, steps)
+        if progress is not None:
+            progress(b, hi - lo)
+
+    return ReplayReport.from_totals(
+        meter.finish(),
+        model=meta.model,
+        planner=plan.planner,
+        topology=topology,
+        assignment=assignment.policy,
+        requests=(start, stop),
+        batch_tokens=batch_tokens,
+        step_order=step_order,
+        moe_layers=meta.moe_layers,
+        links=links,
+        migrations=assignment.migrations,
+        migrated_kv_bytes=assignment.migrated_kv_bytes,
+    )

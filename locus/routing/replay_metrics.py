@@ -1,0 +1,213 @@
+"""The replay simulator's core: route chunks of trace rows through the dispatch rule and accumulate the
+traffic and balance metrics of DESIGN.md ("Traffic and balance metrics"). numpy in, counters out.
+
+Shape legend: T rows (tokens) in a chunk, L MoE layers, K top-k, R ranks, N nodes, G GPUs per node.
+    expert_ids [T, L, K] int (-1 = none)   src [T] rank where each token's request runs
+    position   [T] the token's 0-based position in its request
+    step       [T] optional replay step of each row, non-decreasing over all rows fed
+
+Definitions (a "pair" is one (token, layer, k) with an expert id other than -1):
+  inter-node, deduplicated: per (token, layer), the number of distinct nodes other than the token's own
+      among its destinations; times `2 * hidden * dtype_bytes` (dispatch there, combine back);
+  inter-node, not deduplicated: pairs whose destination is on another node;
+  intra-node, deduplicated: per (token, layer), the number of distinct ranks of the token's own node,
+      other than its own rank, among its destinations (a token is sent once to each such rank);
+  intra-node, not deduplicated: pairs served by another rank of the token's node;
+  locality: share of pairs served on the token's own node (its own rank included);
+  expert load of rank r in a layer: pairs it computes; imbalance = max over ranks / mean over ranks;
+  attention load: tokens per rank;
+  steps: by default consecutive `batch_tokens` rows of the replay order (the last one may be shorter);
+      a caller may pass explicit step ids instead (see replay.py's per-rank step order).
+All-to-all time, per step and layer (alpha-beta model, two collectives: dispatch and combine):
+      t = 2 * latency + max over ranks r of max(inter_r / inter_bw, intra_r / intra_bw)
+  where inter_r, intra_r are the deduplicated bytes (both directions) of the tokens whose home is r.
+  NVLink and the NICs work concurrently, hence the max of the two rather than the sum; receive-side
+  congestion (incast) is not modelled. Totals sum t over steps and layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from locus.errors import LocusError
+from locus.routing.dispatch_rule import DispatchTable, destinations, table_keys
+from locus.routing.topology import Topology
+
+if hasattr(np, "bitwise_count"):
+    _popcount = np.bitwise_count
+else:  # numpy < 2.0: a byte lookup table
+    _BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+    def _popcount(x: np.ndarray) -> np.ndarray:
+        b = x[..., None].view(np.uint8)
+        return _BYTE_BITS[b].sum(-1, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    inter_gbps: float = 50.0  # GB/s per GPU between nodes
+    intra_gbps: float = 450.0  # GB/s per GPU within a node
+    latency_us: float = 5.0  # per all-to-all
+
+
+@dataclass
+class TrafficTotals:
+    """Raw sums from a replay; ReplayReport turns them into figures."""
+
+    tokens: int
+    steps: int
+    valid_pairs: int
+    own_rank_pairs: int
+    own_node_pairs: int
+    inter_node_sends: int  # sum over (token, layer) of distinct remote nodes
+    intra_node_sends: int  # sum over (token, layer) of distinct other ranks on the own node
+    bytes_per_send: int  # 2 * hidden * dtype_bytes
+    layer_loads: np.ndarray  # [L, R] pairs computed per rank
+    rank_tokens: np.ndarray  # [R]
+    step_expert_imbalance_sum: float  # over steps of the mean over layers
+    step_expert_imbalance_count: int
+    step_expert_imbalance_worst: float
+    step_attention_imbalance_sum: float
+    step_attention_imbalance_worst: float
+    a2a_seconds: float
+
+
+def _bit_dtype(bits: int) -> type:
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if bits <= np.dtype(dtype).itemsize * 8:
+            return dtype
+    raise LocusError(f"replay counts distinct nodes and ranks in 64-bit masks; {bits} is too many")
+
+
+class TrafficMeter:
+    """Accumulates metrics over chunks fed in replay order; `add` any number of rows at a time."""
+
+    def __init__(self, table: DispatchTable, topology: Topology, hidden_size: int, dtype_bytes: int,
+                 batch_tokens: int, links: LinkModel = LinkModel()):
+        if batch_tokens < 1:
+            raise LocusError(f"batch_tokens must be at least 1, got {batch_tokens}")
+        self.table, self.batch_tokens, self.links = table, int(batch_tokens), links
+        self.bytes_per_send = 2 * int(hidden_size) * int(dtype_bytes)
+        R, L, G = topology.ranks, table.num_layers, topology.gpus_per_node
+        self.R, self.L, self.G = R, L, G
+        rank = np.arange(R + 1)
+        node = rank // G
+        self.node_of = np.where(rank < R, node, -1).astype(np.int16)  # [R + 1], -1 for "no expert"
+        node_dtype, local_dtype = _bit_dtype(topology.nodes), _bit_dtype(G)
+        self.node_bit = np.where(rank < R, np.left_shift(1, node % 64), 0).astype(node_dtype)
+        self.local_bit = np.where(rank < R, np.left_shift(1, rank % G), 0).astype(local_dtype)
+        self.rows = 0
+        self.counts = np.zeros(4, dtype=np.int64)  # own_rank, own_node, inter sends, intra sends
+        self.none_pairs = 0
+        self.layer_loads = np.zeros((L, R), dtype=np.int64)
+        self.rank_tokens = np.zeros(R, dtype=np.int64)
+        self.open = None  # the step still being filled: (loads [L, R], inter [L, R], intra [L, R], tokens [R])
+        self.open_step = -1
+        self.steps = 0
+        self.imb_sum, self.imb_count, self.imb_worst = 0.0, 0, float("nan")
+        self.attn_sum, self.attn_worst = 0.0, float("nan")
+        self.a2a_seconds = 0.0
+
+    def add(self, expert_ids: np.ndarray, src: np.ndarray, position: np.ndarray, step=None) -> None:
+        T, L, K = expert_ids.shape
+        if L != self.L:
+            raise LocusError(f"trace rows have {L} MoE layers, the plan has {self.L}")
+        if T == 0:
+            return
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < -1 or hi >= self.table.num_experts:
+            bad = lo if lo < -1 else hi
+            raise LocusError(f"trace expert id {bad} is outside -1..{self.table.num_experts - 1}")
+        R, B = self.R, self.batch_tokens
+        step = (self.rows + np.arange(T)) // B if step is None else np.asarray(step, dtype=np.int64)
+        first = int(step[0])
+        if first < self.open_step or (np.diff(step) < 0).any():
+            raise ValueError("replay steps must not decrease")
+        step = step - first  # [T]
+        n = int(step[-1]) + 1
+        src = np.asarray(src, dtype=np.int64)
+        dest = destinations(self.table, table_keys(self.table, expert_ids, src), position)  # [T, L, K]
+
+        own_node = self.node_of[dest] == self.node_of[src][:, None, None]
+        own_rank = dest == src[:, None, None].astype(dest.dtype)
+        remote_nodes = np.bitwise_or.reduce(self.node_bit[dest], axis=2) & ~self.node_bit[src][:, None]
+        peers = np.bitwise_or.reduce(self.local_bit[dest] * own_node, axis=2) & ~self.local_bit[src][:, None]
+        inter = _popcount(remote_nodes)  # [T, L] distinct remote nodes
+        intra = _popcount(peers)  # [T, L] distinct other ranks on the own node
+        self.counts += (np.count_nonzero(own_rank), np.count_nonzero(own_node),
+                        int(inter.sum(dtype=np.int64)), int(intra.sum(dtype=np.int64)))
+
+        # Per-step sums, indexed by the step relative to the chunk's first one.
+        row_key = step[:, None] * L + np.arange(L)  # [T, L]
+        load_key = (row_key * (R + 1)).astype(np.int32)[:, :, None] + dest
+        loads = np.bincount(load_key.ravel(), minlength=n * L * (R + 1)).reshape(n, L, R + 1)
+        self.none_pairs += int(loads[..., R].sum())
+        loads = loads[..., :R]
+        send_key = (row_key * R + src[:, None]).ravel()
+        inter_r = np.bincount(send_key, weights=inter.ravel(), minlength=n * L * R).reshape(n, L, R)
+        intra_r = np.bincount(send_key, weights=intra.ravel(), minlength=n * L * R).reshape(n, L, R)
+        tokens = np.bincount(step * R + src, minlength=n * R).reshape(n, R)
+        self.layer_loads += loads.sum(0)
+        self.rank_tokens += tokens.sum(0)
+
+        if self.open is not None:
+            if first == self.open_step:  # the chunk's first step continues the step left open
+                for acc, part in zip(self.open, (loads, inter_r, intra_r, tokens)):
+                    part[0] += acc
+            else:
+                self._close_steps(*(x[None] for x in self.open))
+        self.rows += T
+        # The chunk's last step stays open: the next chunk may continue it.
+        self._close_steps(loads[:-1], inter_r[:-1], intra_r[:-1], tokens[:-1])
+        self.open = (loads[-1].copy(), inter_r[-1].copy(), intra_r[-1].copy(), tokens[-1].copy())
+        self.open_step = first + n - 1
+
+    def _close_steps(self, loads, inter, intra, tokens) -> None:
+        """Fold finished steps ([n, L, R] sums, tokens [n, R]) into the step statistics."""
+        busy = tokens.sum(-1) > 0  # explicit step ids may leave gaps: an empty step is no step
+        loads, inter, intra, tokens = loads[busy], inter[busy], intra[busy], tokens[busy]
+        if len(loads) == 0:
+            return
+        self.steps += len(loads)
+        mean = loads.mean(-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            imbalance = np.where(mean > 0, loads.max(-1) / mean, np.nan)  # [n, L]; nan: layer idle
+        defined = imbalance[~np.isnan(imbalance).all(1)]
+        if len(defined):
+            self.imb_sum += float(np.nanmean(defined, axis=1).sum())
+            self.imb_count += len(defined)
+            self.imb_worst = float(np.nanmax([self.imb_worst, np.nanmax(defined)]))
+        attn = tokens.max(-1) / tokens.mean(-1)  # every step has at least one token
+        self.attn_sum += float(attn.sum())
+        self.attn_worst = float(np.nanmax([self.attn_worst, attn.max()]))
+        u, links = self.bytes_per_send, self.links
+        busy = np.maximum(inter * (u / (links.inter_gbps * 1e9)), intra * (u / (links.intra_gbps * 1e9)))
+        self.a2a_seconds += float(busy.max(-1).sum()) + loads.shape[0] * loads.shape[1] * 2 * links.latency_us * 1e-6
+
+    def finish(self) -> TrafficTotals:
+        """Close the last (possibly short) step and return the sums."""
+        if self.open is not None:
+            self._close_steps(*(x[None] for x in self.open))
+            self.open = None
+        valid = int(self.layer_loads.sum())
+        own_rank, own_node, inter, intra = (int(x) for x in self.counts)
+        return TrafficTotals(
+            tokens=self.rows,
+            steps=self.steps,
+            valid_pairs=valid,
+            own_rank_pairs=own_rank,
+            own_node_pairs=own_node,
+            inter_node_sends=inter,
+            intra_node_sends=intra,
+            bytes_per_send=self.bytes_per_send,
+            layer_loads=self.layer_loads.copy(),
+            rank_tokens=self.rank_tokens.copy(),
+            step_expert_imbalance_sum=self.imb_sum,
+            step_expert_imbalance_count=self.imb_count,
+            step_expert_imbalance_worst=self.imb_worst,
+            step_attention_imbalance_sum=self.attn_sum,
+            step_attention_imbalance_worst=self.attn_worst,
+            a2a_seconds=self.a2a_seconds,
+        )

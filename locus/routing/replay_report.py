@@ -1,0 +1,142 @@
+"""ReplayReport: the figures `locus replay` prints, built from TrafficTotals (definitions in
+replay_metrics.py and DESIGN.md "Traffic and balance metrics")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from locus.routing.replay_metrics import LinkModel, TrafficTotals
+
+
+@dataclass
+class ReplayReport:
+    model: str
+    planner: str
+    topology: str  # "NxG"
+    slots_per_gpu: int
+    assignment: str
+    requests: tuple[int, int]  # [start, stop) request indices replayed
+    tokens: int
+    batch_tokens: int
+    step_order: str  # "trace" or "ranks" (see replay.py)
+    steps: int
+    moe_layers: list[int]
+    routings: int  # (token, layer, k) pairs with an expert
+    inter_node_bytes: int  # node-deduplicated
+    inter_node_bytes_nodedup: int
+    intra_node_bytes: int  # rank-deduplicated
+    intra_node_bytes_nodedup: int
+    inter_node_bytes_per_token: float
+    intra_node_bytes_per_token: float
+    locality: float  # share of pairs served on the token's node
+    own_rank_share: float  # share of pairs served on the token's own rank
+    expert_imbalance_mean: float  # whole replay: mean over layers of max/mean rank load
+    expert_imbalance_worst: float  # whole replay: worst layer
+    expert_imbalance_worst_layer: int | None
+    step_expert_imbalance_mean: float  # per step: mean over steps of the mean over layers
+    step_expert_imbalance_worst: float  # per step: worst (step, layer)
+    attention_imbalance: float  # whole replay: max/mean tokens per rank
+    step_attention_imbalance_mean: float
+    step_attention_imbalance_worst: float
+    a2a_seconds: float  # estimated all-to-all time, summed over steps and layers
+    a2a_ms_per_step: float
+    links: LinkModel = field(default_factory=LinkModel)
+    layer_imbalance: list[float] = field(default_factory=list)  # whole replay, per MoE layer
+    migrations: int = 0  # requests the grouper moved after prefill (their KV cache moved with them)
+    migrated_kv_bytes: int = 0  # inter-node bytes of that KV cache: not in the dispatch figures above
+    migrated_kv_bytes_per_token: float = 0.0
+
+    @classmethod
+    def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
+                    step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0) -> "ReplayReport":
+        loads = t.layer_loads.astype(np.float64)  # [L, R]
+        mean = loads.mean(1)
+        layer_imb = np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1), np.nan)
+        known = ~np.isnan(layer_imb)
+        u = t.bytes_per_send
+        inter_nodedup = t.valid_pairs - t.own_node_pairs
+        intra_nodedup = t.own_node_pairs - t.own_rank_pairs
+        tokens = max(t.tokens, 1)
+        return cls(
+            model=model,
+            planner=planner,
+            topology=f"{topology.nodes}x{topology.gpus_per_node}",
+            slots_per_gpu=topology.slots_per_gpu,
+            assignment=assignment,
+            requests=tuple(requests),
+            tokens=t.tokens,
+            batch_tokens=batch_tokens,
+            step_order=step_order,
+            steps=t.steps,
+            moe_layers=[int(x) for x in moe_layers],
+            routings=t.valid_pairs,
+            inter_node_bytes=u * t.inter_node_sends,
+            inter_node_bytes_nodedup=u * inter_nodedup,
+            intra_node_bytes=u * t.intra_node_sends,
+            intra_node_bytes_nodedup=u * intra_nodedup,
+            inter_node_bytes_per_token=u * t.inter_node_sends / tokens,
+            intra_node_bytes_per_token=u * t.intra_node_sends / tokens,
+            locality=_ratio(t.own_node_pairs, t.valid_pairs),
+            own_rank_share=_ratio(t.own_rank_pairs, t.valid_pairs),
+            expert_imbalance_mean=float(layer_imb[known].mean()) if known.any() else math.nan,
+            expert_imbalance_worst=float(layer_imb[known].max()) if known.any() else math.nan,
+            expert_imbalance_worst_layer=int(moe_layers[int(np.nanargmax(layer_imb))]) if known.any() else None,
+            step_expert_imbalance_mean=_ratio(t.step_expert_imbalance_sum, t.step_expert_imbalance_count),
+            step_expert_imbalance_worst=t.step_expert_imbalance_worst,
+            attention_imbalance=_ratio(t.rank_tokens.max(), t.rank_tokens.mean()),
+            step_attention_imbalance_mean=_ratio(t.step_attention_imbalance_sum, t.steps),
+            step_attention_imbalance_worst=t.step_attention_imbalance_worst,
+            a2a_seconds=t.a2a_seconds,
+            a2a_ms_per_step=_ratio(t.a2a_seconds * 1e3, t.steps),
+            links=links,
+            layer_imbalance=[float(x) for x in layer_imb],
+            migrations=int(migrations),
+            migrated_kv_bytes=int(migrated_kv_bytes),
+            migrated_kv_bytes_per_token=float(migrated_kv_bytes) / tokens,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready: NaN (a figure with nothing to measure) becomes null."""
+        return _json_safe(asdict(self))
+
+    def format_table(self) -> str:
+        gib = 2.0**30
+        rows = [
+            ("model", self.model),
+            ("plan", f"{self.planner} on {self.topology}, {self.slots_per_gpu} slots/GPU"),
+            ("assignment", self.assignment),
+            ("requests", f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens, {self.steps} steps of {self.batch_tokens}, {self.step_order} order)"),
+            ("routings", f"{self.routings:,}"),
+            ("inter-node bytes (node-dedup)", f"{self.inter_node_bytes / gib:,.3f} GiB ({self.inter_node_bytes_per_token:,.0f} B/token)"),
+            ("inter-node bytes (no dedup)", f"{self.inter_node_bytes_nodedup / gib:,.3f} GiB"),
+            ("intra-node bytes (rank-dedup)", f"{self.intra_node_bytes / gib:,.3f} GiB ({self.intra_node_bytes_per_token:,.0f} B/token)"),
+            ("intra-node bytes (no dedup)", f"{self.intra_node_bytes_nodedup / gib:,.3f} GiB"),
+            ("locality (own node / own rank)", f"{self.locality:.3f} / {self.own_rank_share:.3f}"),
+            ("expert imbalance, whole (mean/worst)", f"{self.expert_imbalance_mean:.3f} / {self.expert_imbalance_worst:.3f} (layer {self.expert_imbalance_worst_layer})"),
+            ("expert imbalance, per step (mean/worst)", f"{self.step_expert_imbalance_mean:.3f} / {self.step_expert_imbalance_worst:.3f}"),
+            ("attention imbalance, whole", f"{self.attention_imbalance:.3f}"),
+            ("attention imbalance, per step (mean/worst)", f"{self.step_attention_imbalance_mean:.3f} / {self.step_attention_imbalance_worst:.3f}"),
+            *([("KV cache migrated (inter-node)", f"{self.migrated_kv_bytes / gib:,.3f} GiB ({self.migrated_kv_bytes_per_token:,.0f} B/token, {self.migrations:,} moves)")]
+              if self.migrations else []),
+            ("est. all-to-all time", f"{self.a2a_seconds:.4f} s ({self.a2a_ms_per_step:.3f} ms/step)"),
+            ("link model", f"{self.links.inter_gbps:g} GB/s inter, {self.links.intra_gbps:g} GB/s intra, {self.links.latency_us:g} us"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _ratio(num, den) -> float:
+    return float(num) / float(den) if den else math.nan
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value

@@ -1,0 +1,219 @@
+"""The locus-trace v1 contract: file names, metadata and request records, and their validation.
+
+A token trace is a directory (see DESIGN.md "Trace format"):
+    meta.json           TraceMeta.to_json()
+    requests.jsonl      one RequestRecord per line, in row order
+    expert_ids.npy      int16 [N, L, K]; -1 = no expert
+    expert_weights.npy  float16 [N, L, K] (optional)
+A count trace (docs/traces.md "Count traces") shares meta.json, adds "kind": "counts", and holds
+counts.npy int64 [L, E] instead of per-token rows.
+
+Shape legend: N tokens (rows), L MoE layers, K experts per token, E experts, R requests.
+Every check raises TraceFormatError whose message starts with the file at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT_NAME = "locus-trace"
+FORMAT_VERSION = 1
+KIND_TOKENS = "tokens"
+KIND_COUNTS = "counts"
+
+META_FILE = "meta.json"
+REQUESTS_FILE = "requests.jsonl"
+IDS_FILE = "expert_ids.npy"
+WEIGHTS_FILE = "expert_weights.npy"
+COUNTS_FILE = "counts.npy"
+
+# Expert ids are stored as int16, so ids (and hence the expert count) must fit in it.
+MAX_EXPERTS = 32767
+CONVENTIONAL_DOMAINS = ("code", "math", "chat", "general")
+
+
+class TraceFormatError(ValueError):
+    """A trace (or an import source) is missing, corrupt or inconsistent; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    model: str
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    hidden_size: int
+    dtype_bytes: int = 2
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        # Accept any sequence for moe_layers but store a tuple, so the dataclass stays hashable.
+        object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))
+        check_meta(self, "TraceMeta")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model": self.model,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "moe_layers": list(self.moe_layers),
+            "hidden_size": self.hidden_size,
+            "dtype_bytes": self.dtype_bytes,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, path: str | Path = META_FILE) -> TraceMeta:
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT_NAME:
+            raise TraceFormatError(f"{path}: \"format\" is {d.get('format')!r}, expected {FORMAT_NAME!r}")
+        if d.get("version") != FORMAT_VERSION:
+            raise TraceFormatError(
+                f"{path}: unsupported version {d.get('version')!r} (this reader knows {FORMAT_VERSION})"
+            )
+        for key in ("model", "num_experts", "top_k", "moe_layers", "hidden_size"):
+            if key not in d:
+                raise TraceFormatError(f"{path}: missing field {key!r}")
+        _expect(d, "model", str, path)
+        _expect(d, "num_experts", int, path)
+        _expect(d, "top_k", int, path)
+        _expect(d, "hidden_size", int, path)
+        _expect(d, "dtype_bytes", int, path, optional=True)
+        _expect(d, "source", str, path, optional=True)
+        layers = d["moe_layers"]
+        if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
+            raise TraceFormatError(f"{path}: \"moe_layers\" must be a list of integers, got {layers!r}")
+        try:
+            return cls(
+                model=d["model"],
+                num_experts=d["num_experts"],
+                top_k=d["top_k"],
+                moe_layers=tuple(layers),
+                hidden_size=d["hidden_size"],
+                dtype_bytes=d.get("dtype_bytes", 2),
+                source=d.get("source", ""),
+            )
+        except TraceFormatError as exc:  # re-label: the dataclass check does not know the file
+            raise TraceFormatError(f"{path}: {str(exc).removeprefix('TraceMeta: ')}") from None
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    id: str
+    domain: str
+    prompt_tokens: int
+    tokens: int
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.tokens - self.prompt_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "domain": self.domain, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens}
+
+
+def check_meta(meta: TraceMeta, where: str) -> None:
+    """Raise TraceFormatError('<where>: ...') if the metadata is internally inconsistent."""
+    if not isinstance(meta.model, str):
+        raise TraceFormatError(f"{where}: \"model\" must be a string")
+    if not _is_int(meta.num_experts) or not 1 <= meta.num_experts <= MAX_EXPERTS:
+        raise TraceFormatError(
+            f"{where}: \"num_experts\" must be an integer in 1..{MAX_EXPERTS}, got {meta.num_experts!r}"
+        )
+    if not _is_int(meta.top_k) or not 1 <= meta.top_k <= meta.num_experts:
+        raise TraceFormatError(
+            f"{where}: \"top_k\" must be an integer in 1..num_experts ({meta.num_experts}), got {meta.top_k!r}"
+        )
+    if not meta.moe_layers:
+        raise TraceFormatError(f"{where}: \"moe_layers\" is empty")
+    if any(x < 0 for x in meta.moe_layers) or any(b <= a for a, b in zip(meta.moe_layers, meta.moe_layers[1:])):
+        raise TraceFormatError(
+            f"{where}: \"moe_layers\" must be strictly increasing non-negative layer indices, got {list(meta.moe_layers)}"
+        )
+    if not _is_int(meta.hidden_size) or meta.hidden_size < 1:
+        raise TraceFormatError(f"{where}: \"hidden_size\" must be a positive integer, got {meta.hidden_size!r}")
+    if not _is_int(meta.dtype_bytes) or meta.dtype_bytes < 1:
+        raise TraceFormatError(f"{where}: \"dtype_bytes\" must be a positive integer, got {meta.dtype_bytes!r}")
+    if not isinstance(meta.source, str):
+        raise TraceFormatError(f"{where}: \"source\" must be a string")
+
+
+def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
+    """One requests.jsonl line -> RequestRecord; `lineno` is 1-based, for the error message."""
+    where = f"{path}: line {lineno}"
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(d, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    for key, kind in (("id", str), ("domain", str), ("prompt_tokens", int), ("tokens", int)):
+        if key not in d:
+            raise TraceFormatError(f"{where}: missing field {key!r}")
+        _expect(d, key, kind, where)
+    if d["tokens"] < 0 or d["prompt_tokens"] < 0:
+        raise TraceFormatError(
+            f"{where}: negative token count (prompt_tokens {d['prompt_tokens']}, tokens {d['tokens']})"
+        )
+    if d["prompt_tokens"] > d["tokens"]:
+        raise TraceFormatError(
+            f"{where}: prompt_tokens {d['prompt_tokens']} > tokens {d['tokens']} (request {d['id']!r})"
+        )
+    return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"])
+
+
+def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:
+    """The raw meta.json object of a trace directory (either kind), with a clear error if unreadable."""
+    trace_dir = Path(trace_dir)
+    if not trace_dir.is_dir():
+        raise TraceFormatError(f"{trace_dir}: not a trace directory (does not exist or is not a directory)")
+    path = trace_dir / META_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path}: missing (every trace directory has a meta.json)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceFormatError(f"{path}: unreadable ({exc})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(d, dict):
+        raise TraceFormatError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def trace_kind(trace_dir: str | Path) -> str:
+    """'tokens' or 'counts', from meta.json (absent "kind" means a token trace)."""
+    d = read_meta_json(trace_dir)
+    kind = d.get("kind", KIND_TOKENS)
+    if kind not in (KIND_TOKENS, KIND_COUNTS):
+        raise TraceFormatError(
+            f"{Path(trace_dir) / META_FILE}: unknown \"kind\" {kind!r} (expected {KIND_TOKENS!r} or {KIND_COUNTS!r})"
+        )
+    return kind
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _expect(d: dict, key: str, kind: type, where: Any, optional: bool = False) -> None:
+    if key not in d and optional:
+        return
+    value = d[key]
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise TraceFormatError(
+            f"{where}: field {key!r} must be {'an integer' if kind is int else 'a string'}, got {value!r}"
+        )

@@ -1,0 +1,187 @@
+"""TraceWriter: stream requests into a locus-trace v1 directory.
+
+Rows go straight to disk (NpyStream), so a trace larger than RAM can be written. Everything is
+written into a hidden sibling directory that is renamed onto the target only by a successful
+close(): an exception (or a crash) never leaves a valid-looking, half-written trace behind.
+
+Shape legend: n tokens of one request, N tokens of a batch of requests, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from locus.traces.format import (
+    IDS_FILE,
+    META_FILE,
+    REQUESTS_FILE,
+    WEIGHTS_FILE,
+    RequestRecord,
+    TraceFormatError,
+    TraceMeta,
+)
+from locus.traces.npyfile import NpyStream
+
+
+def staging_dir(path: Path) -> Path:
+    """Hidden sibling of `path` to build a trace in before the final rename."""
+    return path.parent / f".{path.name}.partial-{os.getpid()}"
+
+
+def replace_dir(staging: Path, path: Path, overwrite: bool) -> None:
+    """Rename a finished staging directory onto `path` (replacing an old trace if allowed)."""
+    if path.exists():
+        if not overwrite:
+            raise TraceFormatError(f"{path}: already exists (pass overwrite=True / --force to replace it)")
+        if path.is_dir() and any(path.iterdir()) and not (path / META_FILE).exists():
+            # Refuse to delete a directory that is not a trace: -o pointed at the wrong place.
+            raise TraceFormatError(f"{path}: exists and is not a trace directory; refusing to replace it")
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(staging, path)
+
+
+def check_target(path: Path, overwrite: bool) -> None:
+    """Fail early (before hours of generation) if `path` cannot be written later."""
+    if path.exists() and not overwrite:
+        raise TraceFormatError(f"{path}: already exists (pass overwrite=True / --force to replace it)")
+    if path.exists() and not path.is_dir():
+        raise TraceFormatError(f"{path}: exists and is not a directory; refusing to replace it")
+    if not path.parent.is_dir():
+        raise TraceFormatError(f"{path.parent}: parent directory does not exist")
+
+
+class TraceWriter:
+    """Context manager: `with TraceWriter(dir, meta) as w: w.add_request(...)`."""
+
+    def __init__(self, path: str | Path, meta: TraceMeta, with_weights: bool = False, overwrite: bool = False):
+        self.path = Path(path)
+        self.meta = meta
+        self.with_weights = with_weights
+        self.overwrite = overwrite
+        check_target(self.path, overwrite)
+        self._staging = staging_dir(self.path)
+        if self._staging.exists():
+            shutil.rmtree(self._staging)
+        self._staging.mkdir()
+        row = (meta.num_layers, meta.top_k)
+        self._ids = NpyStream(self._staging / IDS_FILE, np.int16, row)
+        self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
+        self._requests = open(self._staging / REQUESTS_FILE, "w")
+        self._seen_ids: set[str] = set()
+        self.num_requests = 0
+        self.num_tokens = 0
+        self._closed = False
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def add_request(
+        self,
+        id: str,
+        domain: str,
+        prompt_tokens: int,
+        expert_ids: np.ndarray,
+        expert_weights: np.ndarray | None = None,
+    ) -> None:
+        """Append one request; expert_ids [n, L, K] int (n = its tokens), expert_weights same shape."""
+        n = int(np.shape(expert_ids)[0]) if np.ndim(expert_ids) == 3 else -1
+        record = RequestRecord(str(id), str(domain), int(prompt_tokens), n)
+        self.add_requests([record], expert_ids, expert_weights)
+
+    def add_requests(
+        self,
+        records: Sequence[RequestRecord],
+        expert_ids: np.ndarray,
+        expert_weights: np.ndarray | None = None,
+    ) -> None:
+        """Append several requests at once; expert_ids [N, L, K] holds their rows back to back."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: TraceWriter is closed")
+        ids = np.asarray(expert_ids)
+        want = (self.meta.num_layers, self.meta.top_k)
+        if ids.ndim != 3 or ids.shape[1:] != want:
+            raise TraceFormatError(
+                f"{self.path}: expert_ids has shape {ids.shape}, expected [tokens, {want[0]}, {want[1]}]"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TraceFormatError(f"{self.path}: expert_ids must be integers, got {ids.dtype}")
+        total = sum(r.tokens for r in records)
+        if total != ids.shape[0]:
+            raise TraceFormatError(f"{self.path}: requests hold {total} tokens but expert_ids has {ids.shape[0]} rows")
+        if ids.size and (ids.min() < -1 or ids.max() >= self.meta.num_experts):
+            raise TraceFormatError(
+                f"{self.path}: expert ids must lie in -1..{self.meta.num_experts - 1}, got range {ids.min()}..{ids.max()}"
+            )
+        weights = self._check_weights(expert_weights, ids.shape)
+        batch_ids: set[str] = set()
+        for r in records:  # check the whole batch before touching any state
+            if r.prompt_tokens < 0 or r.prompt_tokens > r.tokens:
+                raise TraceFormatError(
+                    f"{self.path}: request {r.id!r}: prompt_tokens {r.prompt_tokens} not in 0..{r.tokens}"
+                )
+            if r.id in self._seen_ids or r.id in batch_ids:
+                raise TraceFormatError(f"{self.path}: duplicate request id {r.id!r}")
+            batch_ids.add(r.id)
+        self._seen_ids |= batch_ids
+        self._requests.write("".join(json.dumps(r.to_json()) + "\n" for r in records))
+        self._ids.append(ids.astype(np.int16, copy=False))
+        if self._weights is not None:
+            self._weights.append(weights)
+        self.num_requests += len(records)
+        self.num_tokens += ids.shape[0]
+
+    def _check_weights(self, weights: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
+        if self._weights is None:
+            if weights is not None:
+                raise TraceFormatError(
+                    f"{self.path}: expert_weights given but the writer was opened with with_weights=False"
+                )
+            return None
+        if weights is None:
+            raise TraceFormatError(f"{self.path}: with_weights=True needs expert_weights for every request")
+        w = np.asarray(weights)
+        if w.shape != shape:
+            raise TraceFormatError(f"{self.path}: expert_weights has shape {w.shape}, expected {shape} like expert_ids")
+        return w.astype(np.float16, copy=False)
+
+    def close(self) -> None:
+        """Finish the files and move the trace into place."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._requests.close()
+            self._ids.close()
+            if self._weights is not None:
+                self._weights.close()
+            (self._staging / META_FILE).write_text(json.dumps(self.meta.to_json(), indent=1) + "\n")
+            replace_dir(self._staging, self.path, self.overwrite)
+        except BaseException:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            raise
+
+    def abort(self) -> None:
+        """Drop everything written so far; the target path is left as it was."""
+        if self._closed:
+            return
+        self._closed = True
+        for f in (self._requests, self._ids, self._weights):
+            if f is not None:
+                f.close()
+        shutil.rmtree(self._staging, ignore_errors=True)

@@ -1,0 +1,97 @@
+import numpy as np
+import pytest
+from routing_reference import reference_destination
+
+from locus.routing.dispatch_rule import build_dispatch_table, route
+from locus.routing.placement import PlacementPlan
+from locus.routing.topology import Topology
+
+
+def plan_of(slots, nodes, gpus) -> PlacementPlan:
+    slots = np.asarray(slots)
+    E = int(slots.max()) + 1
+    return PlacementPlan("toy", E, tuple(range(slots.shape[0])), Topology(nodes, gpus, slots.shape[2]), slots)
+
+
+# 2 nodes x 3 GPUs, 2 slots each. Expert 0: ranks 0, 2, 4, 5 (two on each node); expert 1: ranks 1, 4;
+# expert 2: ranks 3, 3 (two slots on one rank); the others once.
+SLOTS = [[[0, 3], [1, 4], [0, 5], [2, 2], [0, 1], [0, 6]]]
+
+
+def dest(table, src, expert, pos, layer=0):
+    return int(route(table, [[expert]], [src], [pos], layers=layer)[0, 0])
+
+
+def test_tier_order_own_rank_then_node_then_remote():
+    table = build_dispatch_table(plan_of(SLOTS, 2, 3))
+    assert dest(table, 0, 0, pos=1) == 0  # rank 0 holds expert 0 itself: no other replica is considered
+    assert dest(table, 1, 0, pos=0) == 0  # rank 1 lacks it; node 0 holds it on ranks 0 and 2
+    assert dest(table, 1, 0, pos=1) == 2
+    assert dest(table, 1, 0, pos=2) == 0
+    assert dest(table, 3, 1, pos=0) == 4  # node 1's own replica beats node 0's rank 1
+    assert dest(table, 3, 1, pos=1) == 4
+    assert dest(table, 0, 2, pos=5) == 3  # only node 1 holds expert 2
+    assert dest(table, 5, 4, pos=3) == 1
+
+
+def test_remote_tie_break_is_position_mod_count_by_rank():
+    # Expert 0 seen from node 1 when node 1 holds none: replicas on ranks 0 and 2, in rank order.
+    slots = [[[0, 6], [1, 7], [0, 8], [2, 3], [4, 1], [5, 9]]]
+    table = build_dispatch_table(plan_of(slots, 2, 3))
+    assert [dest(table, 4, 0, pos=p) for p in range(5)] == [0, 2, 0, 2, 0]
+
+
+def test_remote_tier_lists_every_replica_by_rank():
+    # 3 nodes x 2 GPUs: expert 0 on ranks 0 (node 0), 4 and 5 (node 2). The remote tier is only reached
+    # when the own node holds no replica, so it always lists them all: [0, 4, 5].
+    slots = [[[0, 1], [2, 3], [4, 5], [1, 2], [0, 3], [0, 4]]]
+    table = build_dispatch_table(plan_of(slots, 3, 2))
+    assert [dest(table, 3, 0, pos=p) for p in range(4)] == [0, 4, 5, 0]
+    assert [dest(table, 2, 0, pos=p) for p in range(3)] == [0, 4, 5]
+    assert [dest(table, 1, 0, pos=p) for p in range(2)] == [0, 0]  # node 0's rank 0 wins
+    assert dest(table, 4, 0, pos=7) == 4  # rank 4 holds it: local, even though rank 5 does too
+
+
+def test_two_slots_on_one_rank_count_twice():
+    # Expert 0: rank 0 twice and rank 1 once, all on node 0; from node 1 the remote list is [0, 0, 1].
+    slots = [[[0, 0], [0, 1], [2, 3], [1, 2]]]
+    table = build_dispatch_table(plan_of(slots, 2, 2))
+    assert [dest(table, 2, 0, pos=p) for p in range(6)] == [0, 0, 1, 0, 0, 1]
+
+
+def test_missing_expert_routes_nowhere():
+    table = build_dispatch_table(plan_of(SLOTS, 2, 3))
+    out = route(table, [[0, -1, 1]], [1], [0], layers=0)
+    assert out.tolist() == [[0, -1, 1]]
+
+
+def test_matches_brute_force_on_random_plans():
+    rng = np.random.default_rng(7)
+    for nodes, gpus, slots_per_gpu, E, L in [(2, 3, 3, 11, 3), (3, 2, 4, 7, 2), (1, 4, 2, 8, 1), (4, 1, 5, 9, 2)]:
+        R = nodes * gpus
+        slots = np.empty((L, R, slots_per_gpu), dtype=np.int64)
+        for l in range(L):
+            extra = rng.integers(0, E, R * slots_per_gpu - E) if l % 2 else np.zeros(R * slots_per_gpu - E, int)
+            slots[l] = rng.permutation(np.concatenate([np.arange(E), extra])).reshape(R, slots_per_gpu)
+        table = build_dispatch_table(plan_of(slots, nodes, gpus))
+        T, K = 64, 3
+        ids = rng.integers(-1, E, (T, L, K))
+        src = rng.integers(0, R, T)
+        pos = rng.integers(0, 50, T)
+        got = route(table, ids, src, pos)
+        for t in range(T):
+            for l in range(L):
+                for k in range(K):
+                    want = -1 if ids[t, l, k] < 0 else reference_destination(
+                        slots[l].tolist(), gpus, int(src[t]), int(ids[t, l, k]), int(pos[t]))
+                    assert got[t, l, k] == want, (nodes, gpus, t, l, k)
+
+
+def test_route_checks_its_inputs():
+    table = build_dispatch_table(plan_of(SLOTS, 2, 3))
+    with pytest.raises(ValueError, match=r"expert ids must lie in -1..6"):
+        route(table, [[10]], [0], [0], layers=0)
+    with pytest.raises(ValueError, match="source ranks"):
+        route(table, [[1]], [6], [0], layers=0)
+    with pytest.raises(ValueError, match="one layer index"):
+        route(table, [[1]], [0], [0])
