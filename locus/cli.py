@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
+from pathlib import Path
 
 from locus.errors import LocusError
 
@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Locus: serve Llama-4-style MoE models, record and replay expert traces, plan expert placement.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    root = Path(__file__).parent
     for package in PACKAGES:
-        name = f"locus.{package}.cli"
-        if importlib.util.find_spec(name) is None:
-            continue
-        importlib.import_module(name).register(subparsers)
+        # look for the file rather than find_spec, which would import the package (and torch) first
+        if (root / package / "cli.py").is_file():
+            importlib.import_module(f"locus.{package}.cli").register(subparsers)
     return parser
 
 
