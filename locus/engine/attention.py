@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, D/2]
+        rope: torch.Tensor,  # [T, D/2] complex rotations
         cache: KVCache | None,
     ) -> torch.Tensor:
         T = x.shape[0]
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.use_qk_norm:
             q, k = l2_normalize(q, self.eps), l2_normalize(k, self.eps)
         if self.use_temperature:
@@ -93,11 +93,15 @@ class Attention(nn.Module):
         """All sequences in one padded SDPA call. q [T, Hq, D]; keys/values [B, S, Hkv, D] -> [T, Hq, D]."""
         rows = batch.query_rows()  # [B, Q]
         q_pad = q[rows.clamp(min=0)]  # [B, Q, Hq, D]
-        mask = visible(batch.query_positions(), k_pos, self.chunk_size)  # [B, Q, S]
-        # Padding queries see nothing; give them one key so softmax stays finite (their rows are dropped).
-        mask[..., 0] |= ~mask.any(-1)
+        key = ("attention_mask", self.chunk_size, k_pos.shape)
+        if key not in batch.memo:  # the same for every layer of this kind
+            mask = visible(batch.query_positions(), k_pos, self.chunk_size)  # [B, Q, S]
+            # Padding queries see nothing; give them one key so softmax stays finite (their rows are dropped).
+            mask[..., 0] |= ~mask.any(-1)
+            batch.memo[key] = mask[:, None]
+        mask = batch.memo[key]
         o = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, Q, D]
         return o.transpose(1, 2)[rows >= 0]  # rows are in flat order: sequences are contiguous

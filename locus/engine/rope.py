@@ -35,16 +35,14 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] float32 for absolute positions [T]."""
+def rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[T, D/2] complex64 unit rotations e^(i * pos * inv_freq) for absolute positions [T]."""
     angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    return torch.cos(angles), torch.sin(angles)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [T, heads, D] (computed in float32, cast back)."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [T, heads, D]: each pair (2m, 2m+1) is one complex number
+    multiplied by its rotation (computed in float32, cast back)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, heads, D/2]
+    return torch.view_as_real(pairs * rotations[:, None, :]).flatten(-2).to(x.dtype)
