@@ -19,118 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
-from locus.errors import LocusError
+from locus.engine.sampling_params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
 
 # B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties
-
-GREEDY_EPS = 1e-5  # a temperature below this is greedy (dividing by it would overflow)
-MAX_N = 128
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 4
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-
-
-class InvalidParameter(LocusError):
-    """A request field out of range; `param` is the field's name, for OpenAI's error `param`."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # over prompt and output tokens
-    presence_penalty: float = 0.0  # over output tokens
-    frequency_penalty: float = 0.0  # over output tokens
-    seed: int | None = None
-    max_tokens: int | None = 16  # None = up to the context limit
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top alternatives besides the sampled token's own logprob
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        # Requests carry lists (JSON) and OpenAI allows `stop` as one string; store tuples.
-        self.stop = self.normalize_stop(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
-
-    @staticmethod
-    def normalize_stop(stop: str | Iterable[str] | None) -> tuple[str, ...]:
-        if stop is None:
-            return ()
-        if isinstance(stop, str):
-            return (stop,)
-        return tuple(stop)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def validate(self) -> None:
-        """Raise InvalidParameter on the first field outside the range OpenAI / vLLM accept."""
-        _check_int("n", self.n, 1, MAX_N)
-        _check_float("temperature", self.temperature, 0.0, 2.0)
-        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, -1, None)
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
-        if self.seed is not None:
-            _check_int("seed", self.seed, *SEED_RANGE)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_int("min_tokens", self.min_tokens, 0, None)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidParameter("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidParameter("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidParameter("stop", "stop strings must be non-empty strings")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, None)
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParameter(name, f"{name} must be an integer, got {value!r}")
-    if name == "top_k" and value == 0:
-        return
-    if value < low or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        if name == "top_k":
-            allowed = "-1 or 0 (off) or >= 1"
-        raise InvalidParameter(name, f"{name} must be {'in ' if high is not None else ''}{allowed}, got {value}")
-
-
-def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParameter(name, f"{name} must be a number, got {value!r}")
-    # NaN fails both comparisons, so it is rejected too
-    if not ((value > low if low_open else value >= low) and value <= high):
-        raise InvalidParameter(name, f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
-
 
 @dataclass
 class SequenceSamplingState:

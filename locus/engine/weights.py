@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from locus.engine.config import ModelConfig, load_config
+from locus.engine.config import load_config
 from locus.engine.model import Llama4ForCausalLM
 from locus.errors import LocusError
 

@@ -24,7 +24,7 @@ from locus.engine.engine_core import EngineConfig, EngineCore, parse_memory
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
 from locus.server import responses
-from locus.server.errors import APIError, error_response, install_handlers, sse_error
+from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.metrics import ServerMetrics
 from locus.server.protocol import (
     ChatCompletionRequest,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from locus.engine.sampling import InvalidParameter, SamplingParams
 

@@ -30,7 +30,7 @@ def import_megatron(src: str | Path, dst: str | Path, options: ImportOptions) ->
     seen = Observed()
     layers: set[int] = set()
     for key, domain, group, where in _groups(src):
-        n = _check_group(group, where, seen)
+        _check_group(group, where, seen)
         if layers and set(group) != layers:
             raise TraceFormatError(
                 f"{where}: step group {_name(key)} covers layers {sorted(group)}, others {sorted(layers)}"
