@@ -1,4 +1,5 @@
-"""`locus replay`: what a placement plan would cost on a trace (see docs/replay.md)."""
+"""`locus replay`: what a placement plan would cost on a trace (docs/replay.md); `locus plan`: make a
+placement plan, and `locus plan evaluate`: compare planners (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from pathlib import Path
 from locus.errors import LocusError
 
 BUILTIN_PLANS = ("round_robin", "eplb")
+ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper, "
+               "run online: needs a plan with a grouping), or a {request_id: rank} JSON file")
 
 
 def register(subparsers) -> None:
+    from locus.routing.plan_cli import register_plan
+
+    register_plan(subparsers)
     p = subparsers.add_parser(
         "replay",
         help="replay a trace under a placement plan and report traffic and balance",
@@ -28,8 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--plan-requests", metavar="START:STOP",
                    help="request range a built-in planner counts loads on (default: the replayed range)")
     p.add_argument("--save-plan", metavar="FILE", help="write the plan used (useful with a built-in planner)")
-    p.add_argument("--assign", default="balanced",
-                   help="request->rank assignment: balanced (default), round_robin, or a {request_id: rank} JSON file")
+    p.add_argument("--assign", default="balanced", help=ASSIGN_HELP)
     p.add_argument("--save-assignment", metavar="FILE", help="write the assignment used as {request_id: rank} JSON")
     p.add_argument("--requests", metavar="START:STOP",
                    help="requests to replay: indices (100:200) or fractions (0.5:1.0); default all")
@@ -80,7 +85,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.save_plan:
         _write(args.save_plan, plan.save)
 
-    assignment = _assignment(args, reader, plan.topology.ranks, start, stop)
+    assignment = _assignment(args, reader, plan, start, stop)
     if args.save_assignment:
         ids = [r.id for r in reader.requests[start:stop]]
         _write(args.save_assignment, lambda path: save_assignment(assignment, ids, path))
@@ -132,9 +137,17 @@ def _builtin_plan(args, reader, replayed: tuple[int, int]):
     return plan, plan_range
 
 
-def _assignment(args, reader, num_ranks: int, start: int, stop: int):
+def _assignment(args, reader, plan, start: int, stop: int):
     from locus.routing.assignment import assign_balanced, assign_round_robin, load_assignment
 
+    num_ranks = plan.topology.ranks
+    if args.assign in ("grouper", "plan"):
+        from locus.routing.grouper import Grouper
+        from locus.routing.grouper_simulation import simulate_grouper
+        from locus.routing.placement import validate
+
+        validate(plan, num_experts=reader.meta.num_experts, moe_layers=reader.meta.moe_layers)
+        return simulate_grouper(Grouper.from_plan(plan, moe_layers=reader.meta.moe_layers), reader, start, stop)
     if args.assign == "balanced":
         tokens = [r.tokens for r in reader.requests[start:stop]]
         return assign_balanced(tokens, num_ranks, request_start=start)

@@ -82,6 +82,7 @@ class PlacementPlan:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a plan is meant to be shared
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -131,7 +131,8 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
             bad = int(ranks.min()) if ranks.min() < 0 else int(ranks.max())
             raise LocusError(f"assignment names rank {bad}, topology {topology} has {topology.ranks} ranks")
     if assignment.splits and len(assignment.decode_ranks) != len(assignment.ranks):
-        raise LocusError(f"assignment has {len(assignment.decode_ranks)} decode ranks for {len(assignment.ranks)} requests")
+        raise LocusError(f"assignment has {len(assignment.decode_ranks)} decode ranks for "
+                         f"{len(assignment.ranks)} requests")
     prompt = None
     if assignment.splits:
         prompt = np.fromiter((r.prompt_tokens for r in reader.requests[start:stop]), dtype=np.int64, count=stop - start)
@@ -143,7 +144,9 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
     table = build_dispatch_table(plan_in_trace_order(plan, meta.moe_layers))
     meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links)
     rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
-    order = rank_step_order(offsets, assignment, topology.ranks, batch_tokens, prompt) if step_order == "ranks" else None
+    order = None
+    if step_order == "ranks":
+        order = rank_step_order(offsets, assignment, topology.ranks, batch_tokens, prompt)
     for a in range(0, hi - lo, rows_per_chunk):
         b = min(a + rows_per_chunk, hi - lo)
         if order is None:

@@ -23,6 +23,7 @@ from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore, parse_memory
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
+from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.metrics import ServerMetrics
@@ -54,6 +55,7 @@ class ServerConfig:
     max_waiting: int | None = None
     enable_prefix_caching: bool = True
     record_trace: str | None = None  # record every request's expert routing into this trace directory
+    plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
 
 
 class ServerState:
@@ -69,10 +71,18 @@ class ServerState:
         try:
             c = self.config
             loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+            grouping, micro_batches = None, 1
+            if c.plan:
+                grouping = load_plan_grouping(c.plan, loaded.model.config)
+                micro_batches = grouping.grouper.topology.nodes
             core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig(
                 block_size=c.block_size, kv_cache_memory=parse_memory(c.kv_cache_memory), num_kv_blocks=c.num_kv_blocks,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching))
+                max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching,
+                num_micro_batches=micro_batches), grouping=grouping)
+            if grouping is not None:  # the grouper learns each request's expert signature from its prefill
+                core.step_observers.append(grouping.observe)
+                core.runner.record_routing = True
             if c.record_trace:
                 core.start_recording(c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting)
@@ -96,6 +106,18 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
+
+
+def load_plan_grouping(path: str, model_config):
+    """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
+    from locus.engine.plan_grouping import PlanGrouping
+    from locus.routing.placement import load_plan, validate
+
+    plan = load_plan(path)
+    validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
+    if not plan.grouping:
+        raise LocusError(f"{path}: the plan has no grouping section (make it with --planner locality)")
+    return PlanGrouping.from_plan(plan, model_config.moe_layers)
 
 
 def create_app(config: ServerConfig) -> FastAPI:

@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--record-trace", default=None, metavar="DIR",
                    help="record every request's expert routing into a locus-trace directory (written at shutdown; "
                         "prefix caching is bypassed while recording)")
+    p.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
+                        "expert usage in the same micro-batch, one micro-batch per node")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
@@ -45,7 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
         moe_backend=args.moe_backend, seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching, record_trace=args.record_trace))
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching, record_trace=args.record_trace, plan=args.plan))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

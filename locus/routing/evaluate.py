@@ -1,0 +1,194 @@
+"""The planner comparison (`locus plan evaluate`): plan on the first half of a trace's requests, replay
+the second half, for round_robin, eplb and locality, and write the results as JSON and Markdown.
+
+Rows per case (same replayed requests, same replay, DESIGN.md's metrics):
+  round_robin                      balanced assignment
+  eplb [policy]                    balanced assignment (DeepSeek-V3 also with the hierarchical policy)
+  locality placement only          the locality plan, balanced assignment
+  locality placement + grouper     the locality plan, requests grouped online by the plan's grouper
+The reduction column compares with the eplb row that sends the fewest inter-node bytes. KV cache the
+grouper migrates is reported in its own column and is not part of the dispatch bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from locus.routing.assignment import assign_balanced
+from locus.routing.caps import Caps
+from locus.routing.grouper import Grouper
+from locus.routing.grouper_simulation import simulate_grouper
+from locus.routing.planner import PlanOptions, make_plan
+from locus.routing.replay import parse_request_range, replay
+from locus.routing.topology import parse_topology
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EvalCase:
+    name: str
+    trace: str
+    topology: str  # "NxG"
+    slots: int
+    expert_groups: int | None = None  # also run hierarchical eplb with this many groups
+    source: str = ""  # how the trace was made (synthetic knobs, recorder)
+
+
+@dataclass
+class EvalRow:
+    case: str
+    variant: str
+    inter_node_bytes_per_token: float
+    reduction_vs_eplb: float  # 1 - bytes / best eplb bytes
+    locality: float
+    expert_imbalance_mean: float
+    expert_imbalance_worst: float
+    attention_imbalance: float
+    plan_seconds: float
+    kv_migration_bytes_per_token: float = 0.0
+    migrations: int = 0
+    reduction_incl_migration: float = 0.0
+
+
+@dataclass
+class CaseResult:
+    case: EvalCase
+    requests: int
+    tokens: int
+    plan_range: tuple[int, int]
+    replay_range: tuple[int, int]
+    rows: list[EvalRow] = field(default_factory=list)
+    planning_summary: dict = field(default_factory=dict)
+
+
+def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print) -> CaseResult:
+    from locus.traces.reader import TraceReader
+
+    reader = TraceReader(case.trace)
+    meta = reader.meta
+    R = len(reader.requests)
+    plan_range, replay_range = parse_request_range("0:0.5", R), parse_request_range("0.5:1", R)
+    topology = parse_topology(case.topology, meta.num_experts, case.slots)
+    tokens = [r.tokens for r in reader.requests[replay_range[0] : replay_range[1]]]
+    balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
+    result = CaseResult(case, R, reader.num_tokens, plan_range, replay_range)
+
+    variants = [("round_robin", "round_robin", None), ("eplb", "eplb", None)]
+    if case.expert_groups:
+        variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
+    reports = []
+    for label, name, groups in variants:
+        planned = make_plan(name, reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, expert_groups=groups),
+                            trace=case.trace)
+        report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+        reports.append((label, report, planned.summary.plan_seconds))
+        log(f"  {case.name}: {label}: {report.inter_node_bytes_per_token:,.0f} B/token")
+
+    planned = make_plan("locality", reader, topology, plan_range, PlanOptions(caps=caps, seed=seed), trace=case.trace)
+    result.planning_summary = planned.summary.to_dict()
+    report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+    reports.append(("locality placement only (balanced assignment)", report, planned.summary.plan_seconds))
+    log(f"  {case.name}: locality, balanced: {report.inter_node_bytes_per_token:,.0f} B/token")
+    grouper = Grouper.from_plan(planned.plan, moe_layers=meta.moe_layers)
+    grouped = simulate_grouper(grouper, reader, *replay_range)
+    report = replay(reader, planned.plan, topology, grouped, batch_tokens=batch_tokens)
+    reports.append(("locality placement + grouper", report, planned.summary.plan_seconds))
+    log(f"  {case.name}: locality + grouper: {report.inter_node_bytes_per_token:,.0f} B/token, "
+        f"{grouped.migrations} moves")
+
+    eplb_best = min(r.inter_node_bytes_per_token for label, r, _ in reports if label.startswith("eplb"))
+    for label, r, seconds in reports:
+        total = r.inter_node_bytes_per_token + r.migrated_kv_bytes_per_token
+        result.rows.append(EvalRow(
+            case=case.name, variant=label, inter_node_bytes_per_token=r.inter_node_bytes_per_token,
+            reduction_vs_eplb=1 - r.inter_node_bytes_per_token / eplb_best, locality=r.locality,
+            expert_imbalance_mean=r.expert_imbalance_mean, expert_imbalance_worst=r.expert_imbalance_worst,
+            attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
+            kv_migration_bytes_per_token=r.migrated_kv_bytes_per_token, migrations=r.migrations,
+            reduction_incl_migration=1 - total / eplb_best,
+        ))
+    return result
+
+
+def format_markdown(results: list[CaseResult], settings: dict) -> str:
+    lines = ["# Planner evaluation (`locus plan evaluate`)", ""]
+    lines.append(f"Plan on the first half of each trace's requests, replay the second half. Expert-load cap "
+                 f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}, seed "
+                 f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens. Imbalances are whole-replay "
+                 f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes.")
+    lines.append("")
+    for res in results:
+        c = res.case
+        lines.append(f"## {c.name}: {c.topology}, {c.slots} slots/GPU")
+        lines.append("")
+        lines.append(f"Trace `{c.trace}` ({c.source}): {res.requests:,} requests, {res.tokens:,} tokens; planned on "
+                     f"{res.plan_range[0]}:{res.plan_range[1]}, replayed {res.replay_range[0]}:{res.replay_range[1]}.")
+        lines.append("")
+        lines.append("| plan | inter-node B/token | vs eplb | locality | expert imb. mean / worst | attention imb. "
+                     "| plan s | KV migration B/token | vs eplb incl. migration |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in res.rows:
+            lines.append(
+                f"| {r.variant} | {r.inter_node_bytes_per_token:,.0f} | {_pct(-r.reduction_vs_eplb)} | "
+                f"{100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
+                f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.kv_migration_bytes_per_token:,.0f} | "
+                f"{_pct(-r.reduction_incl_migration)} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path) -> list[Path]:
+    """results.json (every row, the settings, the machine) and results.md, each written atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "settings": settings,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__},
+        "cases": [
+            {"case": asdict(r.case), "requests": r.requests, "tokens": r.tokens, "plan_range": list(r.plan_range),
+             "replay_range": list(r.replay_range), "planning_summary": r.planning_summary,
+             "rows": [asdict(x) for x in r.rows]}
+            for r in results
+        ],
+    }
+    paths = [out_dir / "results.json", out_dir / "results.md"]
+    write_atomic(paths[0], json.dumps(_finite(doc), indent=1) + "\n")
+    write_atomic(paths[1], format_markdown(results, settings))
+    return paths
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same directory and rename: never a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,74 @@
+"""Expected expert load under the dispatch rule, from per-node demand: what the planner balances.
+
+The dispatch rule (dispatch_rule.py) sends a token on rank s routed to expert e to s itself if s holds
+e, else to a replica on s's node, else to any replica; ties spread by `position % count`, i.e. evenly
+in expectation. So with demand D[n, e] (pairs that node n's requests route to e) and x[n, e] replicas
+of e on node n:
+  - a node holding e serves its own demand for e: each of its replicas gets D[n, e] / x[n, e];
+  - the demand of nodes without e (its "remote" demand, rem[e]) spreads over all X[e] replicas.
+At rank granularity the own-rank tier matters a little: a rank holding e keeps its own tokens, the
+node's other ranks spread theirs over the node's replicas. `rank_loads` models that exactly, with a
+node's tokens spread evenly over its ranks (the grouper fills a node's ranks least-loaded first).
+
+Shape legend: L MoE layers, N nodes, G GPUs per node, R = N * G ranks, S slots per GPU, E experts.
+    demand [.., N, E] float   x [.., N, E] int   slots [L, R, S] expert ids
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def remote_share(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Remote demand each replica of e receives, [.., E]: rem[e] / X[e]."""
+    remote = np.where(x > 0, 0.0, demand).sum(-2)
+    return remote / np.maximum(x.sum(-2), 1)
+
+
+def replica_loads(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Load of one replica of e on node n, [.., N, E] (0 where the node holds none)."""
+    own = demand / np.maximum(x, 1)
+    return np.where(x > 0, own + remote_share(demand, x)[..., None, :], 0.0)
+
+
+def node_loads(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Pairs each node serves, [.., N]."""
+    return (x * replica_loads(demand, x)).sum(-1)
+
+
+def node_replicas(slots: np.ndarray, nodes: int, num_experts: int) -> np.ndarray:
+    """Replicas of each expert per node, [L, N, E] int64, from slots [L, R, S]."""
+    L, R, S = slots.shape
+    G = R // nodes
+    node = np.repeat(np.arange(R) // G, S)  # [R * S] node of every slot
+    keys = (np.arange(L)[:, None] * nodes + node[None, :]) * num_experts + slots.reshape(L, R * S)
+    return np.bincount(keys.ravel(), minlength=L * nodes * num_experts).reshape(L, nodes, num_experts)
+
+
+def rank_loads(slots: np.ndarray, demand: np.ndarray) -> np.ndarray:
+    """Expected pairs each rank computes, [L, R], for slots [L, R, S] and node demand [L, N, E].
+
+    Exact in expectation under the dispatch rule when each node's tokens spread evenly over its ranks.
+    """
+    L, R, S = slots.shape
+    N, E = demand.shape[1], demand.shape[2]
+    G = R // N
+    keys = (np.arange(L)[:, None, None] * R + np.arange(R)[None, :, None]) * E + slots
+    held = np.bincount(keys.ravel(), minlength=L * R * E).reshape(L, R, E).astype(np.float64)  # copies on rank
+    x = held.reshape(L, N, G, E).sum(2)  # [L, N, E]
+    has = (held > 0).reshape(L, N, G, E)
+    per_rank = demand / G  # [L, N, E] tokens of one rank of the node
+    # Ranks of the node without e hand their tokens to the node's replicas, each getting held / x.
+    without = G - has.sum(2)  # [L, N, E]
+    spill = np.where(x > 0, per_rank * without / np.maximum(x, 1), 0.0)  # per replica
+    own = np.where(has, per_rank[:, :, None, :], 0.0)  # [L, N, G, E]
+    local = own + held.reshape(L, N, G, E) * spill[:, :, None, :]
+    remote = remote_share(demand, x)  # [L, E]
+    total = local.reshape(L, R, E) + held * remote[:, None, :]
+    return total.sum(-1)
+
+
+def imbalance(loads: np.ndarray) -> np.ndarray:
+    """max / mean over the last axis (1.0 where nothing is loaded)."""
+    mean = loads.mean(-1)
+    return np.where(mean > 0, loads.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

@@ -1,0 +1,69 @@
+"""Locality placement of one MoE layer: node-level replica choice, GPU packing, expert-load cap.
+
+    demand D[n, e] --select--> x[n, e] --balance nodes--> --pack GPUs--> slots [R, S] --enforce cap-->
+
+select / balance: replica_selection.py; pack: gpu_packing.py; the cap: slot_search.py, checked with
+load_model.rank_loads (the dispatch rule's expected per-rank load). Balancing nodes first to a tighter
+limit than the cap leaves the GPU packing some room, so the cap search starts close. A layer the
+search cannot bring under the cap comes back with met_cap False, and the planner decides what to do
+(EPLB's balance for that layer, or an error).
+
+Shape legend: N nodes, G GPUs per node, S slots per GPU, C = G * S slots per node, E experts, R = N * G.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from locus.routing.gpu_packing import pack_replicas
+from locus.routing.load_model import imbalance, node_replicas, rank_loads, replica_loads
+from locus.routing.replica_selection import balance_nodes, select_replicas
+from locus.routing.slot_search import enforce_cap
+
+# Share of the cap's headroom the node-level balance may use; the rest absorbs GPU packing granularity.
+NODE_HEADROOM = 0.5
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    slots: np.ndarray  # [R, S] expert ids
+    imbalance: float  # expected max/mean rank load on the planning demand
+    locality: float  # share of the planning demand served on its own node
+    met_cap: bool
+
+
+def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float) -> LayerPlacement:
+    """demand [N, E] -> the layer's slots [N * gpus, slots_per_gpu] and its expected figures."""
+    N, E = demand.shape
+    C = gpus * slots_per_gpu
+    total = float(demand.sum())
+    mean_rank = total / (N * gpus)
+    x = select_replicas(demand, C)
+    x = balance_nodes(demand, x, limit=(1 + NODE_HEADROOM * (cap - 1)) * total / N)
+    slots, _ = pack_layer(demand, x, gpus, slots_per_gpu)
+    slots = enforce_cap(demand, slots, gpus, target=cap * mean_rank * (1 - 1e-9))
+    loads = rank_loads(slots[None], demand[None])[0]
+    imb = float(imbalance(loads))
+    x = node_replicas(slots[None], N, E)[0]
+    local = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
+    return LayerPlacement(slots, imb, local, imb <= cap)
+
+
+def pack_layer(demand: np.ndarray, x: np.ndarray, gpus: int, slots_per_gpu: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots [R, S] from replica counts x [N, E], packed per node; and the expected rank loads [R]."""
+    N, E = x.shape
+    C = gpus * slots_per_gpu
+    experts = np.stack([np.repeat(np.arange(E), x[n]) for n in range(N)])  # [N, C]
+    weights = np.take_along_axis(replica_loads(demand, x), experts, 1)  # [N, C]
+    gpu = pack_replicas(weights, gpus)  # [N, C]
+    order = np.lexsort((experts, gpu), axis=1)  # by GPU, then expert id (deterministic slot order)
+    slots = np.take_along_axis(experts, order, 1).reshape(N * gpus, slots_per_gpu)
+    loads = rank_loads(slots[None], demand[None])[0]
+    return slots, loads
+
+
+def place_layers(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float) -> list[LayerPlacement]:
+    """place_layer for every layer of demand [L, N, E]."""
+    return [place_layer(demand[l], gpus, slots_per_gpu, cap) for l in range(demand.shape[0])]

@@ -1,0 +1,210 @@
+"""`locus plan TRACE ...` (make a placement plan) and `locus plan evaluate` (compare planners).
+
+`plan` takes either a trace or the word `evaluate` first, which argparse's subparsers cannot express
+next to a positional; so the `plan` parser hands its whole argument list (prefix '+', so that '-h'
+and '--x' pass through untouched) to one of two inner parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from locus.errors import LocusError
+
+STANDARD_CASES = ("llama4-maverick", "deepseek-v3")
+WORKDIR = "results/tmp/traces"  # git-ignored
+
+
+def register_plan(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", add_help=False, prefix_chars="+",
+        help="make a placement plan from a trace (locus plan -h); compare planners (locus plan evaluate -h)",
+        description="locus plan TRACE --topology NxG --slots S -o plan.json | locus plan evaluate",
+    )
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run_plan_command)
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    argv = list(args.argv)
+    if argv and argv[0] == "evaluate":
+        return run_evaluate(evaluate_parser().parse_args(argv[1:]))
+    return run_plan(plan_parser().parse_args(argv))
+
+
+def _caps_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-cap", type=float, default=1.10, help="max/mean expert load per layer (default 1.10)")
+    p.add_argument("--attention-cap", type=float, default=1.10, help="max/mean tokens per rank (default 1.10)")
+    p.add_argument("--seed", type=int, default=0, help="seed (clustering of untagged requests; default 0)")
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="locus plan",
+        description="Plan expert placement (and, for locality, the micro-batch grouping) from a trace. "
+        "Prints expected figures on the planning data; replay another part of the trace for results.",
+    )
+    p.add_argument("trace", help="trace directory (locus-trace v1)")
+    p.add_argument("--topology", required=True, help="NODESxGPUS, e.g. 8x8")
+    p.add_argument("--slots", type=int, help="expert slots per GPU (default: just enough for one copy of each "
+                   "expert; locality needs spare slots for replicas)")
+    p.add_argument("--planner", default="locality", choices=("locality", "eplb", "round_robin"))
+    p.add_argument("-o", "--output", required=True, help="plan JSON to write (atomically)")
+    p.add_argument("--requests", metavar="START:STOP", help="requests to plan on, e.g. 0:0.5 (default: all)")
+    _caps_arguments(p)
+    p.add_argument("--expert-groups", type=int, help="eplb: hierarchical policy over this many expert groups")
+    p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
+    p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
+                   "(default: from the model name, see docs/planner.md)")
+    p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from locus.routing.caps import Caps
+    from locus.routing.planner import PlanOptions, make_plan
+    from locus.routing.replay import parse_request_range
+    from locus.routing.topology import parse_topology
+
+    for out in filter(None, (args.output, args.json)):  # fail before the work, not after it
+        parent = Path(out).parent
+        if not parent.is_dir():
+            raise LocusError(f"cannot write {out}: directory {parent} does not exist")
+    if args.slots is not None and args.slots < 1:
+        raise LocusError(f"--slots must be at least 1, got {args.slots}")
+    if args.rounds < 1:
+        raise LocusError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
+        raise LocusError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
+    caps = Caps(args.expert_cap, args.attention_cap)
+    reader = _open_trace(args.trace)
+    topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
+    requests = parse_request_range(args.requests, len(reader.requests))
+    options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
+                          kv_bytes_per_token=args.kv_bytes_per_token)
+    result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
+    _write(args.output, result.plan.save)
+    print(result.summary.format_table())
+    print(f"wrote {args.output}")
+    if args.json:
+        from locus.routing.evaluate import write_atomic
+
+        _write(args.json, lambda path: write_atomic(Path(path), json.dumps(result.summary.to_dict(), indent=1) + "\n"))
+    return 0
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="locus plan evaluate",
+        description="Plan on the first half of each trace's requests, replay the second half: round_robin, eplb, "
+        "locality placement with balanced assignment, locality placement with the grouper. Synthetic traces "
+        "(the trace presets) are generated into --workdir unless already there.",
+    )
+    p.add_argument("--cases", default=",".join(STANDARD_CASES),
+                   help=f"synthetic presets to evaluate, comma-separated (default {','.join(STANDARD_CASES)}; "
+                   "8x8 GPUs, one spare slot per GPU); 'none' for only --trace cases")
+    p.add_argument("--synth-requests", type=int, default=8000, help="requests per synthetic trace (default 8000)")
+    p.add_argument("--synth-knob", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override a preset's routing knob, e.g. domain_skew=1.5 (repeatable; for sensitivity runs)")
+    p.add_argument("--workdir", default=WORKDIR, help=f"where synthetic traces are generated (default {WORKDIR})")
+    p.add_argument("--trace", action="append", default=[], metavar="NAME=DIR,NxG,SLOTS",
+                   help="also evaluate an existing trace, e.g. engine=traces/rec,2x2,3 (repeatable)")
+    p.add_argument("--out", default="results/plan_eval", help="directory for results.json and results.md")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
+    _caps_arguments(p)
+    return p
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from locus.routing.caps import Caps
+    from locus.routing.evaluate import evaluate_case, format_markdown, write_results
+
+    caps = Caps(args.expert_cap, args.attention_cap)
+    if args.synth_requests < 4:
+        raise LocusError(f"--synth-requests must be at least 4, got {args.synth_requests}")
+    cases = [_parse_trace_case(spec) for spec in args.trace]
+    names = [] if args.cases.strip() in ("", "none") else [c.strip() for c in args.cases.split(",")]
+    cases = [_synthetic_case(name, args) for name in names] + cases
+    if not cases:
+        raise LocusError("nothing to evaluate: give --cases or --trace")
+    settings = {"caps": caps.to_dict(), "seed": args.seed, "batch_tokens": args.batch_tokens,
+                "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob)}
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    results = []
+    for case in cases:
+        log(f"{case.name}: {case.trace}")
+        results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log))
+    paths = _write(args.out, lambda out: write_results(results, settings, out))
+    print(format_markdown(results, settings))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _knobs(specs: list[str]) -> dict:
+    fields = {"zipf_exponent", "layer_skew_spread", "decode_zipf_scale", "domain_skew", "request_spread",
+              "prefill_decode_corr", "layer_affinity"}
+    out = {}
+    for spec in specs:
+        key, _, value = spec.partition("=")
+        if key not in fields:
+            raise LocusError(f"--synth-knob {spec!r}: knob must be one of {', '.join(sorted(fields))}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise LocusError(f"--synth-knob {spec!r}: {value!r} is not a number") from None
+    return out
+
+
+def _synthetic_case(name: str, args):
+    from locus.routing.evaluate import EvalCase
+    from locus.traces.presets import PRESETS, preset_config
+    from locus.traces.synth import synthesize
+
+    if name not in PRESETS:
+        raise LocusError(f"unknown synthetic preset {name!r}; choose from {', '.join(PRESETS)}")
+    knobs = _knobs(args.synth_knob)
+    config = preset_config(name, requests=args.synth_requests, seed=args.seed, **knobs)
+    tag = "".join(f"-{k}{v:g}" for k, v in sorted(knobs.items()))
+    path = Path(args.workdir) / f"{name}-{args.synth_requests}-seed{args.seed}{tag}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"generating {path} ...", file=sys.stderr, flush=True)
+        synthesize(config, path)
+    ranks = 64
+    slots = -(-config.num_experts // ranks) + 1  # one spare slot per GPU for replicas
+    source = (f"synth preset {name}{' with ' + ', '.join(f'{k}={v:g}' for k, v in knobs.items()) if knobs else ''}, "
+              f"{args.synth_requests} requests, seed {args.seed}: zipf_exponent {config.zipf_exponent}, "
+              f"domain_skew {config.domain_skew}, request_spread {config.request_spread}, "
+              f"prefill_decode_corr {config.prefill_decode_corr}, layer_affinity {config.layer_affinity}")
+    return EvalCase(name, str(path), "8x8", slots, expert_groups=8 if name == "deepseek-v3" else None, source=source)
+
+
+def _parse_trace_case(spec: str):
+    from locus.routing.evaluate import EvalCase
+
+    try:
+        name, rest = spec.split("=", 1)
+        path, topology, slots = rest.rsplit(",", 2)
+        return EvalCase(name.strip(), path.strip(), topology.strip(), int(slots), source="given trace")
+    except ValueError:
+        raise LocusError(f"--trace {spec!r} is not NAME=DIR,NODESxGPUS,SLOTS (e.g. engine=traces/rec,2x2,3)") from None
+
+
+def _open_trace(path: str):
+    from locus.traces.format import TraceFormatError
+    from locus.traces.reader import TraceReader
+
+    try:
+        return TraceReader(path)
+    except TraceFormatError as exc:
+        raise LocusError(str(exc)) from None
+
+
+def _write(path: str, write):
+    try:
+        return write(path)
+    except OSError as exc:
+        raise LocusError(f"cannot write {path}: {exc.strerror or exc}") from None

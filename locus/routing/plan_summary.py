@@ -1,0 +1,117 @@
+"""PlanSummary: what `locus plan` prints about a plan, measured on its planning data.
+
+Figures are expectations under the load and cost models (load_model.py, node_cost.py) for the
+grouping of the planning requests the plan was computed for; they are not results (replay another
+part of the trace for those).
+  locality                share of (token, k) pairs whose expert has a replica on the token's node
+  inter-node bytes/token  node_cost's expected bytes (independent draws from each request's own
+                          prefill / decode distribution, on its prefill / decode node)
+  expert imbalance        per layer, max / mean of the expected rank loads; mean over layers, worst
+  attention imbalance     max / mean tokens per rank of the planning grouping
+
+Shape legend: R requests, L MoE layers, N nodes, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from locus.routing.load_model import imbalance, node_replicas, rank_loads
+from locus.routing.node_cost import NodeCostModel
+
+LITTLE_TO_WIN = 0.05  # expected reduction vs eplb below which `locus plan` says there is little to win
+
+
+@dataclass
+class PlanSummary:
+    planner: str
+    model: str
+    topology: str
+    slots_per_gpu: int
+    requests: tuple[int, int]
+    tokens: int
+    locality: float
+    inter_node_bytes_per_token: float
+    expert_imbalance_mean: float
+    expert_imbalance_worst: float
+    attention_imbalance: float
+    plan_seconds: float
+    grouping: str  # how the planning requests were assigned to nodes
+    fallback_layers: list[int] = field(default_factory=list)  # layers that took EPLB's balance instead
+    eplb_inter_node_bytes_per_token: float | None = None  # expected, EPLB + balanced assignment, same data
+
+    @property
+    def expected_reduction_vs_eplb(self) -> float | None:
+        if not self.eplb_inter_node_bytes_per_token:
+            return None
+        return 1.0 - self.inter_node_bytes_per_token / self.eplb_inter_node_bytes_per_token
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "expected_reduction_vs_eplb": self.expected_reduction_vs_eplb}
+
+    def format_table(self) -> str:
+        rows = [
+            ("planner", f"{self.planner} ({self.model}, {self.topology}, {self.slots_per_gpu} slots/GPU)"),
+            ("planning requests",
+             f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens), grouped by {self.grouping}"),
+            ("locality (expected, planning data)", f"{100 * self.locality:.1f} %"),
+            ("inter-node bytes/token (expected)", f"{self.inter_node_bytes_per_token:,.0f}"),
+            ("expert imbalance (mean / worst layer)",
+             f"{self.expert_imbalance_mean:.3f} / {self.expert_imbalance_worst:.3f}"),
+            ("attention imbalance", f"{self.attention_imbalance:.3f}"),
+            ("plan time", f"{self.plan_seconds:.2f} s"),
+        ]
+        if self.fallback_layers:
+            rows.append(("layers on EPLB balance", ", ".join(str(x) for x in self.fallback_layers)))
+        reduction = self.expected_reduction_vs_eplb
+        if reduction is not None:
+            eplb = f"{self.eplb_inter_node_bytes_per_token:,.0f} (locality: {-100 * reduction:+.1f} %)"
+            rows.insert(4, ("  vs eplb, balanced (expected)", eplb))
+            if reduction < LITTLE_TO_WIN:
+                rows.append(("note", f"the planning data shows little expert locality to exploit (expected "
+                             f"{100 * reduction:.1f} % fewer inter-node bytes than eplb); expect little gain"))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def eplb_bytes_per_token(meta, spec, signatures, topology) -> float:
+    """Expected inter-node bytes per token of EPLB with balanced assignment on the same requests."""
+    from locus.routing.assignment import assign_balanced
+    from locus.routing.baselines import eplb
+
+    plan = eplb(signatures.total.sum(0), meta.moe_layers, topology)
+    node = assign_balanced(signatures.tokens, topology.ranks).ranks // topology.gpus_per_node
+    return expected_bytes_per_token(plan, spec, signatures, node, node, meta.moe_layers)
+
+
+def expected_bytes_per_token(plan, spec, signatures, prefill_node: np.ndarray, decode_node: np.ndarray,
+                             moe_layers) -> float:
+    """node_cost's expected inter-node bytes per token over the planning requests (no prior mixed in)."""
+    cost = dataclasses.replace(NodeCostModel.from_plan(plan, spec, moe_layers), prior_tokens=0.0)
+    total, rows = 0.0, np.arange(signatures.num_requests)
+    prompt = signatures.prompt_tokens.astype(np.float64)
+    decode = (signatures.tokens - signatures.prompt_tokens).astype(np.float64)
+    for counts, node, n in ((signatures.prefill, prefill_node, prompt), (signatures.decode, decode_node, decode)):
+        per_node = cost.expected_bytes(counts)  # [R, N]
+        total += float((per_node[rows, node] * n).sum())
+    return total / max(float(signatures.tokens.sum()), 1.0)
+
+
+def demand_figures(slots: np.ndarray, demand: np.ndarray) -> tuple[float, float, float]:
+    """(locality, mean imbalance, worst imbalance) of slots [L, R, S] for demand [L, N, E]."""
+    L, N, E = demand.shape
+    x = node_replicas(slots, N, E)
+    total = float(demand.sum())
+    locality = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
+    imb = imbalance(rank_loads(slots, demand))
+    return locality, float(imb.mean()), float(imb.max())
+
+
+def attention_imbalance(tokens: np.ndarray, prefill_rank: np.ndarray, decode_rank: np.ndarray,
+                        prompt_tokens: np.ndarray, num_ranks: int) -> float:
+    loads = np.bincount(prefill_rank, weights=prompt_tokens, minlength=num_ranks)
+    loads += np.bincount(decode_rank, weights=tokens - prompt_tokens, minlength=num_ranks)
+    return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0

@@ -1,0 +1,244 @@
+"""Placement planners: `round_robin`, `eplb` (the baselines, baselines.py) and `locality`, Locus's own.
+
+    make_plan(name, reader, topology, (start, stop), options) -> PlanResult(plan, summary)
+
+locality chooses three things together, from the planning requests' expert signatures:
+  1. grouping: which node each request runs on. Requests with a domain tag are spread over their
+     domain's nodes (domains laid end to end over the nodes by token share, grouping_spec.py);
+     untagged requests are clustered by signature into token-balanced groups (request_clustering.py).
+  2. placement, layer by layer (locality.py): every node holds the experts its group uses most,
+     hot domain-generic experts on every node, the cold tail where it costs least; then node loads
+     are balanced, replicas packed on GPUs, and a local search enforces the expert-load cap.
+     The grouping is shared by all layers, so a request keeps its experts close in every layer.
+  3. the online grouper's view (grouper.py): the plan is handed to the grouper, which is run over the
+     planning requests exactly as it would run online (domain tag at admission, prefill signature
+     after prefill, moves only when they pay); its grouping is the next round's demand. Of the rounds,
+     the plan with the lowest expected inter-node bytes on its own grouping wins.
+Hard constraints: exact slot counts (by construction), every expert placed (validated), expert-load
+imbalance <= caps.expert on the planning grouping (a layer the search cannot bring under the cap
+takes EPLB's placement if that meets it; else an error), attention imbalance <= caps.attention for
+the grouper. Deterministic: ties break by index; the seed drives only the clustering of untagged
+requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from locus.errors import LocusError
+from locus.routing.assignment import Assignment, assign_balanced
+from locus.routing.baselines import eplb, round_robin
+from locus.routing.caps import Caps
+from locus.routing.grouper import Grouper
+from locus.routing.grouper_simulation import run_grouper, signature_chunks
+from locus.routing.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
+from locus.routing.load_model import imbalance, rank_loads
+from locus.routing.locality import place_layers
+from locus.routing.placement import PlacementPlan, validate
+from locus.routing.replay import count_expert_loads
+from locus.routing.plan_summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
+                                        expected_bytes_per_token)
+from locus.routing.request_clustering import balanced_clusters, signature_features
+from locus.routing.signatures import RequestSignatures, collect_signatures, group_demand
+from locus.routing.topology import Topology
+
+PLANNERS = ("round_robin", "eplb", "locality")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    caps: Caps = field(default_factory=Caps)
+    seed: int = 0
+    expert_groups: int | None = None  # eplb: hierarchical policy over this many expert groups
+    rounds: int = 2  # locality: placement <-> grouper rounds
+    kv_bytes_per_token: int | None = None  # default: grouping_spec.kv_bytes_per_token
+
+
+@dataclass
+class PlanResult:
+    plan: PlacementPlan
+    summary: PlanSummary
+    assignment: Assignment  # the planning requests' grouping the figures are for
+
+
+def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
+              options: PlanOptions = PlanOptions(), trace: str = "") -> PlanResult:
+    """Plan on requests [start, stop) of `reader`. plan_seconds counts what the planner needs to make
+    the plan (reading the trace included), not the summary figures computed afterwards."""
+    if name not in PLANNERS:
+        raise LocusError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+    meta = reader.meta
+    topology.check_fits(meta.num_experts)
+    start, stop = requests
+    if stop <= start:
+        raise LocusError(f"planning range {start}:{stop} holds no requests")
+    t0 = time.perf_counter()
+    if name == "locality":
+        signatures = _signatures(reader, start, stop)
+        result = _locality(meta, signatures, topology, options, t0)
+    else:
+        result = _baseline(name, reader, meta, topology, (start, stop), options, t0)
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result.plan.provenance.update(
+        planner=name, trace=str(trace), requests=f"{start}:{stop}", created=created, seed=options.seed,
+        caps=options.caps.to_dict(), plan_seconds=round(result.summary.plan_seconds, 3),
+        planning_locality=round(result.summary.locality, 5),
+        planning_expert_imbalance=round(result.summary.expert_imbalance_worst, 5),
+    )
+    validate(result.plan, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
+    return result
+
+
+def _signatures(reader, start: int, stop: int) -> RequestSignatures:
+    signatures = collect_signatures(reader, start, stop)
+    if signatures.tokens.sum() == 0:
+        raise LocusError(f"planning requests {start}:{stop} hold no tokens")
+    return signatures
+
+
+def _baseline(name, reader, meta, topology: Topology, requests, options: PlanOptions, t0: float) -> PlanResult:
+    if name == "round_robin":
+        plan = round_robin(meta.num_experts, meta.moe_layers, topology, model=meta.model)
+    else:
+        loads = count_expert_loads(reader, *requests)  # [L, E]
+        plan = eplb(loads, meta.moe_layers, topology, groups=options.expert_groups, model=meta.model)
+    seconds = time.perf_counter() - t0
+    sig = _signatures(reader, *requests)
+    assignment = assign_balanced(sig.tokens, topology.ranks, request_start=sig.start)
+    node = assignment.ranks // topology.gpus_per_node
+    summary = _summary(name, meta, plan, _spec(meta, sig, topology, options), sig, topology, assignment, node, node,
+                       "balanced assignment")
+    summary.plan_seconds = seconds
+    return PlanResult(plan, summary, assignment)
+
+
+def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float) -> PlanResult:
+    N, G = topology.nodes, topology.gpus_per_node
+    spec = _spec(meta, sig, topology, options)
+    prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
+    best = None
+    rounds = max(1, options.rounds)
+    for k in range(rounds):
+        demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
+        slots, fallback = _place(demand, meta, topology, options)
+        plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
+                             grouping=spec.to_dict(), provenance={"planner": "locality"})
+        score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
+        if best is None or score < best[0]:
+            best = (score, plan, demand, fallback, prefill_node, decode_node)
+        if k + 1 < rounds:  # the grouper's online grouping under this plan is the next round's demand
+            assignment = _simulate(plan, sig, meta)
+            prefill_node, decode_node = assignment.ranks // G, _decode_ranks(assignment) // G
+    score, plan, demand, fallback, prefill_node, decode_node = best
+    seconds = time.perf_counter() - t0
+    # The figures are for the grouping this plan was placed for; the replay will show the online one.
+    ranks = _ranks_for_nodes(sig, prefill_node, decode_node, topology)
+    summary = _summary("locality", meta, plan, spec, sig, topology, ranks, prefill_node, decode_node,
+                       "domain tag + grouper" if any(sig.domains) else "signature clusters + grouper",
+                       demand=demand, fallback=fallback, bytes_per_token=score)
+    summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology)
+    summary.plan_seconds = seconds
+    plan.grouping["extra"] = {"planning_locality": round(summary.locality, 5)}
+    return PlanResult(plan, summary, ranks)
+
+
+def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions) -> GroupingSpec:
+    decode = sig.tokens - sig.prompt_tokens
+    kv = options.kv_bytes_per_token or kv_bytes_per_token(meta.model, meta.hidden_size, meta.dtype_bytes,
+                                                            meta.moe_layers)
+    return GroupingSpec(
+        domain_nodes=domain_node_weights(sig.domains, sig.tokens, topology.nodes),
+        caps=options.caps,
+        expected_decode_tokens=float(decode.mean()) if len(decode) else 0.0,
+        kv_bytes_per_token=int(kv),
+        bytes_per_send=2 * meta.hidden_size * meta.dtype_bytes,
+        top_k=meta.top_k,
+        expert_prior=normalise_rows(sig.total.sum(0)),
+    )
+
+
+def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: GroupingSpec, seed: int):
+    """Nodes [R] of the first round: the grouper's admission (domain tags), untagged requests by cluster."""
+    grouper = Grouper(topology, spec, cost=None)
+    assignment = run_grouper(grouper, sig.ids, sig.domains, sig.tokens, sig.prompt_tokens,
+                             signature_chunks(sig.prefill))
+    node = assignment.ranks // topology.gpus_per_node
+    untagged = np.flatnonzero([not d or d not in spec.domain_nodes for d in sig.domains])
+    if len(untagged) > topology.nodes:
+        features = signature_features(sig.total[untagged], seed)
+        node[untagged] = balanced_clusters(features, sig.tokens[untagged], topology.nodes, seed)
+    return node, node.copy()
+
+
+def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, list[int]]:
+    """Slots [L, R, S] meeting the expert cap on `demand`; layers the search misses take EPLB's."""
+    cap = options.caps.expert
+    placements = place_layers(demand, topology.gpus_per_node, topology.slots_per_gpu, cap)
+    slots = np.stack([p.slots for p in placements])
+    missed = [i for i, p in enumerate(placements) if not p.met_cap]
+    fallback = []
+    if missed:
+        loads = demand[missed].sum(1)  # [M, E]
+        backup = eplb(loads, [meta.moe_layers[i] for i in missed], topology).slots
+        backup_imb = imbalance(rank_loads(backup, demand[missed]))
+        for j, i in enumerate(missed):
+            if backup_imb[j] > cap:
+                raise LocusError(
+                    f"MoE layer {meta.moe_layers[i]}: the expert-load cap {cap:.3f} cannot be met with "
+                    f"{topology.slots_per_gpu} slots per GPU (locality search reaches {placements[i].imbalance:.3f}, "
+                    f"EPLB {backup_imb[j]:.3f}); give more slots (--slots) or a looser cap (--expert-cap)")
+            slots[i] = backup[j]
+            fallback.append(int(meta.moe_layers[i]))
+    return slots, fallback
+
+
+def _simulate(plan: PlacementPlan, sig: RequestSignatures, meta) -> Assignment:
+    grouper = Grouper.from_plan(plan, moe_layers=meta.moe_layers)
+    return run_grouper(grouper, sig.ids, sig.domains, sig.tokens, sig.prompt_tokens, signature_chunks(sig.prefill),
+                       request_start=sig.start)
+
+
+def _decode_ranks(assignment: Assignment) -> np.ndarray:
+    return assignment.ranks if assignment.decode_ranks is None else assignment.decode_ranks
+
+
+def _ranks_for_nodes(sig: RequestSignatures, prefill_node, decode_node, topology: Topology) -> Assignment:
+    """A rank per request on its node, least-loaded first (the grouper's rule), for the attention figure."""
+    R, gpus = sig.num_requests, topology.gpus_per_node
+    loads = np.zeros(topology.ranks)
+    ranks, decode = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.int64)
+    prompt, rest = sig.prompt_tokens, sig.tokens - sig.prompt_tokens
+    for i in range(R):
+        lo = prefill_node[i] * gpus
+        ranks[i] = lo + int(np.argmin(loads[lo : lo + gpus]))
+        loads[ranks[i]] += prompt[i]
+        if decode_node[i] == prefill_node[i]:
+            decode[i] = ranks[i]
+        else:
+            lo = decode_node[i] * gpus
+            decode[i] = lo + int(np.argmin(loads[lo : lo + gpus]))
+        loads[decode[i]] += rest[i]
+    moved = decode != ranks
+    return Assignment("planning grouping", sig.start, ranks, decode if moved.any() else None)
+
+
+def _summary(name, meta, plan, spec, sig, topology, assignment, prefill_node, decode_node, grouping,
+             demand=None, fallback=(), bytes_per_token=None) -> PlanSummary:
+    if demand is None:
+        demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
+    locality, imb_mean, imb_worst = demand_figures(np.asarray(plan.slots), demand)
+    if bytes_per_token is None:
+        bytes_per_token = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
+    attn = attention_imbalance(sig.tokens, assignment.ranks, _decode_ranks(assignment), sig.prompt_tokens,
+                               topology.ranks)
+    return PlanSummary(
+        planner=name, model=meta.model, topology=f"{topology.nodes}x{topology.gpus_per_node}",
+        slots_per_gpu=topology.slots_per_gpu, requests=(sig.start, sig.start + sig.num_requests),
+        tokens=int(sig.tokens.sum()), locality=locality, inter_node_bytes_per_token=float(bytes_per_token),
+        expert_imbalance_mean=imb_mean, expert_imbalance_worst=imb_worst, attention_imbalance=attn,
+        plan_seconds=0.0, grouping=grouping, fallback_layers=list(fallback),
+    )

@@ -1,0 +1,128 @@
+"""Which experts each node holds, and how many copies: the node-level half of the locality planner.
+
+One MoE layer at a time. Input: demand D[n, e], the (token, k) pairs node n's requests route to
+expert e (planning data, after grouping). Output: x[n, e], replicas of e on node n, every node holding
+exactly `capacity` = GPUs x slots replicas and every expert at least one.
+
+  select   every node takes the experts its own requests use most (its top `capacity`); a hot,
+           domain-generic expert is in every node's top list and so gets a replica everywhere. Experts
+           no node picked ("orphans", the cold tail) must still live somewhere: each goes, hottest
+           first, to the node where it costs least (the node's least valuable duplicate replica makes
+           room, minus what the orphan's own demand there wins back).
+  balance  locality piles load where demand is: a node serves its own demand for the experts it holds
+           plus a share of every other node's demand for them (load_model.py). While some node serves
+           more than `limit` pairs, swap one replica of the most loaded node with one of another node,
+           choosing the swap that removes the most overload per local pair lost.
+  split    a replica too heavy for one GPU gets another copy on the same node, in place of the node's
+           cheapest replica (the one whose loss costs the fewest local pairs).
+
+Shape legend: N nodes, E experts.  demand [N, E] float, x [N, E] int.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from locus.routing.load_model import node_loads, remote_share, replica_loads
+
+MAX_BALANCE_MOVES = 400
+
+
+def select_replicas(demand: np.ndarray, capacity: int) -> np.ndarray:
+    """x [N, E]: each node's top experts by its own demand, orphans placed where they cost least."""
+    N, E = demand.shape
+    x = np.zeros((N, E), dtype=np.int64)
+    top = np.argsort(-demand, axis=1, kind="stable")[:, : min(capacity, E)]
+    x[np.arange(N)[:, None], top] = 1
+    for orphan in np.argsort(-demand.sum(0), kind="stable"):
+        if x[:, orphan].any():
+            continue
+        costs = removal_costs(demand, x)  # [N, E]
+        n = int(np.argmax(demand[:, orphan] - costs.min(1)))
+        x[n, _cheapest(demand, x, costs[n], n)] -= 1
+        x[n, orphan] += 1
+    for n in range(N):  # capacity > E: the extra slots split the node's heaviest replicas
+        while x[n].sum() < capacity:
+            x[n, int(np.argmax(replica_loads(demand, x)[n]))] += 1
+    return x
+
+
+def removal_costs(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Local pairs each node loses by giving up one replica of each expert, [N, E]: inf where it has
+    none, or where that is the expert's last replica anywhere; 0 for a second copy on the same node."""
+    removable = (x >= 1) & (x.sum(0) >= 2)[None, :]
+    return np.where(removable, np.where(x == 1, demand, 0.0), np.inf)
+
+
+def _cheapest(demand: np.ndarray, x: np.ndarray, cost: np.ndarray, n: int) -> int:
+    """Node n's cheapest replica to give up; among equally cheap ones the lightest, so that balance
+    suffers least."""
+    return int(np.lexsort((replica_loads(demand, x)[n], cost))[0])
+
+
+def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
+    """Give expert e one more replica on node n (in place, in x), instead of n's cheapest other one."""
+    cost = removal_costs(demand, x)[n]
+    cost[e] = np.inf
+    if not np.isfinite(cost).any():
+        return False
+    x[n, _cheapest(demand, x, cost, n)] -= 1
+    x[n, e] += 1
+    return True
+
+
+def transfer_effects(demand: np.ndarray, x: np.ndarray, src: int, dst: int) -> tuple[np.ndarray, np.ndarray]:
+    """Moving one replica of each expert from node src to node dst, for every expert at once.
+
+    Returns (delta_load [E, N]: change of every node's load, delta_local [E]: change of local pairs);
+    rows of experts src does not hold are meaningless (the caller masks them).
+    """
+    N, E = demand.shape
+    rho = remote_share(demand, x)  # [E]
+    copies = np.maximum(x.sum(0), 1)
+    drop = x[src] == 1  # src loses its last copy: its demand turns remote
+    gain = x[dst] == 0  # dst's demand turns local
+    d_src, d_dst = demand[src], demand[dst]
+    rho_new = rho + (d_src * drop - d_dst * gain) / copies
+    delta = x.T * (rho_new - rho)[:, None]  # [E, N] third nodes: only the remote share changes
+    delta[:, src] = -d_src * drop + (x[src] - 1) * rho_new - x[src] * rho
+    delta[:, dst] = d_dst * gain + (x[dst] + 1) * rho_new - x[dst] * rho
+    return delta, d_dst * gain - d_src * drop
+
+
+def balance_nodes(demand: np.ndarray, x: np.ndarray, limit: float, max_moves: int = MAX_BALANCE_MOVES) -> np.ndarray:
+    """Swap replicas between nodes until no node serves more than `limit` pairs (or no swap helps)."""
+    x = x.copy()
+    N, E = demand.shape
+    scale = max(float(demand.sum()) / N, 1e-12)
+    for _ in range(max_moves):
+        loads = node_loads(demand, x)
+        excess = np.maximum(loads - limit, 0.0).sum()
+        if excess <= 1e-9 * scale:
+            break
+        src = int(np.argmax(loads))
+        best = None
+        for dst in range(N):
+            if dst == src:
+                continue
+            da, la = transfer_effects(demand, x, src, dst)  # a: src -> dst
+            db, lb = transfer_effects(demand, x, dst, src)  # b: dst -> src
+            a = np.flatnonzero(x[src] >= 1)
+            b = np.flatnonzero(x[dst] >= 1)
+            new = loads + da[a][:, None, :] + db[b][None, :, :]  # [A, B, N]
+            reduced = excess - np.maximum(new - limit, 0.0).sum(-1)  # [A, B]
+            loss = -(la[a][:, None] + lb[b][None, :])
+            score = reduced / (np.maximum(loss, 0.0) + 1e-6 * scale)
+            score[a[:, None] == b[None, :]] = -np.inf
+            score[reduced <= 1e-6 * scale] = -np.inf
+            i, j = np.unravel_index(int(np.argmax(score)), score.shape)
+            if np.isfinite(score[i, j]) and (best is None or score[i, j] > best[0]):
+                best = (score[i, j], dst, int(a[i]), int(b[j]))
+        if best is None:
+            break
+        _, dst, ea, eb = best
+        x[src, ea] -= 1
+        x[dst, ea] += 1
+        x[dst, eb] -= 1
+        x[src, eb] += 1
+    return x

@@ -1,0 +1,171 @@
+"""Local search over one layer's slots: bring every rank's expected load under the cap, losing as few
+local pairs as possible.
+
+Each step looks at the most loaded rank w and scores, all at once, every move that touches one of its
+slots:
+  swap     w's replica of a trades places with a replica of b on any other rank;
+  spread   a rank elsewhere replaces one of its replicas (of c, which keeps another copy) by a copy of
+           w's expert a: a's load splits over one more replica, and if the new copy lands on a node
+           that had none, that node's demand for a turns local;
+  shed     w replaces its replica of a (which keeps another copy) by a copy of any expert f.
+A move changes the replica counts of two experts only, so its effect on every rank's load is two
+experts' contributions recomputed (load_model's rule, own-rank tier included), for all candidate moves
+in one batch. The move taken removes the most overload (sum over ranks of load above the target) per
+local pair lost; moves that win local pairs score best. Deterministic: ties go to the first candidate.
+
+Single moves get stuck when the worst rank holds one replica too heavy for any GPU (a node's own
+demand for a hot expert): splitting it in two overloads whichever rank takes the second copy until the
+node is repacked. Then a kick: the heaviest replica gets a second copy on its node (in place of the
+node's cheapest replica, replica_selection.split_replica), the node is repacked (gpu_packing), and the
+search goes on. The best state seen is returned.
+
+Shape legend: R ranks, S slots per GPU, N nodes, G GPUs per node, E experts, B candidate moves.
+    slots [R, S]   demand [N, E]   h [R, E] copies of e on rank r   contrib [E, R] load e puts on r
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from locus.routing.gpu_packing import pack_replicas
+from locus.routing.load_model import node_replicas, replica_loads
+from locus.routing.replica_selection import split_replica
+
+MAX_STEPS = 400
+MAX_KICKS = 32
+
+
+def copies_per_rank(slots: np.ndarray, num_experts: int) -> np.ndarray:
+    R = slots.shape[0]
+    keys = np.arange(R)[:, None] * num_experts + slots
+    return np.bincount(keys.ravel(), minlength=R * num_experts).reshape(R, num_experts)
+
+
+def contributions(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarray:
+    """Load each expert puts on each rank, [B, R], from its node demand [B, N] and copies h_e [B, R].
+
+    Per node: ranks holding e keep their own share D / G; the node's other ranks spread theirs over the
+    node's copies; the demand of nodes without e spreads over all copies (load_model.rank_loads).
+    """
+    B, R = h_e.shape
+    N = R // gpus
+    h = h_e.reshape(B, N, gpus).astype(np.float64)
+    x = h.sum(-1)  # [B, N]
+    has = h > 0
+    with_e = has.sum(-1)  # [B, N] ranks of the node holding e
+    rho = np.where(x > 0, 0.0, demand_e).sum(-1) / np.maximum(x.sum(-1), 1)  # [B]
+    per_rank = demand_e / gpus
+    spill = np.where(x > 0, per_rank * (gpus - with_e) / np.maximum(x, 1), 0.0)  # [B, N] per copy
+    load = has * per_rank[..., None] + h * (spill[..., None] + rho[:, None, None])
+    return load.reshape(B, R)
+
+
+def local_pairs(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarray:
+    """Pairs served on their own node, [B]."""
+    B, R = h_e.shape
+    x = h_e.reshape(B, R // gpus, gpus).sum(-1)
+    return (demand_e * (x > 0)).sum(-1)
+
+
+def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
+                max_steps: int = MAX_STEPS, max_kicks: int = MAX_KICKS) -> np.ndarray:
+    """Slots [R, S] whose expected rank loads all lie at or under `target` if the search finds a way;
+    otherwise the slots with the least overload it saw."""
+    slots = slots.copy()
+    R, S = slots.shape
+    N, E = demand.shape
+    eps = 1e-6 * max(float(demand.sum()) / R, 1e-12)
+    dT = np.ascontiguousarray(demand.T)  # [E, N]
+    best, best_excess, kicks = slots.copy(), np.inf, 0
+    for _ in range(max_steps):
+        h = copies_per_rank(slots, E)  # [R, E]
+        contrib = contributions(dT, np.ascontiguousarray(h.T), gpus)  # [E, R]
+        loads = contrib.sum(0)
+        excess = np.maximum(loads - target, 0.0).sum()
+        if excess < best_excess - eps:
+            best, best_excess = slots.copy(), excess
+        if excess <= eps:
+            break
+        move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps)
+        if move is None:
+            if kicks >= max_kicks or not _kick(demand, slots, contrib, loads, gpus):
+                break
+            kicks += 1
+            continue
+        for rank, slot, expert in move:
+            slots[rank, slot] = expert
+    return best
+
+
+def _kick(demand: np.ndarray, slots: np.ndarray, contrib: np.ndarray, loads: np.ndarray, gpus: int) -> bool:
+    """Split the worst rank's heaviest replica on its own node and repack that node (in place)."""
+    R, S = slots.shape
+    N, E = demand.shape
+    w = int(np.argmax(loads))
+    node = w // gpus
+    heavy = int(slots[w][np.argmax(contrib[slots[w], w])])
+    x = node_replicas(slots[None], N, E)[0]
+    if not split_replica(demand, x, node, heavy):
+        return False
+    experts = np.repeat(np.arange(E), x[node])  # [G * S]
+    gpu = pack_replicas(replica_loads(demand, x)[node, experts][None], gpus)[0]
+    order = np.lexsort((experts, gpu))
+    slots[node * gpus : (node + 1) * gpus] = experts[order].reshape(gpus, S)
+    return True
+
+
+def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps):
+    R, S = slots.shape
+    E = dT.shape[0]
+    w = int(np.argmax(loads))
+    total = h.sum(0)  # [E] copies of each expert
+    flat = slots.ravel()  # [R * S] expert of every slot
+    slot_rank = np.repeat(np.arange(R), S)
+    i = np.repeat(np.arange(S), R * S)  # w's slot
+    j = np.tile(np.arange(R * S), S)  # any slot
+    a, other, r2 = slots[w, i], flat[j], slot_rank[j]
+    # p / q: the two experts a move changes; *_from / *_to: the rank losing / gaining a copy (-1: none).
+    cands = []
+    ok = (r2 != w) & (a != other)
+    cands.append((a, np.full_like(a, w), r2, other, r2, np.full_like(a, w), ok, i, j, "swap"))
+    ok = (r2 != w) & (a != other) & (total[other] >= 2)
+    cands.append((a, np.full_like(a, -1), r2, other, r2, np.full_like(a, -1), ok, i, j, "spread"))
+    i3 = np.repeat(np.arange(S), E)
+    f = np.tile(np.arange(E), S)
+    a3 = slots[w, i3]
+    ok = (a3 != f) & (total[a3] >= 2)
+    cands.append((a3, np.full_like(a3, w), np.full_like(a3, -1), f, np.full_like(a3, -1), np.full_like(a3, w),
+                  ok, i3, f, "shed"))
+
+    best = None
+    for p, p_from, p_to, q, q_from, q_to, ok, ii, jj, kind in cands:
+        idx = np.flatnonzero(ok)
+        if len(idx) == 0:
+            continue
+        p, p_from, p_to, q, q_from, q_to = (v[idx] for v in (p, p_from, p_to, q, q_from, q_to))
+        B = len(idx)
+        rows = np.arange(B)
+        new_loads = loads[None, :] - contrib[p] - contrib[q]
+        gain_local = 0.0
+        for e, lose, get in ((p, p_from, p_to), (q, q_from, q_to)):
+            he = h[:, e].T.copy()  # [B, R]
+            m = lose >= 0
+            he[rows[m], lose[m]] -= 1
+            m = get >= 0
+            he[rows[m], get[m]] += 1
+            new_loads += contributions(dT[e], he, gpus)
+            gain_local = gain_local + local_pairs(dT[e], he, gpus) - local_pairs(dT[e], h[:, e].T, gpus)
+        reduced = excess - np.maximum(new_loads - target, 0.0).sum(1)
+        score = reduced / (np.maximum(-gain_local, 0.0) + eps)
+        score[reduced <= eps] = -np.inf
+        k = int(np.argmax(score))
+        if np.isfinite(score[k]) and (best is None or score[k] > best[0]):
+            best = (score[k], kind, int(ii[idx[k]]), int(jj[idx[k]]))
+    if best is None:
+        return None
+    _, kind, i, j = best
+    if kind == "swap":
+        return [(w, i, int(flat[j])), (j // S, j % S, int(slots[w, i]))]
+    if kind == "spread":
+        return [(j // S, j % S, int(slots[w, i]))]
+    return [(w, i, j)]  # shed: j is the new expert

@@ -1,0 +1,45 @@
+"""`locus plan evaluate` on a small trace: every row, results written as JSON and Markdown."""
+
+import json
+
+from locus.cli import main
+from locus.routing.caps import Caps
+from locus.routing.evaluate import EvalCase, evaluate_case, format_markdown
+
+from planner_fixtures import separable_trace, synth_trace
+
+VARIANTS = ["round_robin", "eplb", "locality placement only (balanced assignment)", "locality placement + grouper"]
+
+
+def test_evaluate_case_rows(tmp_path):
+    trace = separable_trace(tmp_path / "sep")
+    result = evaluate_case(EvalCase("sep", str(trace), "4x2", 2), Caps(), log=lambda _: None)
+    assert [r.variant for r in result.rows] == VARIANTS
+    rows = {r.variant: r for r in result.rows}
+    assert rows["eplb"].reduction_vs_eplb == 0.0
+    grouped = rows["locality placement + grouper"]
+    assert grouped.inter_node_bytes_per_token == 0.0 and grouped.reduction_vs_eplb == 1.0
+    assert grouped.attention_imbalance <= 1.10
+    text = format_markdown([result], {"caps": Caps().to_dict(), "seed": 0, "batch_tokens": 4096})
+    assert "| locality placement + grouper | 0 | -100.0 % |" in text
+
+
+def test_evaluate_command_writes_json_and_markdown(tmp_path, capsys):
+    trace = synth_trace(tmp_path / "t", requests=100, seed=2)
+    out = tmp_path / "results"
+    assert main(["plan", "evaluate", "--cases", "none", "--trace", f"toy={trace},2x2,10", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    (case,) = doc["cases"]
+    assert [r["variant"] for r in case["rows"]] == VARIANTS
+    assert case["plan_range"] == [0, 50] and case["replay_range"] == [50, 100]
+    assert "## toy: 2x2, 10 slots/GPU" in (out / "results.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]
+    assert "locality placement + grouper" in capsys.readouterr().out
+
+
+def test_evaluate_rejects_unknown_presets_and_bad_trace_specs(tmp_path, capsys):
+    assert main(["plan", "evaluate", "--cases", "gpt-5", "--out", str(tmp_path / "r")]) == 2
+    assert "unknown synthetic preset 'gpt-5'" in capsys.readouterr().err
+    assert main(["plan", "evaluate", "--cases", "none", "--trace", "x=/nope", "--out", str(tmp_path / "r")]) == 2
+    assert "is not NAME=DIR,NODESxGPUS,SLOTS" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
