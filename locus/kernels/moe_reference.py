@@ -61,51 +61,16 @@ def fused_moe_reference(
     w_sorted = weights[order, None]
     if weight_on_input:
         x_sorted = x_sorted * w_sorted
-    if use_padded_batch(counts, T * K):
-        y_sorted = _experts_padded(x_sorted, sorted_ids, counts, start, gate_up, down)
-    else:
-        y_sorted = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            block = slice(start, start + n)
-            gate, up = (x_sorted[block] @ gate_up[e]).chunk(2, dim=-1)
-            y_sorted[block] = (F.silu(gate) * up) @ down[e]
-            start += n
+    y_sorted = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        block = slice(start, start + n)
+        gate, up = (x_sorted[block] @ gate_up[e]).chunk(2, dim=-1)
+        y_sorted[block] = (F.silu(gate) * up) @ down[e]
+        start += n
     if not weight_on_input:
         y_sorted = y_sorted * w_sorted
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return y.view(T, K, H).float().sum(dim=1).to(x.dtype)
-
-
-# Small batches (decode) give each expert a handful of rows: a loop of tiny GEMMs is all call overhead.
-# Then every expert's rows are padded to the busiest expert's count and multiplied in two batched
-# GEMMs over all E experts at once, as long as the padding costs at most this many times the useful rows.
-PADDED_WASTE_LIMIT = 4
-
-
-def use_padded_batch(counts: list[int], num_pairs: int) -> bool:
-    return len(counts) * max(counts, default=0) <= PADDED_WASTE_LIMIT * max(num_pairs, 16)
-
-
-def _experts_padded(x_sorted: torch.Tensor, sorted_ids: torch.Tensor, counts: list[int], skipped: int,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Expert outputs for expert-sorted rows via padded batched GEMMs.
-
-    x_sorted [P, H] (the first `skipped` rows belong to no local expert), sorted_ids [P]; rows of
-    expert e sit at [e, 0:counts[e]] of the padded [E, M, H] batch (M = max count); padding rows
-    are zero and their outputs are dropped. Returns [P, H] with zeros for the skipped rows.
-    """
-    P, H = x_sorted.shape
-    E, M = len(counts), max(counts)
-    starts = torch.tensor(counts, device=x_sorted.device).cumsum(0) - torch.tensor(counts, device=x_sorted.device)
-    kept = sorted_ids[skipped:]
-    slot = torch.arange(P - skipped, device=x_sorted.device) - starts[kept]  # row within its expert
-    padded = x_sorted.new_zeros(E, M, H)
-    padded[kept, slot] = x_sorted[skipped:]
-    gate, up = torch.bmm(padded, gate_up).chunk(2, dim=-1)  # [E, M, I] each
-    out = torch.bmm(F.silu(gate) * up, down)  # [E, M, H]
-    y = x_sorted.new_zeros(P, H)
-    y[skipped:] = out[kept, slot]
-    return y
