@@ -9,6 +9,7 @@ code; errors that happen mid-stream are sent as one SSE error frame.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -89,6 +90,10 @@ class ServerState:
             engine.start()
             self.metrics = ServerMetrics(engine, self.model_name)
             self.engine = engine
+            # Everything allocated so far lives as long as the server: keep it out of the GC's
+            # generations, so full collections (100+ ms pauses mid-stream) stay short.
+            gc.collect()
+            gc.freeze()
             if loaded.random_weights:
                 log.warning("model %r is a preset with RANDOM weights: its text is gibberish", self.model_name)
             log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, core.blocks.num_blocks, core.blocks.block_size)

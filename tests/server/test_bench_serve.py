@@ -1,0 +1,133 @@
+"""bench/serve.py against a real `locus serve --model tiny` subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "locus.cli", "serve", "--model", "tiny", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"server did not become ready: {log.read_text()[-2000:]}")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def bench(*args: str, via_cli: bool = False, timeout: int = 120) -> subprocess.CompletedProcess:
+    head = [sys.executable, "-m", "locus.cli", "bench", "serve"] if via_cli else [sys.executable, str(SCRIPT)]
+    return subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp_path):
+    out = tmp_path / "serve.json"
+    r = bench("--base-url", server_url, "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
+              "--concurrency", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Output token throughput" in r.stdout and "TTFT" in r.stdout
+    result = json.loads(out.read_text())
+    load = result["load"]
+    assert result["model"] == "tiny" and result["endpoint"] == "completions" and result["request_rate"] == "inf"
+    assert (load["successful"], load["failed"], load["errors"]) == (4, 0, [])
+    assert (load["prompt_tokens"], load["output_tokens"]) == (4 * 8, 4 * 5)  # token-id prompts + ignore_eos: exact
+    assert load["duration_s"] > 0
+    assert load["output_throughput"] == pytest.approx(load["output_tokens"] / load["duration_s"])
+    assert load["total_token_throughput"] == pytest.approx((32 + 20) / load["duration_s"])
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = load[metric]
+        assert 0 < m["median"] <= m["p90"] <= m["p99"], metric
+    assert load["ttft_ms"]["mean"] < load["e2e_ms"]["mean"]
+    assert result["offline"] == [] and result["ratio_http_over_offline"] is None
+    assert result["machine"]["cpus"] >= 1 and "source" in result
+
+
+def test_chat_with_poisson_arrivals_through_locus_bench(server_url, tmp_path):
+    out = tmp_path / "chat.json"
+    r = bench("--base-url", server_url, "--endpoint", "chat", "--num-prompts", "3", "--input-len", "6",
+              "--output-len", "4", "--request-rate", "50", "--seed", "3", "--out", str(out), via_cli=True)
+    assert r.returncode == 0, r.stderr
+    load = json.loads(out.read_text())["load"]
+    assert (load["successful"], load["output_tokens"]) == (3, 12)
+    assert load["prompt_tokens"] > 3 * 6  # words and the chat template: more tokens than words
+
+
+def test_text_dataset_file(server_url, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "The expert said"}\n{"prompt": "Once upon"}\n')
+    out = tmp_path / "ds.json"
+    r = bench("--base-url", server_url, "--dataset", str(data), "--num-prompts", "3", "--output-len", "3",
+              "--warmup", "0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    load = json.loads(out.read_text())["load"]
+    assert (load["successful"], load["output_tokens"]) == (3, 9)
+
+
+def test_unreachable_server_is_one_line_and_exit_2(tmp_path):
+    r = bench("--port", str(free_port()), "--num-prompts", "2", "--out", str(tmp_path / "x.json"))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow  # loads the model twice (offline engine, then the launched server)
+def test_launch_model_with_offline_comparison_stops_its_server(tmp_path):
+    out = tmp_path / "launch.json"
+    r = bench("--launch-model", "tiny", "--compare-offline", "--num-prompts", "4", "--input-len", "8",
+              "--output-len", "4", "--concurrency", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    load = result["load"]
+    # the server's max_num_seqs, then the client's concurrency (same batch width as over HTTP)
+    assert [o["max_num_seqs"] for o in result["offline"]] == [256, 2]
+    for offline in result["offline"]:
+        assert offline["output_tokens"] == load["output_tokens"] == 16
+        assert offline["prompt_tokens"] == load["prompt_tokens"] == 32  # the very same prompts
+    first, same_width = result["offline"]
+    assert result["ratio_http_over_offline"] == pytest.approx(load["output_throughput"] / first["output_throughput"])
+    assert result["ratio_http_over_offline_same_width"] == pytest.approx(load["output_throughput"] / same_width["output_throughput"])
+    assert result["server"]["omp_num_threads"] == first["threads"]
+    assert "HTTP / offline" in r.stdout
+    port = int(result["base_url"].rsplit(":", 1)[1])
+    assert not port_is_open(port)  # the launched server was stopped
