@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--phases", action="store_true",
+                   help="also time prefill alone (1 new token) to split each engine's time into prefill and decode")
     p.add_argument("--out", default="results/offline.json")
     return p.parse_args(argv)
 
@@ -106,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats)
             rows.append({"engine": "transformers", "seconds": hf_s, "output_tokens_per_s": total_new / hf_s})
             agree = sum(a == b for a, b in zip(locus_tokens, hf_tokens)) / len(prompts)
+        phases = {}
+        if args.phases:
+            phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs)[0]
+            if not args.skip_transformers:
+                phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats)[0]
+            for r in rows:
+                r["prefill_seconds"] = phases[r["engine"]]
+                r["decode_seconds"] = r["seconds"] - phases[r["engine"]]
     ratio = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"] if len(rows) > 1 else None
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
           f"CPU threads {torch.get_num_threads()}")
@@ -114,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['engine']:<14}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>12.1f}")
     if ratio is not None:
         print(f"locus / transformers throughput: {ratio:.2f}x   (greedy outputs identical for {agree:.0%} of prompts)")
+    if args.phases:
+        for r in rows:
+            print(f"{r['engine']:<14} prefill {r['prefill_seconds']:.3f} s, decode {r['decode_seconds']:.3f} s")
+        if len(rows) > 1:
+            print(f"speed-up: prefill {rows[1]['prefill_seconds'] / rows[0]['prefill_seconds']:.1f}x, "
+                  f"decode {rows[1]['decode_seconds'] / rows[0]['decode_seconds']:.2f}x")
     result = {
         "bench": "offline", "model": args.model or "small preset (seed 0)", "prompts": args.prompts,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
