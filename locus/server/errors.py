@@ -77,18 +77,10 @@ def install_handlers(app: FastAPI) -> None:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(exc.status_code, str(exc.detail), type_), exc.status_code)
 
-    @app.exception_handler(APIError)
-    async def _api(request: Request, exc: APIError) -> JSONResponse:
+    async def _known(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
-    @app.exception_handler(LocusError)
-    async def _locus(request: Request, exc: LocusError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(Exception)
-    async def _any(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+    # Known errors get their own handlers: Starlette re-raises whatever reaches the catch-all
+    # `Exception` handler (to log it as a server error) after sending the response.
+    for known in (APIError, LocusError, EngineDeadError, Exception):
+        app.add_exception_handler(known, _known)
