@@ -66,6 +66,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.model_name = config.served_model_name or (config.model or "tiny").rstrip("/").split("/")[-1]
         self.load_error: str | None = None
+        self.on_load_failed = None  # callable; `locus serve` uses it to exit instead of serving 503s
         self.created = int(time.time())
 
     def load(self) -> None:
@@ -99,7 +100,9 @@ class ServerState:
             log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, core.blocks.num_blocks, core.blocks.block_size)
         except Exception as exc:  # reported by /health; the process stays up to say so
             log.exception("model failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_error = str(exc) if isinstance(exc, LocusError) else f"{type(exc).__name__}: {exc}"
+            if self.on_load_failed is not None:
+                self.on_load_failed()
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 
 from locus.engine.cli import add_model_args
 
@@ -64,5 +65,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_timeout)
-    Server(config).run()
+    server = Server(config)
+    state = app.state.locus
+
+    def stop_on_load_failure() -> None:  # a model that cannot load is fatal, as in vLLM
+        server.should_exit = True
+
+    state.on_load_failed = stop_on_load_failure
+    server.run()
+    if state.load_error:
+        print(f"locus: error: the model failed to load: {state.load_error}", file=sys.stderr)
+        return 1
     return 0

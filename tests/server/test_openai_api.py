@@ -208,3 +208,16 @@ def test_queue_full_gets_503_with_retry_after():
         rejected = [r for r in responses if r.status_code == 503]
         assert rejected and rejected[0].headers.get("retry-after") == "1"
         assert rejected[0].json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.server_process import free_port
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama4_vision_model"}')
+    r = subprocess.run([sys.executable, "-m", "locus.cli", "serve", "--model", str(tmp_path), "--port", str(free_port()),
+                        "--log-level", "critical"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "failed to load" in r.stderr and "vision-only" in r.stderr
