@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -73,7 +74,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.on_load_failed = stop_on_load_failure
     server.run()
+    code = 0
     if state.load_error:
         print(f"locus: error: the model failed to load: {state.load_error}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    # Everything is drained and written by now. Skip interpreter finalisation: with torch 2.13 it
+    # tears down Triton's bindings (imported by torch itself) and prints pages of nanobind "leak" noise.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
