@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -65,7 +64,6 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._admitting = True
         self._thread = threading.Thread(target=self._loop, name="locus-engine", daemon=True)
-        self.step_count = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,10 +80,6 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._sinks)
 
     def stats(self) -> EngineStats:
         """Counters as of the end of the last step (a snapshot; safe from any thread)."""
@@ -158,7 +152,6 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.core.step()
-                self.step_count += 1
                 self._stats = self.core.stats()
                 for out in outputs:
                     self._deliver(out.request_id, out)
@@ -215,12 +208,3 @@ def _settle(future: asyncio.Future, result, error) -> None:
     else:
         future.set_result(result)
 
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
-    """Poll helper for tests and shutdown paths."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

@@ -84,11 +84,6 @@ class Llama4ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def set_moe_backend(self, backend: str) -> None:
-        for layer in self.model.layers:
-            if layer.is_moe:
-                layer.feed_forward.moe_backend = backend
-
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None, record_routing: bool = False) -> ForwardOutput:
         x = self.model.embed_tokens(batch.input_ids)
         if self.inv_freq.device != batch.positions.device:

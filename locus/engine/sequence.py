@@ -53,7 +53,7 @@ class RequestMetrics:
         self.last_token_time = now
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's `seq in queue` checks must not compare every field
 class Sequence:
     seq_id: int
     request: "Request"
