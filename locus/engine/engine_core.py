@@ -145,9 +145,7 @@ class EngineCore:
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
-                if self.recorder is not None:
-                    self.recorder.finish(seq)
+                self._release(seq)
         request.metrics.finished_time = time.monotonic()
         return self._output(request)
 
@@ -209,11 +207,11 @@ class EngineCore:
             child = self._new_sequence(request, index)
             request.seqs.append(child)
             children.append(child)
+            if self.recorder is not None:
+                self.recorder.fork(parent, child)  # the child's prompt rows are the parent's
             full = parent.block_table[: parent.num_computed // bs]
             if partial and not self.scheduler.make_room(1, protect={parent.seq_id, *(c.seq_id for c in children)}):
                 self.scheduler.add(child)  # no room: it recomputes its prompt later (prefix blocks are cached)
-                if self.recorder is not None:
-                    self.recorder.fork(parent, child)
                 continue
             for block in full:
                 self.blocks.take(block)
@@ -223,11 +221,15 @@ class EngineCore:
                 self.cache.copy_block(parent.block_table[len(full)], block)
                 child.block_table.append(block)
             child.block_hashes = list(parent.block_hashes)
-            if self.recorder is not None:
-                self.recorder.fork(parent, child)
             child.num_computed = parent.num_computed
             self.scheduler.add_running(child)
         return children
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished or aborted sequence gives back its blocks and, when recording, its trace."""
+        self.scheduler.finish(seq)
+        if self.recorder is not None:
+            self.recorder.finish(seq)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.blocks.block_size
@@ -259,9 +261,7 @@ class EngineCore:
             if stop_string is None:
                 seq.pending_text += seq.detokenizer.flush()
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
-            if self.recorder is not None:
-                self.recorder.finish(seq)
+            self._release(seq)
             if seq.request.finished:
                 seq.request.metrics.finished_time = time.monotonic()
 
