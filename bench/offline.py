@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both engines load the checkpoint in this dtype")
     p.add_argument("--phases", action="store_true",
                    help="also time prefill alone (1 new token) to split each engine's time into prefill and decode")
     p.add_argument("--out", default="results/offline.json")
@@ -51,7 +53,7 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
     return best, result
 
 
-def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int):
+def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
@@ -60,7 +62,7 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
 
     def once():
         # a fresh engine per repeat: no prefix cache carried over between timed runs
-        llm = LLM(str(model_dir), device="cpu", moe_backend="torch",
+        llm = LLM(str(model_dir), dtype=dtype, device="cpu", moe_backend="torch",
                   engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -71,10 +73,10 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
     return seconds, runs[0][1]
 
 
-def run_transformers(model_dir: Path, prompts, new_tokens: int, repeats: int):
+def run_transformers(model_dir: Path, prompts, new_tokens: int, repeats: int, dtype: str):
     from transformers import Llama4ForCausalLM
 
-    model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
 
     def once():
@@ -101,24 +103,24 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)
         total_new = args.prompts * args.new_tokens
         rows = []
-        locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs)
+        locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs, args.dtype)
         rows.append({"engine": "locus", "seconds": locus_s, "output_tokens_per_s": total_new / locus_s})
         agree = None
         if not args.skip_transformers:
-            hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats)
+            hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats, args.dtype)
             rows.append({"engine": "transformers", "seconds": hf_s, "output_tokens_per_s": total_new / hf_s})
             agree = sum(a == b for a, b in zip(locus_tokens, hf_tokens)) / len(prompts)
         phases = {}
         if args.phases:
-            phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs)[0]
+            phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs, args.dtype)[0]
             if not args.skip_transformers:
-                phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats)[0]
+                phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats, args.dtype)[0]
             for r in rows:
                 r["prefill_seconds"] = phases[r["engine"]]
                 r["decode_seconds"] = r["seconds"] - phases[r["engine"]]
     ratio = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"] if len(rows) > 1 else None
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"CPU threads {torch.get_num_threads()}")
+          f"{args.dtype}, CPU threads {torch.get_num_threads()}")
     print(f"{'engine':<14}{'seconds':>10}{'out tok/s':>12}")
     for r in rows:
         print(f"{r['engine']:<14}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>12.1f}")
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"decode {rows[1]['decode_seconds'] / rows[0]['decode_seconds']:.2f}x")
     result = {
         "bench": "offline", "model": args.model or "small preset (seed 0)", "prompts": args.prompts,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "repeats": args.repeats, "rows": rows,
         "ratio_locus_over_transformers": ratio, "identical_greedy_share": agree,
         "machine": {"threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
     }

@@ -188,7 +188,9 @@ class EngineCore:
                     expanded.append(s)
         if not expanded:
             return
-        sample = self.sampler.sample(logits[torch.tensor(rows, device=logits.device)], [s.sampling for s in expanded])
+        if rows != list(range(logits.shape[0])):  # n > 1 repeats rows; skip the [B, V] copy when not
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sample = self.sampler.sample(logits, [s.sampling for s in expanded])
         now = time.monotonic()
         for seq, token, logprob in zip(expanded, sample.token_ids, sample.logprobs):
             self._append(seq, token, logprob)
