@@ -153,8 +153,7 @@ class AsyncEngine:
                     continue
                 outputs = self.core.step()
                 self._stats = self.core.stats()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_step(outputs)
         except BaseException as exc:  # the step crashed: fail every waiting caller, stay dead
             self._error = exc
             err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -189,6 +188,21 @@ class AsyncEngine:
                     result, error = None, exc
                 cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, error)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per request: at 32+
+        streams, per-request wake-ups cost the loop (which shares the CPU with the forward) more
+        than the outputs themselves."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[1], []).append((target[0], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
     def _deliver(self, request_id: str, item) -> None:
         target = self._sinks.get(request_id)
         if target is None:
@@ -208,3 +222,7 @@ def _settle(future: asyncio.Future, result, error) -> None:
     else:
         future.set_result(result)
 
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)
