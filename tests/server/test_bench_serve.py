@@ -115,18 +115,26 @@ def test_unreachable_server_is_one_line_and_exit_2(tmp_path):
 def test_launch_model_with_offline_comparison_stops_its_server(tmp_path):
     out = tmp_path / "launch.json"
     r = bench("--launch-model", "tiny", "--compare-offline", "--num-prompts", "4", "--input-len", "8",
-              "--output-len", "4", "--concurrency", "2", "--out", str(out))
+              "--output-len", "4", "--concurrency", "2", "--rounds", "3", "--out", str(out))
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    load = result["load"]
+    load = result["load"]  # the last round's
     # the server's max_num_seqs, then the client's concurrency (same batch width as over HTTP)
     assert [o["max_num_seqs"] for o in result["offline"]] == [256, 2]
     for offline in result["offline"]:
         assert offline["output_tokens"] == load["output_tokens"] == 16
         assert offline["prompt_tokens"] == load["prompt_tokens"] == 32  # the very same prompts
     first, same_width = result["offline"]
-    assert result["ratio_http_over_offline"] == pytest.approx(load["output_throughput"] / first["output_throughput"])
-    assert result["ratio_http_over_offline_same_width"] == pytest.approx(load["output_throughput"] / same_width["output_throughput"])
+    rounds = result["rounds"]
+    assert len(rounds) == 3
+    assert rounds[-1]["http_output_throughput"] == load["output_throughput"]
+    assert rounds[-1]["ratios"] == pytest.approx([load["output_throughput"] / first["output_throughput"],
+                                                 load["output_throughput"] / same_width["output_throughput"]])
+    for width in range(2):  # the quoted ratios are the medians over the rounds
+        median = sorted(r["ratios"][width] for r in rounds)[1]
+        key = "ratio_http_over_offline" if width == 0 else "ratio_http_over_offline_same_width"
+        assert result[key] == pytest.approx(median)
+    assert "median HTTP / offline over 3 rounds" in r.stdout
     assert result["server"]["omp_num_threads"] == first["threads"]
     assert "HTTP / offline" in r.stdout
     port = int(result["base_url"].rsplit(":", 1)[1])
