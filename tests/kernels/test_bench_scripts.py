@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import run_bench as run
 
 from locus.kernels.moe_configs import config_file_name, load_table
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def run(script: str, *args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def test_moe_kernels_bench_small(tmp_path):

@@ -1,0 +1,18 @@
+"""Run a bench/ script as its own process, the way a user does, and return its stdout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_bench(script: str, *args: str, timeout: float = 180) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout

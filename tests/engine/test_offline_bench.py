@@ -1,0 +1,33 @@
+"""bench/offline.py and bench/profile_decode.py run end to end on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import run_bench as run
+
+from locus.engine.presets import build_preset
+from locus.engine.weights import save_checkpoint
+
+
+def test_offline_bench_against_transformers(tmp_path):
+    model = save_checkpoint(build_preset("tiny", seed=3), tmp_path / "tiny")
+    out = tmp_path / "offline.json"
+    stdout = run("offline.py", "--model", str(model), "--prompts", "3", "--prompt-len", "9", "--new-tokens", "5",
+                 "--repeats", "1", "--phases", "--out", str(out))
+    assert "locus / transformers throughput" in stdout and "speed-up: prefill" in stdout
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "float32"
+    locus, hf = result["rows"]
+    assert (locus["engine"], hf["engine"]) == ("locus", "transformers")
+    assert result["ratio_locus_over_transformers"] == locus["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    assert result["identical_greedy_share"] == 1.0  # float32: the same greedy tokens as transformers
+    for row in (locus, hf):
+        assert 0 < row["prefill_seconds"] and row["prefill_seconds"] + row["decode_seconds"] == pytest.approx(row["seconds"])
+
+
+def test_profile_decode_prints_the_step_and_its_ops():
+    stdout = run("profile_decode.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "4", "--steps", "2",
+                 "--rows", "5")
+    assert "decode step median" in stdout and "aten::" in stdout
