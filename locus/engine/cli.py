@@ -103,8 +103,15 @@ def run_bench(args: argparse.Namespace) -> int:
         raise LocusError(f"no benchmark {args.name!r} in {bench_dir}" + (f" (have: {', '.join(names)})" if names else
                          " (benchmarks need a source checkout: pip install -e .)"))
     sys.argv = [str(script), *args.args]
+    # as with `python bench/NAME.py`: the script's folder first on the path, for its sibling modules
+    added = str(bench_dir) not in sys.path
+    if added:
+        sys.path.insert(0, str(bench_dir))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0)
+    finally:
+        if added:
+            sys.path.remove(str(bench_dir))
     return 0
