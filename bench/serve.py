@@ -178,17 +178,16 @@ def run(args: argparse.Namespace, launched: list[Launched]) -> int:
                 vocab = probe_vocab(client, url, model)
     except (httpx.HTTPError, ValueError, KeyError) as exc:  # a server that answers, but not like an OpenAI one
         raise BenchError(f"setting up against {url} failed: {type(exc).__name__}: {exc}") from None
-    # the same seeds and vocabulary give the offline run's prompts again
-    prompts = make_prompts(args, vocab, args.seed, args.num_prompts)
-    bodies = [request_body(args.endpoint, model, p, args.output_len) for p in prompts]
-    warmup = [request_body(args.endpoint, model, p, warmup_len(args))
-              for p in make_prompts(args, vocab, args.seed + 1, args.warmup)]
-    prompt_lens = [len(p) if isinstance(p, list) else None for p in prompts]
     endpoint_url = f"{url}/v1/chat/completions" if args.endpoint == "chat" else f"{url}/v1/completions"
     rounds: list[Round] = []
     for r in range(args.rounds):
         if r and args.compare_offline:  # the server idles meanwhile
-            offline = offline_round(args, vocab)
+            offline = offline_round(args, vocab, r)
+        # the same seeds and vocabulary give the offline run's prompts again
+        prompts, warmup_prompts = round_prompts(args, vocab, r)
+        bodies = [request_body(args.endpoint, model, p, args.output_len) for p in prompts]
+        warmup = [request_body(args.endpoint, model, p, warmup_len(args)) for p in warmup_prompts]
+        prompt_lens = [len(p) if isinstance(p, list) else None for p in prompts]
         print(f"HTTP load: {endpoint_url}, model {model}, {len(bodies)} requests ...", flush=True)
         done = asyncio.run(run_load(args, endpoint_url, bodies, prompt_lens, warmup, server.proc.pid if server else None))
         load = summarize(done.results, done.duration, done.client_cpu, done.server_cpu, done.other_cpu)
@@ -202,10 +201,17 @@ def run(args: argparse.Namespace, launched: list[Launched]) -> int:
     return 0
 
 
-def offline_round(args: argparse.Namespace, vocab: int | None) -> list[OfflineReport]:
+def round_prompts(args: argparse.Namespace, vocab: int | None, r: int) -> tuple[list, list]:
+    """Round r's prompts and warm-up prompts, from seeds seed + 2r and seed + 2r + 1. Each round
+    draws new ones: repeating prompts against one server would hit its prefix cache and skip their
+    prefill (a --dataset file repeats its lines whatever the seed)."""
+    seed = args.seed + 2 * r
+    return make_prompts(args, vocab, seed, args.num_prompts), make_prompts(args, vocab, seed + 1, args.warmup)
+
+
+def offline_round(args: argparse.Namespace, vocab: int | None, r: int = 0) -> list[OfflineReport]:
     print(f"offline engine: {args.model}, {args.num_prompts} requests ...", flush=True)
-    return run_offline(args, make_prompts(args, vocab, args.seed, args.num_prompts),
-                       make_prompts(args, vocab, args.seed + 1, args.warmup))
+    return run_offline(args, *round_prompts(args, vocab, r))
 
 
 def launch_if_asked(args: argparse.Namespace, threads: int | None) -> tuple[str, Launched | None]:

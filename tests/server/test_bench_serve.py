@@ -139,3 +139,23 @@ def test_launch_model_with_offline_comparison_stops_its_server(tmp_path):
     assert "HTTP / offline" in r.stdout
     port = int(result["base_url"].rsplit(":", 1)[1])
     assert not port_is_open(port)  # the launched server was stopped
+
+
+def prefix_cache_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("locus_prefix_cache_hits"))
+
+
+def test_rounds_draw_new_prompts_so_the_prefix_cache_never_hits(server_url, tmp_path):
+    # 40-token prompts fill two 16-token blocks each, which a repeat of the same prompt would reuse
+    before = prefix_cache_hits(server_url)
+    r = bench("--base-url", server_url, "--num-prompts", "3", "--input-len", "40", "--output-len", "2",
+              "--rounds", "3", "--seed", "7100", "--out", str(tmp_path / "rounds.json"))
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((tmp_path / "rounds.json").read_text())["rounds"]) == 3
+    assert prefix_cache_hits(server_url) == before
+    # the check can fail: running the very same round again does hit the cache
+    again = bench("--base-url", server_url, "--num-prompts", "3", "--input-len", "40", "--output-len", "2",
+                  "--seed", "7100", "--out", str(tmp_path / "again.json"))
+    assert again.returncode == 0, again.stderr
+    assert prefix_cache_hits(server_url) > before
