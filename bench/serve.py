@@ -8,7 +8,7 @@ exact, `--output-len` new tokens with `ignore_eos` so output lengths are exact, 
 
     python bench/serve.py --base-url http://127.0.0.1:8000 --num-prompts 64 --concurrency 32
     locus bench serve --launch-model small --compare-offline --num-prompts 64 --input-len 64 \\
-        --output-len 64 --concurrency 32 --request-rate inf --rounds 5 --out results/serve.json
+        --output-len 64 --concurrency 32 --request-rate inf --rounds 9 --out results/serve.json
 
 Measurements (all client-side, from `time.perf_counter`):
 - TTFT: request sent -> first SSE chunk carrying a generated token (chat's role-only preamble does not count).
