@@ -277,43 +277,65 @@ async def until_disconnected(raw: Request, coro):
 
 
 async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool, on_finish):
-    """Fan in the prompts' output streams and emit SSE frames; cancelling this generator (client gone)
-    cancels the readers, which aborts their requests in the engine."""
+    """SSE frames for the prompts' output streams; an error inside a stream becomes one error frame.
+    Closing this generator (client gone) closes the streams, which aborts their requests."""
+    usage = responses.Usage()
+    for frame in fmt.stream_start(request_id, len(streams), n):
+        yield frame
+    merged = merge_streams(streams)
+    try:
+        async for i, item in merged:
+            if isinstance(item, BaseException):
+                yield sse_error(item)
+                return
+            if item.finished and on_finish is not None:
+                on_finish(item.metrics, [c.finish_reason for c in item.outputs])
+            for frame in fmt.stream_chunk(request_id, i, n, item, usage):
+                yield frame
+    finally:
+        await merged.aclose()
+    if include_usage:
+        yield fmt.usage_chunk(request_id, usage)
+    yield "data: [DONE]\n\n"
+
+
+async def merge_streams(streams):
+    """(prompt index, output or error) from every stream, in arrival order; an error ends the merge.
+
+    One stream (the usual case) is read directly: no reader task and no second queue per token,
+    which matters when the event loop serves dozens of streams on the cores the model runs on."""
+    if len(streams) == 1:
+        stream = streams[0]
+        try:
+            async for out in stream:
+                yield 0, out
+        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an SSE error frame
+            yield 0, exc
+        finally:
+            await stream.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
         try:
             async for out in stream:
-                await queue.put((i, out))
-                if out.finished and on_finish is not None:
-                    on_finish(out.metrics, [c.finish_reason for c in out.outputs])
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the client as an SSE error frame
-            await queue.put((i, exc))
-            raise
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an SSE error frame
+            queue.put_nowait((i, exc))
         finally:
-            await queue.put((i, None))
+            queue.put_nowait((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     open_streams = len(tasks)
-    usage = responses.Usage()
     try:
-        for frame in fmt.stream_start(request_id, len(streams), n):
-            yield frame
         while open_streams:
             i, item = await queue.get()
             if item is None:
                 open_streams -= 1
                 continue
+            yield i, item
             if isinstance(item, BaseException):
-                if isinstance(item, asyncio.CancelledError):
-                    continue
-                yield sse_error(item)
                 return
-            for frame in fmt.stream_chunk(request_id, i, n, item, usage):
-                yield frame
-        if include_usage:
-            yield fmt.usage_chunk(request_id, usage)
-        yield "data: [DONE]\n\n"
     finally:
         for t in tasks:
             t.cancel()
