@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+from offline import make_prompts  # the same prompts as bench/offline.py (bench/ is on the path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, device="cpu", moe_backend="torch",
               engine_config=EngineConfig(max_num_seqs=256, max_num_batched_tokens=4096))
     core = llm.engine
-    vocab = core.model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 10, ignore_eos=True)
-    for i, prompt in enumerate(torch.randint(3, min(vocab, 32000), (args.prompts, args.prompt_len), generator=gen).tolist()):
+    for i, prompt in enumerate(make_prompts(args.prompts, args.prompt_len, core.model.config.vocab_size)):
         core.add_request(str(i), prompt, params)
     core.step()  # the prefill
     for _ in range(5):
