@@ -148,15 +148,23 @@ def check_meta(meta: TraceMeta, where: str) -> None:
         raise TraceFormatError(f"{where}: \"source\" must be a string")
 
 
+def load_object(text: str, where: str, position: bool = False) -> dict[str, Any]:
+    """A JSON object from `text`, or a TraceFormatError naming `where` (and, with `position`, the
+    line inside `text` where the JSON breaks: useful for whole files, noise for one JSONL line)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        at = f" at line {exc.lineno}" if position else ""
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg}{at})") from None
+    if not isinstance(d, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
     """One requests.jsonl line -> RequestRecord; `lineno` is 1-based, for the error message."""
     where = f"{path}: line {lineno}"
-    try:
-        d = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(d, dict):
-        raise TraceFormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    d = load_object(line, where)
     for key, kind in (("id", str), ("domain", str), ("prompt_tokens", int), ("tokens", int)):
         if key not in d:
             raise TraceFormatError(f"{where}: missing field {key!r}")
@@ -184,13 +192,7 @@ def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:
         raise TraceFormatError(f"{path}: missing (every trace directory has a meta.json)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"{path}: unreadable ({exc})") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(d, dict):
-        raise TraceFormatError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
+    return load_object(text, str(path), position=True)
 
 
 def trace_kind(trace_dir: str | Path) -> str:

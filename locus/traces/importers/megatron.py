@@ -12,13 +12,12 @@ at a time, so memory holds a single step, never the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from locus.traces.format import KIND_TOKENS, TraceFormatError
+from locus.traces.format import KIND_TOKENS, TraceFormatError, load_object
 from locus.traces.importers.common import ImportOptions, ImportResult, Observed, resolve_meta
 from locus.traces.writer import TraceWriter
 
@@ -106,12 +105,7 @@ def _records(src: Path) -> Iterator[tuple[str, dict]]:
             if not line.strip():
                 continue
             where = f"{src}: line {lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise TraceFormatError(f"{where}: expected an object")
+            rec = load_object(line, where)
             for field in ("step", "layer", "top_indices"):
                 if field not in rec:
                     raise TraceFormatError(f"{where}: missing field {field!r}")
