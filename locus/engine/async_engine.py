@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from locus.engine.engine_core import EngineCore, EngineStats
-from locus.engine.outputs import RequestOutput
+from locus.engine.outputs import RequestOutput, merge_outputs
 from locus.engine.sampling import SamplingParams
 from locus.errors import LocusError
 
@@ -35,7 +35,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     domain: str | None
-    sink: asyncio.Queue
+    sink: "_Sink"
     loop: asyncio.AbstractEventLoop
 
 
@@ -57,7 +57,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, tuple[_Sink, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._stats = core.stats()
         self._error: BaseException | None = None
@@ -88,7 +88,8 @@ class AsyncEngine:
     # --- requests -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        domain: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream this request's incremental outputs; the last one has `finished` True.
+        """Stream this request's incremental outputs; the last one has `finished` True. A caller
+        that falls behind gets its backlog as one merged output (see merge_outputs).
         Validation errors raise before anything streams."""
         self.check_admission()
         self.core.validate(prompt_ids, params)
@@ -96,7 +97,7 @@ class AsyncEngine:
         if request_id in self._sinks:
             raise LocusError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = _Sink()
         self._sinks[request_id] = (sink, loop)
         self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
         self._wake.set()
@@ -209,9 +210,50 @@ class AsyncEngine:
             return
         sink, loop = target
         try:
-            loop.call_soon_threadsafe(sink.put_nowait, item)
+            loop.call_soon_threadsafe(sink.put, item)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+
+class _Sink:
+    """One request's outputs, from the engine thread (through call_soon_threadsafe) to its single
+    reader on the event loop. Lighter than asyncio.Queue, which the loop would pay for per token
+    per stream, on the cores the forward needs; outputs waiting when the reader comes back are
+    merged into one, so a lagging stream catches up with one frame."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:  # on the event loop
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self):
+        """The next error, or every output waiting, merged into one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = self._items
+        first = items[0]
+        if len(items) == 1 or isinstance(first, BaseException):
+            del items[0]
+            return first
+        count = 1
+        while count < len(items) and not isinstance(items[count], BaseException):
+            first = merge_outputs(first, items[count])
+            count += 1
+        del items[:count]  # an error after the outputs stays for the next get()
+        return first
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
@@ -223,6 +265,6 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[_Sink, RequestOutput]]) -> None:
     for sink, out in items:
-        sink.put_nowait(out)
+        sink.put(out)

@@ -28,3 +28,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output that reports what both did: `later`'s state with both steps' deltas. A stream
+    that fell behind the engine sends one frame for its backlog instead of one per step."""
+    merged = []
+    for a, b in zip(earlier.outputs, later.outputs, strict=True):
+        merged.append(CompletionOutput(
+            index=b.index, text=b.text, token_ids=b.token_ids, delta_text=a.delta_text + b.delta_text,
+            delta_token_ids=a.delta_token_ids + b.delta_token_ids,
+            delta_logprobs=a.delta_logprobs + b.delta_logprobs, logprobs=b.logprobs,
+            finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics)

@@ -282,38 +282,47 @@ async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bo
     usage = responses.Usage()
     for frame in fmt.stream_start(request_id, len(streams), n):
         yield frame
-    merged = merge_streams(streams)
-    try:
-        async for i, item in merged:
-            if isinstance(item, BaseException):
-                yield sse_error(item)
-                return
-            if item.finished and on_finish is not None:
-                on_finish(item.metrics, [c.finish_reason for c in item.outputs])
-            for frame in fmt.stream_chunk(request_id, i, n, item, usage):
-                yield frame
-    finally:
-        await merged.aclose()
+
+    def frames(i: int, out) -> list[str]:
+        if out.finished and on_finish is not None:
+            on_finish(out.metrics, [c.finish_reason for c in out.outputs])
+        return fmt.stream_chunk(request_id, i, n, out, usage)
+
+    if len(streams) == 1:
+        # One prompt (the usual case) is read directly: no merging generator between the engine's
+        # stream and the response, whose every layer the event loop pays per token per stream.
+        stream = streams[0]
+        try:
+            async for out in stream:
+                for frame in frames(0, out):
+                    yield frame
+        except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
+            yield sse_error(exc)
+            return
+        finally:
+            await stream.aclose()
+    else:
+        merged = merge_streams(streams)
+        try:
+            async for i, item in merged:
+                try:
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch = frames(i, item)
+                except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
+                    yield sse_error(exc)
+                    return
+                for frame in batch:
+                    yield frame
+        finally:
+            await merged.aclose()
     if include_usage:
         yield fmt.usage_chunk(request_id, usage)
     yield "data: [DONE]\n\n"
 
 
 async def merge_streams(streams):
-    """(prompt index, output or error) from every stream, in arrival order; an error ends the merge.
-
-    One stream (the usual case) is read directly: no reader task and no second queue per token,
-    which matters when the event loop serves dozens of streams on the cores the model runs on."""
-    if len(streams) == 1:
-        stream = streams[0]
-        try:
-            async for out in stream:
-                yield 0, out
-        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an SSE error frame
-            yield 0, exc
-        finally:
-            await stream.aclose()
-        return
+    """(prompt index, output or error) from every stream, in arrival order; an error ends the merge."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):

@@ -65,19 +65,23 @@ class ServerMetrics:
         self.finished = Counter("locus_request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
+        # the one label set, bound once: labels() takes a lock and a dict lookup, and the ITL
+        # histogram is observed once per generated token
+        self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
+        self._e2e, self._queue = self.e2e.labels(model_name), self.queue.labels(model_name)
 
     def observe_finished(self, metrics: RequestMetrics, finish_reasons: list[str | None]) -> None:
-        m = self.model_name
         if metrics.ttft is not None:
-            self.ttft.labels(m).observe(metrics.ttft)
+            self._ttft.observe(metrics.ttft)
+        observe_gap = self._itl.observe
         for gap in metrics.inter_token_latencies:
-            self.itl.labels(m).observe(gap)
+            observe_gap(gap)
         if metrics.e2e_latency is not None:
-            self.e2e.labels(m).observe(metrics.e2e_latency)
+            self._e2e.observe(metrics.e2e_latency)
         if metrics.queue_time is not None:
-            self.queue.labels(m).observe(metrics.queue_time)
+            self._queue.observe(metrics.queue_time)
         for reason in finish_reasons:
-            self.finished.labels(m, reason or "unknown").inc()
+            self.finished.labels(self.model_name, reason or "unknown").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

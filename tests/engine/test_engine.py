@@ -13,19 +13,7 @@ from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.generate import generate_tokens
 from locus.engine.llm import LLM
-from locus.engine.presets import build_preset
 from locus.engine.sampling import InvalidParameter, SamplingParams
-from locus.engine.tokenizer import ByteTokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_preset("tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return ByteTokenizer(ByteTokenizer.MIN_VOCAB)
 
 
 def random_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:

@@ -8,16 +8,10 @@ import torch
 
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.forward_batch import ForwardBatch
-from locus.engine.presets import build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.tokenizer import ByteTokenizer
 from locus.errors import LocusError
 from locus.traces.reader import TraceReader
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_preset("tiny", seed=0)
 
 
 def run_all(core: EngineCore) -> dict:

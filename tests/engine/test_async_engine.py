@@ -1,0 +1,81 @@
+"""AsyncEngine's hand-over to the event loop: a reader that falls behind gets its backlog as one
+merged output, and nothing is lost or reordered on the way."""
+
+from __future__ import annotations
+
+import asyncio
+
+from locus.engine.async_engine import AsyncEngine, _Sink
+from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.generate import generate_tokens
+from locus.engine.outputs import CompletionOutput, RequestOutput, merge_outputs
+from locus.engine.sampling import SamplingParams, TokenLogprob
+from locus.engine.sequence import RequestMetrics
+
+
+def step_output(tokens_so_far: list[int], new: list[int], finish: str | None = None) -> RequestOutput:
+    text = "".join(chr(97 + t % 26) for t in tokens_so_far + new)
+    lps = [TokenLogprob(t, -float(t), []) for t in new]
+    choice = CompletionOutput(index=0, text=text, token_ids=tokens_so_far + new, delta_text=text[len(tokens_so_far):],
+                              delta_token_ids=list(new), delta_logprobs=lps, logprobs=None, finish_reason=finish,
+                              stop_reason=None)
+    return RequestOutput("r", [1, 2], [choice], finish is not None, RequestMetrics(arrival_time=0.0))
+
+
+def test_merged_outputs_carry_both_deltas_and_the_later_state():
+    a, b = step_output([], [3, 4]), step_output([3, 4], [5], finish="length")
+    m = merge_outputs(a, b).outputs[0]
+    assert m.delta_token_ids == [3, 4, 5] and m.token_ids == [3, 4, 5]
+    assert m.delta_text == a.outputs[0].delta_text + b.outputs[0].delta_text == m.text
+    assert [lp.token_id for lp in m.delta_logprobs] == [3, 4, 5]
+    assert m.finish_reason == "length" and merge_outputs(a, b).finished
+
+
+def test_sink_merges_a_backlog_and_keeps_an_error_after_it_for_the_next_read():
+    async def scenario():
+        sink = _Sink()
+        first, second = step_output([], [7]), step_output([7], [8])
+        sink.put(first)
+        assert await sink.get() is first  # one waiting output comes back as it is
+        sink.put(first)
+        sink.put(second)
+        err = RuntimeError("engine died")
+        sink.put(err)
+        merged = await sink.get()
+        assert merged.outputs[0].delta_token_ids == [7, 8]
+        assert await sink.get() is err
+        waiter = asyncio.ensure_future(sink.get())  # an empty sink waits for the next put
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        sink.put(second)
+        assert await waiter is second
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_reader_gets_fewer_outputs_and_every_token_and_logprob_in_order(tiny, tok):
+    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = AsyncEngine(core)
+    engine.start()
+    prompt = tok.encode("lagging reader")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    async def read_slowly():
+        outputs = []
+        async for out in engine.generate(prompt, params):
+            outputs.append(out)
+            await asyncio.sleep(0.05)  # the engine steps on meanwhile
+        return outputs
+
+    try:
+        outputs = asyncio.run(read_slowly())
+    finally:
+        engine.shutdown()
+    choices = [o.outputs[0] for o in outputs]
+    final = choices[-1]
+    assert outputs[-1].finished and final.finish_reason == "length"
+    assert len(outputs) < 24  # some reads took several steps' tokens at once
+    assert [t for c in choices for t in c.delta_token_ids] == final.token_ids == generate_tokens(tiny, prompt, 24)
+    assert "".join(c.delta_text for c in choices) == final.text
+    assert [lp.token_id for c in choices for lp in c.delta_logprobs] == final.token_ids
+    assert [lp.token_id for lp in final.logprobs] == final.token_ids
