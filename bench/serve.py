@@ -21,14 +21,13 @@ Measurements (all client-side, from `time.perf_counter`):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
 from pathlib import Path
 
 from serve_lib.common import PROG, BenchError
-from serve_lib.load import run_load, summarize
+from serve_lib.load import run_load, run_on_fastest_loop, summarize
 from serve_lib.offline import OfflineReport, run_offline
 from serve_lib.prompts import make_prompts, read_dataset, request_body, warmup_len
 from serve_lib.report import Round, print_report, print_rounds, write_json
@@ -189,8 +188,9 @@ def run(args: argparse.Namespace, launched: list[Launched]) -> int:
         warmup = [request_body(args.endpoint, model, p, warmup_len(args)) for p in warmup_prompts]
         prompt_lens = [len(p) if isinstance(p, list) else None for p in prompts]
         print(f"HTTP load: {endpoint_url}, model {model}, {len(bodies)} requests ...", flush=True)
-        done = asyncio.run(run_load(args, endpoint_url, bodies, prompt_lens, warmup, server.proc.pid if server else None))
-        load = summarize(done.results, done.duration, done.client_cpu, done.server_cpu, done.other_cpu)
+        done, client_loop = run_on_fastest_loop(
+            run_load(args, endpoint_url, bodies, prompt_lens, warmup, server.proc.pid if server else None))
+        load = summarize(done.results, done.duration, done.client_cpu, done.server_cpu, done.other_cpu, client_loop)
         rounds.append(Round(load, offline))
     print_report(args, load, offline, loadavg)
     print_rounds(rounds)

@@ -54,7 +54,7 @@ def print_report(args: argparse.Namespace, load: LoadReport, offline: list[Offli
         print(f"{name:<10}" + "".join(f"{'-' if v is None else f'{v:.1f}':>12}" for v in (pct.mean, pct.median, pct.p90, pct.p99)))
     server_cpu = f", server {load.server_cpu_s:.1f}" if load.server_cpu_s is not None else ""
     other = f", other processes {load.other_cpu_s:.1f}" if load.other_cpu_s is not None else ""
-    print(f"CPU seconds during the run: client {load.client_cpu_s:.1f}{server_cpu}{other} (wall {load.duration_s:.1f})")
+    print(f"CPU seconds during the run: client {load.client_cpu_s:.1f} ({load.client_loop} loop){server_cpu}{other} (wall {load.duration_s:.1f})")
     for error in load.errors:
         print(f"  failure: {error}")
     if offline:
