@@ -87,9 +87,10 @@ class AsyncEngine:
 
     # --- requests -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       domain: str | None = None) -> AsyncIterator[RequestOutput]:
+                       domain: str | None = None, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream this request's incremental outputs; the last one has `finished` True. A caller
-        that falls behind gets its backlog as one merged output (see merge_outputs).
+        that falls behind gets its backlog as one merged output (see merge_outputs). With
+        `final_only`, only the finished output comes (the event loop is not woken per step).
         Validation errors raise before anything streams."""
         self.check_admission()
         self.core.validate(prompt_ids, params)
@@ -97,7 +98,7 @@ class AsyncEngine:
         if request_id in self._sinks:
             raise LocusError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        sink = _Sink()
+        sink = _Sink(final_only)
         self._sinks[request_id] = (sink, loop)
         self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
         self._wake.set()
@@ -221,14 +222,23 @@ class _Sink:
     per stream, on the cores the forward needs; outputs waiting when the reader comes back are
     merged into one, so a lagging stream catches up with one frame."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "_final_only")
 
-    def __init__(self):
+    def __init__(self, final_only: bool = False):
         self._items: list = []
         self._waiter: asyncio.Future | None = None
+        self._final_only = final_only  # keep only the latest output; wake the reader when it is the last
 
     def put(self, item) -> None:  # on the event loop
-        self._items.append(item)
+        if self._final_only and isinstance(item, RequestOutput):
+            if self._items and isinstance(self._items[-1], RequestOutput):
+                self._items[-1] = item  # a later output holds everything an earlier one did
+            else:
+                self._items.append(item)
+            if not item.finished:
+                return
+        else:
+            self._items.append(item)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None

@@ -233,7 +233,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         engine.check_admission()
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         domain = body.domain or raw.headers.get("x-locus-domain")
-        streams = [engine.generate(p, params, f"{request_id}-{i}", domain) for i, p in enumerate(prompts)]
+        final_only = not body.stream  # a whole response needs only each request's finished output
+        streams = [engine.generate(p, params, f"{request_id}-{i}", domain, final_only) for i, p in enumerate(prompts)]
         on_finish = state.metrics.observe_finished if state.metrics else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -79,3 +79,22 @@ def test_a_slow_reader_gets_fewer_outputs_and_every_token_and_logprob_in_order(t
     assert "".join(c.delta_text for c in choices) == final.text
     assert [lp.token_id for c in choices for lp in c.delta_logprobs] == final.token_ids
     assert [lp.token_id for lp in final.logprobs] == final.token_ids
+
+
+def test_a_final_only_reader_gets_just_the_finished_output(tiny, tok):
+    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = AsyncEngine(core)
+    engine.start()
+    prompt = tok.encode("whole response")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def read(final_only: bool):
+        return [out async for out in engine.generate(prompt, params, final_only=final_only)]
+
+    try:
+        streamed, whole = asyncio.run(read(False)), asyncio.run(read(True))
+    finally:
+        engine.shutdown()
+    assert len(streamed) > 1 and len(whole) == 1 and whole[0].finished
+    assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids == generate_tokens(tiny, prompt, 12)
+    assert whole[0].outputs[0].text == streamed[-1].outputs[0].text
