@@ -58,6 +58,7 @@ class _Format:
         self.model_name, self.tokenizer = model_name, tokenizer
         self.created = int(time.time())
         self._templates: dict[tuple[str, int], tuple[str, str]] = {}  # (request id, choice) -> frame around its text
+        self._text_offsets: dict[int, int] = {}  # choice -> text_offset of its next streamed token
 
     def token_text(self, token_id: int) -> str:
         """A token's own text; a piece of a multi-byte character (not text on its own) is named
@@ -150,7 +151,13 @@ class CompletionFormat(_Format):
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def delta_choice(self, index: int, c: CompletionOutput) -> dict:
-        lp = self.logprobs(c.delta_logprobs) if c.logprobs is not None else None
+        lp = None
+        if c.logprobs is not None:
+            # text_offset continues across chunks, as in the whole response
+            start = self._text_offsets.get(index, 0)
+            lp = self.logprobs(c.delta_logprobs, start)
+            if lp["tokens"]:
+                self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 

@@ -51,6 +51,15 @@ def test_streamed_completion_concatenates_to_the_greedy_result(client):
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
 
 
+def test_streamed_logprobs_and_text_offsets_continue_across_chunks(client):
+    args = dict(model=MODEL, prompt="offsets", max_tokens=10, temperature=0, logprobs=2)
+    full = client.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True) if c.choices]
+    assert [t for lp in chunks for t in lp.tokens] == full.tokens
+    assert [v for lp in chunks for v in lp.token_logprobs] == pytest.approx(full.token_logprobs)
+    assert [o for lp in chunks for o in lp.text_offset] == full.text_offset
+
+
 def test_chat_streaming_and_non_streaming_agree(server, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
