@@ -183,6 +183,23 @@ def test_64_streams_half_disconnected_leave_nothing_running(server):
     assert "locus_time_to_first_token_seconds_bucket" in text
 
 
+def test_a_non_streamed_request_whose_client_leaves_is_aborted(server):
+    before = metric(httpx.get(f"{server.base_url}/metrics").text, "locus_generation_tokens_total")
+    body = {"model": MODEL, "prompt": "leave early", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    text = ""
+    for _ in range(100):
+        text = httpx.get(f"{server.base_url}/metrics").text
+        if metric(text, "locus_num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(text, "locus_num_requests_running") == 0
+    assert metric(text, "locus_kv_cache_free_blocks") == metric(text, "locus_kv_cache_total_blocks")
+    generated = metric(text, "locus_generation_tokens_total") - before
+    assert 0 < generated < 3000  # it was running, and stopped early
+
+
 def test_sigterm_drains_and_exits_zero():
     with running_server("--model", MODEL) as proc:
         async def long_stream():
