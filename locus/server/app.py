@@ -317,9 +317,10 @@ async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bo
         merged = merge_streams(streams)
         try:
             async for i, item in merged:
+                if isinstance(item, BaseException):
+                    yield sse_error(item)
+                    return
                 try:
-                    if isinstance(item, BaseException):
-                        raise item
                     batch = frames(i, item)
                 except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
                     yield sse_error(exc)

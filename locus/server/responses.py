@@ -57,7 +57,8 @@ class _Format:
     def __init__(self, model_name: str, tokenizer: Tokenizer):
         self.model_name, self.tokenizer = model_name, tokenizer
         self.created = int(time.time())
-        self._templates: dict[tuple[str, int], tuple[str, str]] = {}  # (request id, choice) -> frame around its text
+        # A format serves one HTTP request (one request id), so its per-choice state is keyed by choice.
+        self._templates: dict[int, tuple[str, str]] = {}  # choice -> the frame around its text
         self._text_offsets: dict[int, int] = {}  # choice -> text_offset of its next streamed token
 
     def token_text(self, token_id: int) -> str:
@@ -103,15 +104,15 @@ class _Format:
 
     def _text_frame(self, request_id: str, index: int, text: str) -> str:
         """The frame of a plain text delta (no logprobs, not the last): the same bytes as
-        sse(_chunk(...delta_choice...)), from a template rendered once per choice. Streaming spends
-        most of its server CPU per token, on the cores the model runs on; this halves the frame's cost."""
-        key = (request_id, index)
-        template = self._templates.get(key)
+        sse(_chunk(...delta_choice...)), from a template rendered once per choice, so a token costs
+        one string escape instead of building and encoding the chunk (the event loop shares the
+        cores with the model)."""
+        template = self._templates.get(index)
         if template is None:
             probe = CompletionOutput(index=0, text="", token_ids=[], delta_text=_TEXT_MARK, delta_token_ids=[0])
             rendered = sse(self._chunk(request_id, [self.delta_choice(index, probe)]))
             head, tail = rendered.split(_encode_text(_TEXT_MARK))
-            template = self._templates[key] = (head, tail)
+            template = self._templates[index] = (head, tail)
         return template[0] + _encode_text(text) + template[1]
 
     def usage_chunk(self, request_id: str, usage: Usage) -> str:

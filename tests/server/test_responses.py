@@ -41,4 +41,4 @@ def test_stream_chunk_uses_the_template_only_for_plain_deltas():
                                                       "finish_reason": None, "stop_reason": None}
     assert json.loads(last[0][6:])["choices"][0]["finish_reason"] == "length"
     assert usage.as_dict() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
-    assert fmt._templates.keys() == {("r", 0)}  # the finishing frame went the generic way
+    assert fmt._templates.keys() == {0}  # the finishing frame went the generic way
