@@ -2,23 +2,36 @@
 
 The asyncio loop never runs a forward pass. Callers post commands (add, abort) to a queue; the
 engine thread applies them between steps, runs `step()`, and hands each request's outputs to that
-request's asyncio.Queue with `call_soon_threadsafe`. A caller that stops listening (client gone,
-task cancelled) aborts its request, which frees its KV blocks at the next step boundary.
+request's sink with `call_soon_threadsafe`. A caller that stops listening (client gone, task
+cancelled) aborts its request, which frees its KV blocks at the next step boundary.
+
+Admission is decided synchronously by `add` (queue room, validation), before a caller sends any
+response byte, and exactly: requests admitted but not yet seen by the engine thread are counted
+under the same lock as the snapshot of the engine's waiting queue.
+
+Failure policy (as vLLM's): an error the engine can pin on one request (see EngineCore.step) fails
+that request only. Any other exception in the engine thread is fatal: it is logged with its
+traceback, every caller gets EngineDeadError, `healthy` turns False, and `on_dead` (the server's
+exit hook) is called, so that a supervisor sees the process end instead of a live process with a
+dead engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from locus.engine.engine_core import EngineCore, EngineStats
 from locus.engine.outputs import RequestOutput, merge_outputs
 from locus.engine.sampling import SamplingParams
 from locus.errors import LocusError
+
+log = logging.getLogger("locus.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -27,6 +40,10 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(LocusError):
     """Too many requests waiting; retry later."""
+
+
+class ShuttingDownError(QueueFullError):
+    """The server is stopping; the request was not (or not completely) served. Retry elsewhere."""
 
 
 @dataclass
@@ -45,6 +62,11 @@ class _Abort:
 
 
 @dataclass
+class _FailAll:
+    error: BaseException  # every request in the engine ends with this error
+
+
+@dataclass
 class _Call:
     fn: object  # callable(EngineCore) -> result, run in the engine thread between steps
     future: asyncio.Future
@@ -52,10 +74,16 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_waiting: int | None = None):
+    def __init__(self, core: EngineCore, max_waiting: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.core = core
         self.max_waiting = max_waiting
+        self.on_dead = on_dead  # called once, from the engine thread, after a fatal engine error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Admission count: _Add commands posted but not yet applied by the engine thread. It and
+        # the stats snapshot change together under this lock, so no request is counted twice or never.
+        self._admission = threading.Lock()
+        self._unapplied_adds = 0
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[_Sink, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
@@ -86,45 +114,51 @@ class AsyncEngine:
         return self._stats
 
     # --- requests -------------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       domain: str | None = None, final_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Stream this request's incremental outputs; the last one has `finished` True. A caller
-        that falls behind gets its backlog as one merged output (see merge_outputs). With
-        `final_only`, only the finished output comes (the event loop is not woken per step).
-        Validation errors raise before anything streams."""
-        self.check_admission()
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+            domain: str | None = None, final_only: bool = False) -> "RequestStream":
+        """Admit a request now (or raise EngineDeadError, QueueFullError, InvalidParameter) and
+        return the stream of its outputs. Call from the event loop that will read the stream."""
         self.core.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._sinks:
             raise LocusError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         sink = _Sink(final_only)
-        self._sinks[request_id] = (sink, loop)
-        self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
+        with self._admission:
+            self._check_admission(1)
+            self._unapplied_adds += 1
+            self._sinks[request_id] = (sink, loop)
+            self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._sinks.pop(request_id, None)
+        return RequestStream(self, request_id, sink)
 
-    def check_admission(self) -> None:
-        """Raise EngineDeadError / QueueFullError if a new request cannot be taken now."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       domain: str | None = None, final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Admit the request and stream its incremental outputs; the last one has `finished` True.
+        A caller that falls behind gets its backlog as one merged output (see merge_outputs). With
+        `final_only`, only the finished output comes (the event loop is not woken per step)."""
+        stream = self.add(prompt_ids, params, request_id, domain, final_only)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def check_admission(self, count: int = 1) -> None:
+        """Raise EngineDeadError / QueueFullError if `count` new requests cannot be taken now."""
+        with self._admission:
+            self._check_admission(count)
+
+    def _check_admission(self, count: int) -> None:
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
         if not self._admitting:
-            raise QueueFullError("the server is shutting down")
-        if self.max_waiting is not None and self._stats.num_waiting + self._pending_adds() >= self.max_waiting:
+            raise ShuttingDownError("the server is shutting down")
+        if self.max_waiting is not None and self._stats.num_waiting + self._unapplied_adds + count > self.max_waiting:
             raise QueueFullError(f"too many requests waiting ({self.max_waiting}); retry later")
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in the engine with `error` (at the next step boundary)."""
+        self._commands.put(_FailAll(error))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -140,41 +174,48 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
-    def _pending_adds(self) -> int:
-        return self._commands.qsize()
-
     # --- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
                 self._apply_commands()
                 if not self.core.has_unfinished():
-                    self._stats = self.core.stats()
+                    self._publish_stats(0)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 outputs = self.core.step()
-                self._stats = self.core.stats()
+                self._publish_stats(0)
                 self._deliver_step(outputs)
-        except BaseException as exc:  # the step crashed: fail every waiting caller, stay dead
+        except BaseException as exc:  # not pinned on one request: the engine is dead
             self._error = exc
+            log.critical("engine failed; every request in flight gets an error", exc_info=exc)
             err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
             for request_id in list(self._sinks):
                 self._deliver(request_id, err)
-        finally:
-            # on shutdown, whoever is still waiting gets an aborted final output
-            for request_id in list(self.core.requests):
-                out = self.core.abort(request_id)
-                if out is not None:
-                    self._deliver(request_id, out)
+            if self.on_dead is not None:
+                self.on_dead(exc)
+            return
+        # on shutdown, whoever is still waiting gets an aborted final output
+        for request_id in list(self.core.requests):
+            out = self.core.abort(request_id)
+            if out is not None:
+                self._deliver(request_id, out)
+
+    def _publish_stats(self, applied_adds: int) -> None:
+        with self._admission:
+            self._stats = self.core.stats()
+            self._unapplied_adds -= applied_adds
 
     def _apply_commands(self) -> None:
+        adds = 0
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(cmd, _Add):
+                adds += 1
                 try:
                     self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
                 except LocusError as exc:
@@ -183,12 +224,18 @@ class AsyncEngine:
                 out = self.core.abort(cmd.request_id)
                 if out is not None:
                     self._deliver(cmd.request_id, out)
+            elif isinstance(cmd, _FailAll):
+                for request_id in list(self.core.requests):
+                    self.core.abort(request_id)
+                    self._deliver(request_id, cmd.error)
             elif isinstance(cmd, _Call):
                 try:
                     result, error = cmd.fn(self.core), None
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     result, error = None, exc
                 cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, error)
+        if adds:  # the added requests are in the engine's own counts from now on
+            self._publish_stats(adds)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one wake-up per event loop, not one per request: at 32+
@@ -197,8 +244,8 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._sinks.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[1], []).append((target[0], out))
+            if target is not None:  # a failed request's reader gets its error instead of the output
+                by_loop.setdefault(target[1], []).append((target[0], out.error or out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -214,6 +261,47 @@ class AsyncEngine:
             loop.call_soon_threadsafe(sink.put, item)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+
+class RequestStream:
+    """An admitted request's outputs, read on the event loop that added it. Leaving it before the
+    last output (`aclose`, or the `async with` block) aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: "_Sink"):
+        self.engine, self.request_id, self._sink = engine, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose(abort=False)
+            raise item
+        if item.finished:
+            await self.aclose(abort=False)
+        return item
+
+    async def aclose(self, abort: bool = True) -> None:
+        if self._done:
+            return
+        self._done = True
+        if abort:
+            self.engine.abort(self.request_id)
+        self.engine._sinks.pop(self.request_id, None)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 class _Sink:

@@ -2,11 +2,18 @@
 
 `EngineCore` is synchronous and single-threaded; `LLM` (offline) drives it in a loop and
 `AsyncEngine` (serving) drives it from a background thread.
+
+Failures: an exception in the per-request parts of a step (sampling a row with the request's own
+parameters, detokenizing and stop-checking its token) fails that request alone: it finishes with
+finish_reason "error" and `RequestOutput.error` set, its blocks go back, and the step goes on for
+the others. An exception anywhere else (the forward, the scheduler) propagates: the caller decides
+that the engine is dead.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 from collections import OrderedDict
@@ -30,6 +37,11 @@ from locus.engine.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
 
 GiB = 1 << 30
+log = logging.getLogger("locus.engine")
+
+
+class RequestFailedError(LocusError):
+    """The engine failed one request while serving it (the others go on)."""
 
 
 @dataclass
@@ -103,7 +115,7 @@ class EngineCore:
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter/LocusError for a request that can never run; the engine keeps nothing."""
-        params.validate()
+        params.validate(self.model.config.vocab_size)
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -115,16 +127,24 @@ class EngineCore:
             raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context limit is {limit} tokens, including at least one generated")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
             raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's context limit of {limit} tokens")
-        pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        # A sequence must fit the whole pool on its own: one that cannot would preempt itself and
+        # wait for room forever.
+        pool_tokens = self.pool_tokens
         if len(prompt_ids) + 1 > pool_tokens:
             raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only {pool_tokens}")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > pool_tokens:
+            raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the {pool_tokens} tokens the KV cache holds")
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None = None) -> Request:
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
-        if params.max_tokens is None:  # up to the context limit
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(prompt_ids)})
+        if params.max_tokens is None:  # up to the context limit (or what the KV pool holds, if less)
+            params = SamplingParams(**{**params.__dict__, "max_tokens": min(self.max_model_len, self.pool_tokens) - len(prompt_ids)})
         request = Request(request_id, list(prompt_ids), params, domain, forked=params.n == 1)
         request.seqs.append(self._new_sequence(request, 0))
         self.scheduler.add(request.seqs[0])
@@ -157,6 +177,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
+            self.cache.copy_block(src, dst)
         touched: OrderedDict[str, Request] = OrderedDict()
         for items in batch.micro_batches:
             result = self.runner.run(items)
@@ -179,52 +201,72 @@ class EngineCore:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, touched: OrderedDict) -> None:
         rows, expanded = [], []
         for i, seq in enumerate(seqs):
-            group = [seq]
-            if not seq.request.forked:
-                group += self._fork(seq)
-            for s in group:
-                if s.status is SequenceStatus.RUNNING and s.num_uncomputed == 0:
-                    rows.append(i)
-                    expanded.append(s)
-        if not expanded:
-            return
-        if rows != list(range(logits.shape[0])):  # n > 1 repeats rows; skip the [B, V] copy when not
+            group = [seq] if seq.request.forked else [seq, *self._fork(seq)]
+            rows += [i] * len(group)
+            expanded += group
+        if len(rows) != logits.shape[0]:  # n > 1 repeats rows; skip the [B, V] copy when not
             logits = logits[torch.tensor(rows, device=logits.device)]
-        sample = self.sampler.sample(logits, [s.sampling for s in expanded])
+        try:
+            sample = self.sampler.sample(logits, [s.sampling for s in expanded])
+            tokens, logprobs = sample.token_ids, sample.logprobs
+        except Exception as exc:  # noqa: BLE001 - find the row(s) to blame, or re-raise
+            tokens, logprobs = self._sample_rows(logits, expanded, exc)
         now = time.monotonic()
-        for seq, token, logprob in zip(expanded, sample.token_ids, sample.logprobs):
-            self._append(seq, token, logprob)
-            if seq.request.request_id not in touched:
-                touched[seq.request.request_id] = seq.request
-                seq.request.metrics.note_token(now)
+        for seq, token, logprob in zip(expanded, tokens, logprobs):
+            request = seq.request
+            if request.error is None:  # (a row that failed to sample failed its request)
+                try:
+                    self._append(seq, token, logprob)
+                except Exception as exc:  # noqa: BLE001 - this request's own tokens or stop strings
+                    self._fail(request, exc)
+            if request.request_id not in touched:
+                touched[request.request_id] = request
+                if request.error is None:
+                    request.metrics.note_token(now)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence], batch_error: Exception):
+        """The batched sampler raised: sample row by row, failing the requests whose rows raise.
+        If every row raises, the fault is not the requests' and the batch's error propagates."""
+        tokens, logprobs, failed = [], [], 0
+        for i, seq in enumerate(seqs):
+            try:
+                one = self.sampler.sample(logits[i:i + 1], [seq.sampling])
+                tokens.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                tokens.append(None)
+                logprobs.append(None)
+                if seq.request.error is None:
+                    self._fail(seq.request, exc)
+        if failed == len(seqs):
+            raise batch_error
+        return tokens, logprobs
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End one request with an error; the engine goes on with the others."""
+        log.error("request %s failed; the engine goes on", request.request_id, exc_info=exc)
+        request.error = RequestFailedError(f"the engine failed this request: {type(exc).__name__}: {exc}")
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self._release(seq)
+        request.metrics.finished_time = time.monotonic()
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Create the other n-1 choices; they share the parent's full prompt blocks and copy its last partial one."""
+        """Create the other n-1 choices, each sharing all of the parent's blocks. Nothing is
+        allocated or preempted here (the scheduler copies a shared block when it is first written),
+        so forking can never take blocks from another sequence sampled in this step."""
         request = parent.request
         request.forked = True
         children = []
-        bs = self.blocks.block_size
-        partial = parent.num_computed % bs != 0
         for index in range(1, request.params.n):
             child = self._new_sequence(request, index)
             request.seqs.append(child)
             children.append(child)
             if self.recorder is not None:
                 self.recorder.fork(parent, child)  # the child's prompt rows are the parent's
-            full = parent.block_table[: parent.num_computed // bs]
-            if partial and not self.scheduler.make_room(1, protect={parent.seq_id, *(c.seq_id for c in children)}):
-                self.scheduler.add(child)  # no room: it recomputes its prompt later (prefix blocks are cached)
-                continue
-            for block in full:
-                self.blocks.take(block)
-            child.block_table = list(full)
-            if partial:
-                block = self.blocks.allocate()
-                self.cache.copy_block(parent.block_table[len(full)], block)
-                child.block_table.append(block)
-            child.block_hashes = list(parent.block_hashes)
-            child.num_computed = parent.num_computed
-            self.scheduler.add_running(child)
+            self.scheduler.fork(parent, child)
         return children
 
     def _release(self, seq: Sequence) -> None:
@@ -278,7 +320,7 @@ class EngineCore:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             ))
             seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
-        return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics)
+        return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics, request.error)
 
     # --- trace recording ------------------------------------------------------------------------
     def start_recording(self, path: str | Path, model_name: str = "locus") -> None:

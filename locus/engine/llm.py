@@ -51,6 +51,10 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.error is not None:
+                    for request_id in ids:  # leave the engine clean for the next call
+                        self.engine.abort(request_id)
+                    raise out.error
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]

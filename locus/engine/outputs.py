@@ -17,7 +17,7 @@ class CompletionOutput:
     delta_token_ids: list[int]
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # all so far, when requested
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
@@ -28,6 +28,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: Exception | None = None  # set when the request failed (RequestFailedError); finished is True
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -40,4 +41,4 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
             delta_token_ids=a.delta_token_ids + b.delta_token_ids,
             delta_logprobs=a.delta_logprobs + b.delta_logprobs, logprobs=b.logprobs,
             finish_reason=b.finish_reason, stop_reason=b.stop_reason))
-    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics)
+    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.error)

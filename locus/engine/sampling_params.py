@@ -68,12 +68,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self) -> None:
-        """Raise InvalidParameter on the first field outside the range OpenAI / vLLM accept."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidParameter on the first field outside the range OpenAI / vLLM accept.
+        With `vocab_size`, token-valued fields (top_k, stop_token_ids) are bounded by it too."""
         _check_int("n", self.n, 1, MAX_N)
         _check_float("temperature", self.temperature, 0.0, 2.0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, -1, None)
+        _check_int("top_k", self.top_k, -1, vocab_size)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -93,7 +94,7 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, None)
+            _check_int("stop_token_ids", t, 0, None if vocab_size is None else vocab_size - 1)
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
@@ -102,10 +103,10 @@ def _check_int(name: str, value: object, low: int, high: int | None) -> None:
     if name == "top_k" and value == 0:
         return
     if value < low or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
         if name == "top_k":
-            allowed = "-1 or 0 (off) or >= 1"
-        raise InvalidParameter(name, f"{name} must be {'in ' if high is not None else ''}{allowed}, got {value}")
+            allowed = "-1 or 0 (off), or " + (">= 1" if high is None else f"in [1, {high}] (the vocabulary size)")
+        raise InvalidParameter(name, f"{name} must be {allowed}, got {value}")
 
 
 def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:

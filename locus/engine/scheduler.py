@@ -9,6 +9,13 @@ Each step is either a prefill batch or a decode batch (as vLLM's original schedu
 When the pool runs out of blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + output so
 far) when there is room. Prefills go first when sequences are waiting, which keeps TTFT low.
+
+Forks (the n - 1 extra choices of a request) never allocate: a child takes a reference to every
+block of its parent, the partly filled last one included. A sequence about to write into a block
+that others still hold gets its own copy first (copy-on-write), and that copy is a block like any
+other the decode step needs: it is found by `schedule`, under the same preemption rule, and the
+engine performs the batch's `block_copies` before the forward. So only `schedule` ever preempts,
+and nothing that was sampled in a step can lose its blocks before the step is over.
 """
 
 from __future__ import annotations
@@ -35,16 +42,8 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    kind: str  # "prefill" | "decode"
     micro_batches: list[list[ScheduledSeq]]
-
-    @property
-    def items(self) -> list[ScheduledSeq]:
-        return [i for mb in self.micro_batches for i in mb]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items)
+    block_copies: list[tuple[int, int]]  # (source, destination) KV blocks to copy before the forward
 
 
 class Scheduler:
@@ -56,16 +55,23 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill pieces shorter than what the sequence still needed
         self._admissions = 0
+        self._copies: list[tuple[int, int]] = []  # copy-on-write of the step being scheduled
 
     # --- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked child: it already holds blocks."""
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_order = self._next_admission()
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` where `parent` stands, sharing all of its blocks (none is allocated here:
+        a shared block is copied when first written, see _grow)."""
+        for block in parent.block_table:
+            self.blocks.take(block)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+        child.status = SequenceStatus.RUNNING
+        child.admitted_order = self._next_admission()
+        self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that finished or was aborted, whatever queue it is in."""
@@ -76,9 +82,6 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_hashes.clear()
         seq.status = SequenceStatus.FINISHED
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def _next_admission(self) -> int:
         self._admissions += 1
@@ -104,19 +107,34 @@ class Scheduler:
 
     # --- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        items = self._schedule_prefill()
-        kind = "prefill"
-        if not items:
-            items, kind = self._schedule_decode(), "decode"
+        self._copies: list[tuple[int, int]] = []
+        items = self._schedule_prefill() or self._schedule_decode()
         if not items:
             return None
         now = time.monotonic()
         for item in items:
             if item.seq.request.metrics.first_scheduled_time is None:
                 item.seq.request.metrics.first_scheduled_time = now
-        return ScheduledBatch(kind, self.grouping.group(items, self.config.num_micro_batches))
+        return ScheduledBatch(self.grouping.group(items, self.config.num_micro_batches), self._copies)
+
+    def _blocks_to_write(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks that writing the next num_tokens needs: new ones, plus one if the first write
+        lands in a block shared with another sequence (a fork's tail)."""
+        new = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+        return new + self._shared_tail(seq)
+
+    def _shared_tail(self, seq: Sequence) -> int:
+        first = seq.num_computed // self.blocks.block_size
+        return int(first < len(seq.block_table) and self.blocks.ref_count[seq.block_table[first]] > 1)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make the next num_tokens writable: copy a shared tail block, allocate the new ones."""
+        if self._shared_tail(seq):
+            first = seq.num_computed // self.blocks.block_size
+            shared, own = seq.block_table[first], self.blocks.allocate()
+            self._copies.append((shared, own))
+            self.blocks.free([shared])  # drop this sequence's reference; the others keep the block
+            seq.block_table[first] = own
         need = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self.blocks.allocate())
@@ -173,7 +191,7 @@ class Scheduler:
                 continue
             if len(chosen) == self.config.max_num_seqs:
                 break
-            need = self.blocks.blocks_for(seq.num_computed + 1) - len(seq.block_table)
+            need = self._blocks_to_write(seq, 1)
             if need > self.blocks.num_free_blocks and not self.make_room(need, scheduled | {seq.seq_id}):
                 self.preempt(seq)  # nothing else to take from: this one waits
                 continue

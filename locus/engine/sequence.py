@@ -111,6 +111,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once all n sequences exist
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: Exception | None = None  # why the engine failed this request (it is then finished)
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # the longest text one token stands for, in characters: a text of C characters has at least
+    # C / max_token_chars tokens, so an oversized prompt is refused without tokenizing it
+    max_token_chars: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -43,6 +46,7 @@ class ByteTokenizer:
         self.bos_token_id = self.BOS
         self.eos_token_ids = (self.EOS,)
         self._names = {v: k for k, v in self.SPECIALS.items()}
+        self.max_token_chars = max(len(name) for name in self.SPECIALS)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.BOS] if add_special_tokens else []
@@ -110,6 +114,9 @@ class HFTokenizer:
         self.eos_token_ids = tuple(sorted(eos_ids))
         self.vocab_size = vocab_size
         self.chat_template = _find_chat_template(model_dir, cfg)
+        # vocabulary strings are at least as long as the text they decode to (byte-level and
+        # sentencepiece alphabets spell one character with one or more symbols)
+        self.max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI-compatible endpoints over the AsyncEngine.
 
 The model loads in a background thread after the server starts listening, so /health answers 503
-("loading") at once and 200 when ready. Every request is validated completely (schema, sampling
-ranges, context limit, queue room) before anything streams, so a bad request gets a proper status
-code; errors that happen mid-stream are sent as one SSE error frame.
+("loading") at once and 200 when ready. Every request is validated and admitted completely (schema,
+text, sampling ranges, context limit, queue room) before anything streams, so a bad or refused
+request gets a proper status code; errors that happen mid-stream are sent as one SSE error frame.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.metrics import ServerMetrics
+from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
 from locus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +68,7 @@ class ServerState:
         self.model_name = config.served_model_name or (config.model or "tiny").rstrip("/").split("/")[-1]
         self.load_error: str | None = None
         self.on_load_failed = None  # callable; `locus serve` uses it to exit instead of serving 503s
+        self.on_engine_dead = None  # callable; `locus serve` uses it to exit non-zero
         self.created = int(time.time())
 
     def load(self) -> None:
@@ -87,7 +89,7 @@ class ServerState:
                 core.runner.record_routing = True
             if c.record_trace:
                 core.start_recording(c.record_trace, self.model_name)
-            engine = AsyncEngine(core, max_waiting=c.max_waiting)
+            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died)
             engine.start()
             self.metrics = ServerMetrics(engine, self.model_name)
             self.engine = engine
@@ -104,6 +106,11 @@ class ServerState:
             if self.on_load_failed is not None:
                 self.on_load_failed()
 
+    def _engine_died(self, exc: BaseException) -> None:
+        # the engine thread already logged the traceback and failed every request in flight
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
+
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
             raise APIError(503, self.load_error or "the model is still loading", "service_unavailable")
@@ -114,6 +121,14 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
+
+
+def reject_lone_surrogates(body) -> None:
+    """400 for text that is not Unicode (a JSON "\\ud800" escape with no pair): it could be neither
+    tokenized nor written back, and the error message must not echo it."""
+    path = lone_surrogate_path(body.model_dump())
+    if path is not None:
+        raise InvalidParameter(path, f"{path} contains a lone UTF-16 surrogate, which is not valid Unicode text")
 
 
 def load_plan_grouping(path: str, model_config):
@@ -170,14 +185,18 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         engine = state.ready_engine()
         state.check_model(body.model)
+        reject_lone_surrogates(body)
         tok = engine.core.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if body.messages is not None:
-            text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            chars = text_chars(messages)
+            ids = await off_loop_if_large(chars, lambda: tok.encode(
+                tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=False))
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            chars = len(body.prompt)
+            ids = await off_loop_if_large(chars, lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
 
     @app.post("/detokenize")
@@ -211,30 +230,50 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request):
         engine = state.ready_engine()
         state.check_model(body.model)
+        reject_lone_surrogates(body)
         body.check_unsupported()
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompts = responses.completion_prompts(body.prompt, engine.core.tokenizer)
-        return await serve(raw, engine, prompts, params, body, "cmpl", responses.CompletionFormat(state.model_name, engine.core.tokenizer))
+        tok, chars = engine.core.tokenizer, text_chars(body.prompt)
+        if isinstance(body.prompt, str):
+            check_text_size(chars, tok, engine.core.max_model_len, "prompt")
+        elif body.prompt and isinstance(body.prompt[0], str):
+            for text in body.prompt:
+                check_text_size(len(text), tok, engine.core.max_model_len, "prompt")
+        prompts = await off_loop_if_large(chars, lambda: responses.completion_prompts(body.prompt, tok))
+        return await serve(raw, engine, prompts, params, body, "cmpl", responses.CompletionFormat(state.model_name, tok))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         engine = state.ready_engine()
         state.check_model(body.model)
+        reject_lone_surrogates(body)
         body.check_unsupported()
         params = body.sampling_params(body.effective_max_tokens, body.logprobs_count)
         tok = engine.core.tokenizer
-        text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt)
-        prompts = [tok.encode(text, add_special_tokens=False)]
-        return await serve(raw, engine, prompts, params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        chars = text_chars(messages)
+        check_text_size(chars, tok, engine.core.max_model_len, "messages")
+        prompt = await off_loop_if_large(chars, lambda: tok.encode(
+            tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=False))
+        return await serve(raw, engine, [prompt], params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
 
     async def serve(raw: Request, engine: AsyncEngine, prompts, params, body, prefix: str, fmt):
-        for p in prompts:  # everything that can be rejected is rejected before a byte is sent
+        # Everything that can refuse the request does so here, before a byte is sent: validation,
+        # then admission, synchronously (no await in between), so the queue limit is exact.
+        for p in prompts:
             engine.core.validate(p, params)
-        engine.check_admission()
+        engine.check_admission(len(prompts))
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         domain = body.domain or raw.headers.get("x-locus-domain")
         final_only = not body.stream  # a whole response needs only each request's finished output
-        streams = [engine.generate(p, params, f"{request_id}-{i}", domain, final_only) for i, p in enumerate(prompts)]
+        streams = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(engine.add(p, params, f"{request_id}-{i}", domain, final_only))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
         on_finish = state.metrics.observe_finished if state.metrics else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -258,7 +297,11 @@ async def collect_all(streams, on_finish):
             on_finish(final.metrics, [c.finish_reason for c in final.outputs])
         return final
 
-    return await asyncio.gather(*(last(s) for s in streams))
+    try:
+        return await asyncio.gather(*(last(s) for s in streams))
+    finally:  # one prompt's error (or the caller's cancellation) ends the others too
+        for stream in streams:
+            await stream.aclose()
 
 
 async def until_disconnected(raw: Request, coro):

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from locus.engine.cli import add_model_args
 
@@ -39,6 +40,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def cut_at_deadline(engine, graceful_timeout: float) -> None:
+    """Shortly before uvicorn's drain deadline, end every request still running with an error, so
+    that each open stream closes with an SSE error frame (and a whole response with a 503) instead
+    of being cut mid-body by uvicorn's cancellation."""
+    from locus.engine.async_engine import ShuttingDownError
+
+    margin = min(1.0, graceful_timeout / 2)
+    timer = threading.Timer(max(0.0, graceful_timeout - margin), engine.fail_all,
+                            [ShuttingDownError("the server shut down before this request finished")])
+    timer.daemon = True
+    timer.start()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -58,8 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
             # (up to --graceful-timeout). Unlike uvicorn's own handler this does not re-raise the
             # signal after the drain, so a clean shutdown exits 0; a second SIGINT forces the exit.
             state = app.state.locus
-            if state.engine is not None:
+            if state.engine is not None and not self.should_exit:
                 state.engine.stop_admitting()
+                cut_at_deadline(state.engine, args.graceful_timeout)
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
@@ -72,11 +87,21 @@ def run_serve(args: argparse.Namespace) -> int:
     def stop_on_load_failure() -> None:  # a model that cannot load is fatal, as in vLLM
         server.should_exit = True
 
+    engine_died = threading.Event()
+
+    def stop_on_engine_death() -> None:  # never a live process with a dead engine
+        engine_died.set()
+        server.should_exit = True
+
     state.on_load_failed = stop_on_load_failure
+    state.on_engine_dead = stop_on_engine_death
     server.run()
     code = 0
     if state.load_error:
         print(f"locus: error: the model failed to load: {state.load_error}", file=sys.stderr)
+        code = 1
+    if engine_died.is_set():
+        print("locus: error: the engine failed (traceback above); exiting", file=sys.stderr)
         code = 1
     # Everything is drained and written by now. Skip interpreter finalisation: with torch 2.13 it
     # tears down Triton's bindings (imported by torch itself) and prints pages of nanobind "leak" noise.

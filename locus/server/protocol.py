@@ -7,7 +7,7 @@ in one place, SamplingParams.validate, so the engine and the server can never di
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -142,13 +142,3 @@ class DetokenizeRequest(BaseModel):
 
 class TraceStartRequest(BaseModel):
     path: str | None = None  # trace directory to create (default: traces/<model>-<time>)
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", "service_unavailable"]

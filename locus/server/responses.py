@@ -47,7 +47,16 @@ _TEXT_MARK = "\x00locus-delta-text\x00"
 
 
 def sse(obj: dict) -> str:
-    return f"data: {_JSON.encode(obj)}\n\n"
+    return f"data: {_line_safe(_JSON.encode(obj))}\n\n"
+
+
+def _line_safe(encoded: str) -> str:
+    """Escape the characters that JSON allows raw but line-splitting SSE clients (Python's
+    str.splitlines, as in httpx's aiter_lines) take for line breaks. They can only occur inside
+    JSON strings, where \\uXXXX is the same character."""
+    if encoded.isascii():
+        return encoded
+    return encoded.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
 
 
 class _Format:
@@ -113,7 +122,7 @@ class _Format:
             rendered = sse(self._chunk(request_id, [self.delta_choice(index, probe)]))
             head, tail = rendered.split(_encode_text(_TEXT_MARK))
             template = self._templates[index] = (head, tail)
-        return template[0] + _encode_text(text) + template[1]
+        return template[0] + _line_safe(_encode_text(text)) + template[1]
 
     def usage_chunk(self, request_id: str, usage: Usage) -> str:
         body = self._chunk(request_id, [])

@@ -20,9 +20,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*args: str, timeout: float = 120.0):
+def running_server(*args: str, timeout: float = 120.0, module: str = "locus.cli"):
+    """`module` is run with `python -m` (tests/server/faulty_serve.py injects a fault, say)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "locus.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
+    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:

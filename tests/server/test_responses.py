@@ -42,3 +42,20 @@ def test_stream_chunk_uses_the_template_only_for_plain_deltas():
     assert json.loads(last[0][6:])["choices"][0]["finish_reason"] == "length"
     assert usage.as_dict() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     assert fmt._templates.keys() == {0}  # the finishing frame went the generic way
+
+
+@pytest.mark.parametrize("fmt_class", [responses.CompletionFormat, responses.ChatFormat])
+def test_frames_hold_no_character_that_a_line_splitting_client_breaks_on(fmt_class):
+    """JSON allows U+2028, U+2029 and U+0085 raw; Python's str.splitlines (httpx's aiter_lines)
+    breaks lines on them, so a frame must carry them escaped."""
+    text = "a\u2028b\u2029c\x85d"
+    fmt = fmt_class("m\u2028", ByteTokenizer(ByteTokenizer.MIN_VOCAB))
+    choice = CompletionOutput(index=0, text=text, token_ids=[5], delta_text=text, delta_token_ids=[5],
+                              finish_reason="stop", stop_reason="\u2029")
+    frames = [fmt._text_frame("cmpl-1", 0, text), responses.sse(fmt._chunk("cmpl-1", [fmt.delta_choice(0, choice)]))]
+    for frame in frames:
+        assert frame.splitlines() == frame.split("\n")[:2]  # one data line, then the blank line
+        body = json.loads(frame[len("data: "):])
+        assert body["model"] == "m\u2028"
+        delta = body["choices"][0]
+        assert (delta.get("text") if "text" in delta else delta["delta"]["content"]) == text

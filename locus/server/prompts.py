@@ -1,0 +1,71 @@
+"""Request text -> prompt token ids, without stalling the event loop.
+
+Tokenizing (and rendering a chat template) is CPU work proportional to the text: done on the event
+loop, a multi-megabyte prompt would stall every other stream for as long as it takes. So:
+- a text that cannot fit the context whatever its tokens (more than `max_model_len` tokens' worth of
+  characters at the tokenizer's longest token) is refused at once, untokenized;
+- a large text is tokenized in a worker thread; small ones (the common case) stay inline, where a
+  thread hop would cost more than the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, TypeVar
+
+from locus.engine.sampling import InvalidParameter
+from locus.engine.tokenizer import Tokenizer
+
+OFF_LOOP_CHARS = 32 * 1024  # texts above this many characters are tokenized in a worker thread
+
+T = TypeVar("T")
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a prompt or a messages list (any nesting of str, list, dict)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
+def check_text_size(chars: int, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse a text that has more than max_model_len tokens whatever its tokenization."""
+    at_least = -(-chars // max(1, tokenizer.max_token_chars))
+    if at_least > max_model_len:
+        raise InvalidParameter(param, f"the {param} has {chars} characters, so at least {at_least} tokens; "
+                                      f"this model's context limit is {max_model_len} tokens")
+
+
+async def off_loop_if_large(chars: int, work: Callable[[], T]) -> T:
+    """Run `work` inline for small inputs, in a worker thread for large ones."""
+    if chars <= OFF_LOOP_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where a lone UTF-16 surrogate (JSON "\\ud800" with no pair) sits in a parsed body, or None.
+    Such a string is not Unicode text: it cannot be tokenized, nor written back as UTF-8."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
