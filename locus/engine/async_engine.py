@@ -75,10 +75,14 @@ class _Call:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_waiting: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None):
         self.core = core
         self.max_waiting = max_waiting
         self.on_dead = on_dead  # called once, from the engine thread, after a fatal engine error
+        # called from the engine thread with every request's last output: finished, aborted (its
+        # reader may be gone) or failed; the server's request counters and latency histograms
+        self.on_finished = on_finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Admission count: _Add commands posted but not yet applied by the engine thread. It and
         # the stats snapshot change together under this lock, so no request is counted twice or never.
@@ -223,10 +227,11 @@ class AsyncEngine:
             elif isinstance(cmd, _Abort):
                 out = self.core.abort(cmd.request_id)
                 if out is not None:
+                    self._note_finished(out)
                     self._deliver(cmd.request_id, out)
             elif isinstance(cmd, _FailAll):
                 for request_id in list(self.core.requests):
-                    self.core.abort(request_id)
+                    self._note_finished(self.core.abort(request_id))
                     self._deliver(request_id, cmd.error)
             elif isinstance(cmd, _Call):
                 try:
@@ -243,6 +248,8 @@ class AsyncEngine:
         than the outputs themselves."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
+            if out.finished:
+                self._note_finished(out)
             target = self._sinks.get(out.request_id)
             if target is not None:  # a failed request's reader gets its error instead of the output
                 by_loop.setdefault(target[1], []).append((target[0], out.error or out))
@@ -251,6 +258,13 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's loop is closed
                 pass
+
+    def _note_finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # noqa: BLE001 - a counter must never take the engine down
+                log.exception("on_finished hook failed")
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._sinks.get(request_id)

@@ -310,13 +310,18 @@ class EngineCore:
                 seq.request.metrics.finished_time = time.monotonic()
 
     def _output(self, request: Request) -> RequestOutput:
+        """What is new for each choice since the last output. The whole text, ids and logprobs go
+        only into the request's last output: copying them every step would cost O(length) per
+        token, quadratic over a long generation."""
+        final = request.finished
         outs = []
         for seq in request.seqs:
             want = seq.sampling.params.logprobs is not None
             outs.append(CompletionOutput(
-                index=seq.index, text=seq.detokenizer.text, token_ids=list(seq.output_ids),
-                delta_text=seq.pending_text, delta_token_ids=seq.pending_ids,
-                delta_logprobs=seq.pending_logprobs, logprobs=list(seq.logprobs) if want else None,
+                index=seq.index, text=seq.detokenizer.text if final else "",
+                token_ids=list(seq.output_ids) if final else [],
+                delta_text=seq.pending_text, delta_token_ids=seq.pending_ids, delta_logprobs=seq.pending_logprobs,
+                logprobs=(list(seq.logprobs) if final else []) if want else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             ))
             seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []

@@ -10,13 +10,16 @@ from locus.engine.sequence import RequestMetrics
 
 @dataclass
 class CompletionOutput:
+    """One choice. The delta_* fields hold what is new since the request's previous output; the
+    whole text, token_ids and logprobs are filled in the request's last output only (finished)."""
+
     index: int
-    text: str  # all output text so far
-    token_ids: list[int]  # all output ids so far
+    text: str  # the whole output text (last output only; "" before)
+    token_ids: list[int]  # the whole output ids (last output only; [] before)
     delta_text: str  # new since the previous report
     delta_token_ids: list[int]
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # all so far, when requested
+    logprobs: list[TokenLogprob] | None = None  # None: not requested; else all of them in the last output
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 

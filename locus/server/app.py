@@ -15,13 +15,13 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from locus.engine.async_engine import AsyncEngine
-from locus.engine.engine_core import EngineConfig, EngineCore, parse_memory
+from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
@@ -48,14 +48,8 @@ class ServerConfig:
     device: str | None = None
     moe_backend: str = "auto"
     seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: str = "1GiB"
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)  # KV cache, batch limits, prefix caching
     max_waiting: int | None = None
-    enable_prefix_caching: bool = True
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
 
@@ -75,23 +69,20 @@ class ServerState:
         try:
             c = self.config
             loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
-            grouping, micro_batches = None, 1
+            grouping, engine_config = None, c.engine
             if c.plan:
                 grouping = load_plan_grouping(c.plan, loaded.model.config)
-                micro_batches = grouping.grouper.topology.nodes
-            core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig(
-                block_size=c.block_size, kv_cache_memory=parse_memory(c.kv_cache_memory), num_kv_blocks=c.num_kv_blocks,
-                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                max_model_len=c.max_model_len, enable_prefix_caching=c.enable_prefix_caching,
-                num_micro_batches=micro_batches), grouping=grouping)
+                engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
+            core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.step_observers.append(grouping.observe)
                 core.runner.record_routing = True
             if c.record_trace:
                 core.start_recording(c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died)
-            engine.start()
             self.metrics = ServerMetrics(engine, self.model_name)
+            engine.on_finished = self.metrics.observe_output
+            engine.start()
             self.engine = engine
             # Everything allocated so far lives as long as the server: keep it out of the GC's
             # generations, so full collections (100+ ms pauses mid-stream) stay short.
@@ -274,13 +265,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             for stream in streams:
                 await stream.aclose()
             raise
-        on_finish = state.metrics.observe_finished if state.metrics else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                stream_events(streams, params.n, request_id, fmt, include_usage, on_finish),
+                stream_events(streams, params.n, request_id, fmt, include_usage),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finals = await until_disconnected(raw, collect_all(streams, on_finish))
+        finals = await until_disconnected(raw, collect_all(streams))
         if finals is None:
             return Response(status_code=499)  # client gone; nobody reads this
         return JSONResponse(fmt.full_response(request_id, finals, params.n))
@@ -288,13 +278,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-async def collect_all(streams, on_finish):
+async def collect_all(streams):
     async def last(stream):
         final = None
         async for out in stream:
             final = out
-        if on_finish is not None:
-            on_finish(final.metrics, [c.finish_reason for c in final.outputs])
         return final
 
     try:
@@ -331,7 +319,7 @@ async def wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool, on_finish):
+async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool):
     """SSE frames for the prompts' output streams; an error inside a stream becomes one error frame.
     Closing this generator (client gone) closes the streams, which aborts their requests."""
     usage = responses.Usage()
@@ -339,8 +327,6 @@ async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bo
         yield frame
 
     def frames(i: int, out) -> list[str]:
-        if out.finished and on_finish is not None:
-            on_finish(out.metrics, [c.finish_reason for c in out.outputs])
         return fmt.stream_chunk(request_id, i, n, out, usage)
 
     if len(streams) == 1:

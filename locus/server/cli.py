@@ -56,15 +56,18 @@ def cut_at_deadline(engine, graceful_timeout: float) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from locus.engine.engine_core import EngineConfig, parse_memory
     from locus.server.app import ServerConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = EngineConfig(
+        block_size=args.block_size, kv_cache_memory=parse_memory(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
-        moe_backend=args.moe_backend, seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching, record_trace=args.record_trace, plan=args.plan))
+        moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
+        record_trace=args.record_trace, plan=args.plan))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from locus.engine.async_engine import AsyncEngine
+from locus.engine.outputs import RequestOutput
 from locus.engine.sequence import RequestMetrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -69,6 +70,10 @@ class ServerMetrics:
         # histogram is observed once per generated token
         self._ttft, self._itl = self.ttft.labels(model_name), self.itl.labels(model_name)
         self._e2e, self._queue = self.e2e.labels(model_name), self.queue.labels(model_name)
+
+    def observe_output(self, out: RequestOutput) -> None:
+        """AsyncEngine's on_finished hook: every request's last output, aborted and failed ones too."""
+        self.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
 
     def observe_finished(self, metrics: RequestMetrics, finish_reasons: list[str | None]) -> None:
         if metrics.ttft is not None:

@@ -182,8 +182,10 @@ def test_async_engine_streams_and_cancellation_frees_blocks(tiny, tok):
         assert last.finished and deltas == last.outputs[0].token_ids == generate_tokens(tiny, tok.encode("stream me"), 20)
 
         async def consume_a_little():
+            seen = 0
             async for out in engine.generate(tok.encode("cancel me"), SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)):
-                if len(out.outputs[0].token_ids) >= 3:
+                seen += len(out.outputs[0].delta_token_ids)
+                if seen >= 3:
                     return  # leaving the loop closes the generator: the request is aborted
 
         await asyncio.gather(*(consume_a_little() for _ in range(8)))
@@ -198,3 +200,20 @@ def test_async_engine_streams_and_cancellation_frees_blocks(tiny, tok):
         assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0
     finally:
         engine.shutdown()
+
+
+def test_outputs_carry_deltas_and_only_the_last_one_the_whole_choice(tiny, tok):
+    """Per-step outputs must not copy the whole generation (quadratic over a long output)."""
+    core = EngineCore(tiny, tok, EngineConfig(block_size=8, num_kv_blocks=64))
+    core.add_request("d", [1, 2, 3], SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True, logprobs=1))
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    *running, last = outputs
+    assert len(running) == 29 and last.finished
+    for out in running:
+        assert all(c.token_ids == [] and c.text == "" and c.logprobs == [] for c in out.outputs)
+    for i, choice in enumerate(last.outputs):
+        deltas = [t for out in outputs if len(out.outputs) > i for t in out.outputs[i].delta_token_ids]
+        assert deltas == choice.token_ids and len(choice.token_ids) == 30 == len(choice.logprobs)
+        assert "".join(out.outputs[i].delta_text for out in outputs if len(out.outputs) > i) == choice.text

@@ -146,7 +146,14 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
+def finished_count(text: str, reason: str) -> float:
+    m = re.search(rf'^locus_request_success_total\{{[^}}]*finished_reason="{reason}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_64_streams_half_disconnected_leave_nothing_running(server):
+    before = httpx.get(f"{server.base_url}/metrics").text
+
     async def scenario():
         limits = httpx.Limits(max_connections=80)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as http:
@@ -179,6 +186,9 @@ def test_64_streams_half_disconnected_leave_nothing_running(server):
     assert metric(text, "locus_num_requests_waiting") == 0
     assert metric(text, "locus_kv_cache_free_blocks") == metric(text, "locus_kv_cache_total_blocks") == 512
     assert metric(text, "locus_generation_tokens_total") < 32 * 400  # the aborted streams stopped early
+    # every request is counted once by how it ended, aborted ones too
+    assert finished_count(text, "abort") - finished_count(before, "abort") == 32
+    assert finished_count(text, "length") - finished_count(before, "length") == 32
     assert 'locus_expert_tokens_total{expert="0",layer="0"' in text
     assert "locus_time_to_first_token_seconds_bucket" in text
 
