@@ -29,7 +29,7 @@ from locus.engine.kv_cache import PagedKVCache
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.runner import ModelRunner
-from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
+from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Sequence, SequenceStatus
 from locus.engine.tokenizer import Tokenizer
@@ -185,6 +185,8 @@ class EngineCore:
             for item in items:
                 item.seq.num_computed += item.num_tokens
                 self._register_full_blocks(item.seq)
+            for scored in result.prompt_logits:
+                self._score_prompt(scored)
             for observer in self.step_observers:
                 observer(result, items)
             if self.recorder is not None:
@@ -252,6 +254,15 @@ class EngineCore:
                 seq.finish_reason = "error"
                 self._release(seq)
         request.metrics.finished_time = time.monotonic()
+
+    def _score_prompt(self, scored) -> None:
+        """Append this step's prompt logprobs (positions first.. predict tokens first + 1..)."""
+        request = scored.seq.request
+        if request.prompt_positions_scored != scored.first:  # a recompute of scored positions
+            return
+        n = scored.logits.shape[0]
+        targets = request.prompt_ids[scored.first + 1: scored.first + 1 + n]
+        request.prompt_logprobs += score_tokens(scored.logits, targets, request.params.prompt_logprobs)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Create the other n-1 choices, each sharing all of the parent's blocks. Nothing is
@@ -325,7 +336,9 @@ class EngineCore:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             ))
             seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
-        return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics, request.error)
+        prompt_logprobs = request.prompt_logprobs if final else None
+        return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics,
+                             request.error, prompt_logprobs)
 
     # --- trace recording ------------------------------------------------------------------------
     def start_recording(self, path: str | Path, model_name: str = "locus") -> None:

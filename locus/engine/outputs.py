@@ -32,6 +32,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: Exception | None = None  # set when the request failed (RequestFailedError); finished is True
+    # last output only, when asked for: one entry per prompt token (None for the first), as vLLM's
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -44,4 +46,5 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
             delta_token_ids=a.delta_token_ids + b.delta_token_ids,
             delta_logprobs=a.delta_logprobs + b.delta_logprobs, logprobs=b.logprobs,
             finish_reason=b.finish_reason, stop_reason=b.stop_reason))
-    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.error)
+    return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.error,
+                         later.prompt_logprobs)

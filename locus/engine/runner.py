@@ -1,7 +1,9 @@
 """Model runner: turns one scheduled micro-batch into a forward pass over the paged KV cache.
 
 It computes logits only for the sequences that sample this step (those whose every token is now
-computed): the middle chunks of a long prefill need no lm_head.
+computed): the middle chunks of a long prefill need no lm_head. The one exception: a request that
+asked for prompt logprobs gets logits for the prompt positions this step computes that it has not
+scored yet (each position predicts the next prompt token).
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ from locus.routing.gate import TopK
 
 
 @dataclass
+class PromptLogits:
+    seq: Sequence
+    first: int  # the first prompt position scored; row i predicts prompt token first + i + 1
+    logits: torch.Tensor  # [positions, vocab]
+
+
+@dataclass
 class RunResult:
     sampled: list[Sequence]  # sequences that get a new token, in batch order
     logits: torch.Tensor | None  # [len(sampled), vocab] float32
     routing: dict[int, TopK] | None  # layer -> top-k of every token of the batch (when recording)
     batch: ForwardBatch
+    prompt_logits: list[PromptLogits]  # for requests that asked for prompt logprobs
 
 
 class ModelRunner:
@@ -34,12 +44,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq]) -> RunResult:
         spans, tokens, sample_rows, sampled = [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first row, count)
         row = 0
         for item in items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             spans.append(SequenceSpan(seq.seq_id, start, n))
             tokens.append(seq.token_slice(start, start + n))
+            scored = seq.request.prompt_positions_scored
+            if scored is not None:
+                lo, hi = max(start, scored), min(start + n, len(seq.prompt_ids) - 1)
+                if lo < hi:
+                    prompt_rows.append((seq, lo, row + lo - start, hi - lo))
             row += n
             if start + n == seq.num_tokens:
                 sample_rows.append(row - 1)
@@ -50,4 +66,6 @@ class ModelRunner:
         logits = None
         if sample_rows:
             logits = self.model.compute_logits(out.hidden[torch.tensor(sample_rows, device=out.hidden.device)])
-        return RunResult(sampled, logits, out.routing, batch)
+        prompt_logits = [PromptLogits(seq, first, self.model.compute_logits(out.hidden[r0:r0 + count]))
+                         for seq, first, r0, count in prompt_rows]
+        return RunResult(sampled, logits, out.routing, batch, prompt_logits)

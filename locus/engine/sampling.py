@@ -56,6 +56,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) alternatives, best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM)
 
 
 @dataclass
@@ -219,8 +220,17 @@ def compute_prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int)
     prompt token; the first has no context, so None (as in OpenAI's and vLLM's output)."""
     if len(prompt_ids) < 2:
         return [None] * len(prompt_ids)
-    raw = torch.log_softmax(logits[: len(prompt_ids) - 1].float(), dim=-1)
-    return [None, *describe_tokens(raw, prompt_ids[1:], k)]
+    return [None, *score_tokens(logits[: len(prompt_ids) - 1], prompt_ids[1:], k)]
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """logits [N, V], one given token per row -> its logprob, its rank and the row's k best."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    described = describe_tokens(raw, token_ids, k)
+    own = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])
+    for entry, rank in zip(described, ((raw > own).sum(dim=1) + 1).tolist()):
+        entry.rank = rank
+    return described
 
 
 def describe_tokens(raw: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:

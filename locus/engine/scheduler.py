@@ -156,7 +156,8 @@ class Scheduler:
             seq = self.waiting[0]
             tokens = seq.prompt_ids + seq.output_ids
             # a cached prefix saves its blocks' compute; keep >= 1 token to compute for the logits
-            hit, parent = self.blocks.match_prefix(tokens, (seq.num_tokens - 1) // bs)
+            # (and every prompt token, for a request that wants its prompt scored)
+            hit, parent = self.blocks.match_prefix(tokens, 0 if seq.request.needs_prompt_logits else (seq.num_tokens - 1) // bs)
             if self.blocks.blocks_for(seq.num_tokens) - len(hit) > self.blocks.num_free_blocks:
                 self.blocks.free(hit)  # wait for blocks to come back
                 break

@@ -112,6 +112,24 @@ class Request:
     forked: bool = False  # True once all n sequences exist
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: Exception | None = None  # why the engine failed this request (it is then finished)
+    # when params.prompt_logprobs is set: one entry per prompt token scored so far (the first, None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first token has no context to be scored from
+
+    @property
+    def prompt_positions_scored(self) -> int | None:
+        """Prompt positions whose next-token logprob is known (position p scores token p + 1);
+        None when no prompt logprobs were asked for."""
+        return None if self.prompt_logprobs is None else len(self.prompt_logprobs) - 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not complete: its prompt must be computed, not taken
+        from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

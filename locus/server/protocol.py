@@ -41,12 +41,15 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM: the logprob of every prompt token given its prefix, and top-k
     # Locus: the task family (code, math, chat, ...) for traces and the grouper; header X-Locus-Domain works too
     domain: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidParameter("prompt_logprobs", "prompt_logprobs is returned with whole responses only (stream: false)")
         params = SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -65,6 +68,7 @@ class _Common(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
         )
         params.validate()
         return params

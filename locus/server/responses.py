@@ -91,8 +91,28 @@ class _Format:
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(self.full_choice(i * n + c.index, c))
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": request_id, "object": self.object_name, "created": self.created, "model": self.model_name,
+        body = {"id": request_id, "object": self.object_name, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": usage.as_dict()}
+        if finals and finals[0].prompt_logprobs is not None:
+            self.attach_prompt_logprobs(body, [self.prompt_logprobs(out.prompt_logprobs) for out in finals], n)
+        return body
+
+    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict | None]:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+        holding the prompt token itself and the position's top alternatives."""
+        out: list[dict | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {entry.token_id: (entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+                ranked.setdefault(token_id, (logprob, rank))
+            out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": self.token_text(t)} for t, (lp, r) in ranked.items()})
+        return out
+
+    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
+        raise NotImplementedError
 
     def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
         return []
@@ -160,6 +180,10 @@ class CompletionFormat(_Format):
         return {"index": index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
+    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
+        for choice in body["choices"]:  # as vLLM: on every choice, its own prompt's
+            choice["prompt_logprobs"] = per_prompt[choice["index"] // n]
+
     def delta_choice(self, index: int, c: CompletionOutput) -> dict:
         lp = None
         if c.logprobs is not None:
@@ -188,6 +212,9 @@ class ChatFormat(_Format):
     def full_choice(self, index: int, c: CompletionOutput) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
+        body["prompt_logprobs"] = per_prompt[0]  # as vLLM: one prompt, at the top level
 
     def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
         # the first chunk of each choice carries the role, as OpenAI's do

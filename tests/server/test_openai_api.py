@@ -257,3 +257,21 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
                         "--log-level", "critical"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "failed to load" in r.stderr and "vision-only" in r.stderr
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server, client):
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "score me"}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt="score me", max_tokens=2, n=2, extra_body={"prompt_logprobs": 2})
+    for choice in r.choices:
+        scored = choice.model_extra["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None
+        for token_id, entry in zip(ids[1:], scored[1:]):
+            own = entry[str(token_id)]
+            assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+            assert {v["rank"] for k, v in entry.items() if k != str(token_id)} <= {1, 2}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
+    streamed = httpx.post(f"{server.base_url}/v1/completions",
+                          json={"prompt": "x", "max_tokens": 1, "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

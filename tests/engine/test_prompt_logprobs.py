@@ -1,0 +1,62 @@
+"""prompt_logprobs: every prompt token's logprob given its prefix, against transformers' log-softmax
+of the whole prompt, whichever way the engine computes the prompt (one step, chunks, after a
+prefix-cache hit that must not skip the scoring, n > 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from locus.engine.engine_core import EngineConfig
+from locus.engine.llm import LLM
+from locus.engine.sampling import SamplingParams
+from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.weights import load_model
+from tests.engine.hf_reference import hf_logits, make_hf_model, prompt_ids, save_hf_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = make_hf_model(seed=11)
+    return hf, load_model(save_hf_model(hf, tmp_path_factory.mktemp("prompt-logprobs")))
+
+
+def check_against_transformers(hf, prompt: list[int], entries, k: int) -> None:
+    with torch.no_grad():
+        raw = torch.log_softmax(hf_logits(hf, prompt), dim=-1)  # row t predicts prompt[t + 1]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for t in range(1, len(prompt)):
+        e, row = entries[t], raw[t - 1]
+        assert e.token_id == prompt[t]
+        assert e.logprob == pytest.approx(float(row[prompt[t]]), abs=1e-4)
+        assert e.rank == int((row > row[prompt[t]]).sum()) + 1
+        assert [i for i, _ in e.top] == row.topk(k).indices.tolist()
+        assert [v for _, v in e.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # one prefill step, or chunks of 16 tokens
+def test_prompt_logprobs_equal_transformers_log_softmax(pair, budget):
+    hf, ours = pair
+    prompt = prompt_ids(48)
+    llm = LLM.from_model(ours, ByteTokenizer(300), EngineConfig(block_size=8, num_kv_blocks=64, max_num_batched_tokens=budget))
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3, n=2))[0]
+    check_against_transformers(hf, prompt, out.prompt_logprobs, 3)
+    # the same prompt again: its blocks are cached, but scoring needs every position computed
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    check_against_transformers(hf, prompt, again.prompt_logprobs, 3)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert plain.prompt_logprobs is None
+    assert llm.engine.stats().prefix_cache_hits > 0  # requests without prompt_logprobs still use the cache
+
+
+def test_prompt_logprobs_survive_preemption(pair):
+    hf, ours = pair
+    prompts = [prompt_ids(40, seed=s) for s in range(6)]
+    # 12 blocks of 8 tokens for six 40-token prompts decoding 20 tokens each: constant preemption
+    llm = LLM.from_model(ours, ByteTokenizer(300), EngineConfig(block_size=8, num_kv_blocks=12, max_num_batched_tokens=24))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=1))
+    assert llm.engine.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        check_against_transformers(hf, prompt, out.prompt_logprobs, 1)
