@@ -28,6 +28,7 @@ from locus.engine.grouping import GroupingPolicy
 from locus.engine.kv_cache import PagedKVCache
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.routing_tap import RoutingTap
 from locus.engine.runner import ModelRunner
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
 from locus.engine.scheduler import Scheduler, SchedulerConfig
@@ -104,13 +105,14 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
-        self.step_observers: list = []  # callables(result, items) run after each micro-batch (trace recording)
+        # Routing is recorded only while someone subscribes: the /metrics counters, the trace
+        # recorder, a plan's grouper (subscribe with self.routing.subscribe).
+        self.routing = RoutingTap(tuple(mc.moe_layers))
         self.recorder: TraceRecorder | None = None
         self.expert_load: ExpertLoadCounter | None = None
         if config.count_expert_load and mc.moe_layers:
             self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
-            self.step_observers.append(self.expert_load)
-            self.runner.record_routing = True
+            self.routing.subscribe(self.expert_load)
 
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -181,16 +183,13 @@ class EngineCore:
             self.cache.copy_block(src, dst)
         touched: OrderedDict[str, Request] = OrderedDict()
         for items in batch.micro_batches:
-            result = self.runner.run(items)
+            result = self.runner.run(items, record_routing=self.routing.active)
             for item in items:
                 item.seq.num_computed += item.num_tokens
                 self._register_full_blocks(item.seq)
             for scored in result.prompt_logits:
                 self._score_prompt(scored)
-            for observer in self.step_observers:
-                observer(result, items)
-            if self.recorder is not None:
-                self.recorder.observe(result, items)
+            self.routing.publish(result, items)
             if result.sampled:
                 self._sample(result.sampled, result.logits, touched)
         outputs = []
@@ -346,7 +345,7 @@ class EngineCore:
         if self.recorder is not None:
             raise LocusError(f"already recording to {self.recorder.path}; dump it first")
         self.recorder = TraceRecorder(self.model.config, Path(path), model_name)
-        self.runner.record_routing = True
+        self.routing.subscribe(self.recorder.observe)
         self._prefix_caching_before = self.blocks.enable_prefix_caching
         self.blocks.enable_prefix_caching = False  # every token must go through the model
 
@@ -362,7 +361,7 @@ class EngineCore:
             raise LocusError("not recording")
         recorder, self.recorder = self.recorder, None
         self.blocks.enable_prefix_caching = self._prefix_caching_before
-        self.runner.record_routing = self.expert_load is not None
+        self.routing.unsubscribe(recorder.observe)
         return recorder.dump()
 
     # --- counters -------------------------------------------------------------------------------

@@ -8,28 +8,25 @@ from __future__ import annotations
 
 import threading
 
-import torch
+import numpy as np
 
-from locus.engine.grouping import ScheduledSeq
-from locus.engine.runner import RunResult
+from locus.engine.routing_tap import StepRouting
 
 
 class ExpertLoadCounter:
     def __init__(self, moe_layers: tuple[int, ...], num_experts: int):
         self.moe_layers, self.num_experts = tuple(moe_layers), num_experts
-        self._row = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self._counts = torch.zeros(len(self.moe_layers), num_experts, dtype=torch.long)
+        self._counts = np.zeros((len(self.moe_layers), num_experts), dtype=np.int64)
         self._lock = threading.Lock()
 
-    def __call__(self, result: RunResult, items: list[ScheduledSeq]) -> None:
-        if not result.routing:
-            return
-        rows = []
-        for layer, topk in result.routing.items():
-            rows.append(torch.bincount(topk.ids.reshape(-1).cpu(), minlength=self.num_experts))
+    def __call__(self, step: StepRouting) -> None:
+        """A routing-tap subscriber: add the micro-batch's (token, slot) pairs per layer and expert."""
+        ids = step.ids  # [T, L, K]
+        L, E = len(self.moe_layers), self.num_experts
+        flat = (np.arange(L, dtype=np.int64)[None, :, None] * E + ids)[ids >= 0]
+        counts = np.bincount(flat, minlength=L * E).reshape(L, E)
         with self._lock:
-            for layer, counts in zip(result.routing, rows):
-                self._counts[self._row[layer]] += counts
+            self._counts += counts
 
     def snapshot(self) -> dict[int, list[int]]:
         """layer index -> tokens routed to each expert so far."""

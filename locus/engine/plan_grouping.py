@@ -6,8 +6,8 @@ When the engine runs fewer micro-batches than the plan has nodes, node n goes to
 n * num_micro_batches // nodes. Empty micro-batches are dropped (the engine runs every one it gets);
 `last_nodes` says which node(s) each returned micro-batch holds.
 
-Wiring: `EngineCore(..., grouping=policy)`, plus `core.step_observers.append(policy.observe)` and
-`core.runner.record_routing = True`, so that the prompt's routing reaches the grouper once the prefill
+Wiring: `EngineCore(..., grouping=policy)`, plus `core.routing.subscribe(policy.observe)`, so that
+the prompt's routing reaches the grouper once the prefill
 (possibly chunked over several steps) completes. Without the observer the grouper still places
 requests by domain. A finished request is released at the next `group` call.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from locus.engine.grouping import ScheduledSeq
+from locus.engine.routing_tap import StepRouting
 from locus.routing.grouper import Grouper
 
 
@@ -49,14 +50,12 @@ class PlanGrouping:
         self.last_nodes = [sorted(h) for g, h in zip(groups, held) if g]
         return [g for g in groups if g]
 
-    def observe(self, result, items: list[ScheduledSeq]) -> None:
-        """Step observer: add this step's prompt rows to each request's signature; when a request's
-        prompt is complete, hand the signature to the grouper (a move, if any, applies from the next
-        step)."""
-        if not getattr(result, "routing", None):
-            return
-        ids = np.stack([result.routing[layer].ids.cpu().numpy() for layer in self.layers], axis=1)  # [T, L, K]
-        for item, (span, lo, hi) in zip(items, result.batch.row_ranges()):
+    def observe(self, step: StepRouting) -> None:
+        """A routing-tap subscriber: add this step's prompt rows to each request's signature; when a
+        request's prompt is complete, hand the signature to the grouper (a move, if any, applies
+        from the next step)."""
+        ids = step.ids  # [T, L, K], the model's MoE layers in order
+        for item, (span, lo, hi) in zip(step.items, step.rows):
             rid = item.seq.request.request_id
             if rid not in self._prefill:
                 continue

@@ -39,10 +39,9 @@ class RunResult:
 class ModelRunner:
     def __init__(self, model: Llama4ForCausalLM, cache: PagedKVCache):
         self.model, self.cache = model, cache
-        self.record_routing = False
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq]) -> RunResult:
+    def run(self, items: list[ScheduledSeq], record_routing: bool = False) -> RunResult:
         spans, tokens, sample_rows, sampled = [], [], [], []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first row, count)
         row = 0
@@ -62,7 +61,7 @@ class ModelRunner:
                 sampled.append(seq)
         self.cache.bind({item.seq.seq_id: item.seq.block_table for item in items})
         batch = ForwardBatch.from_spans(tokens, spans, device=self.model.device)
-        out = self.model(batch, self.cache, record_routing=self.record_routing)
+        out = self.model(batch, self.cache, record_routing=record_routing)
         logits = None
         if sample_rows:
             logits = self.model.compute_logits(out.hidden[torch.tensor(sample_rows, device=out.hidden.device)])

@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from locus.engine.config import ModelConfig
-from locus.engine.grouping import ScheduledSeq
-from locus.engine.runner import RunResult
+from locus.engine.routing_tap import StepRouting
 from locus.engine.sequence import Sequence
 from locus.traces.format import TraceMeta
 from locus.traces.writer import TraceWriter
@@ -75,17 +73,12 @@ class TraceRecorder:
         self._layers = tuple(c.moe_layers)
 
     # --- engine hooks ---------------------------------------------------------------------------
-    def observe(self, result: RunResult, items: list[ScheduledSeq]) -> None:
-        if not result.routing:
-            return
-        ids = torch.stack([result.routing[l].ids for l in self._layers], dim=1)  # [T, L, K]
-        weights = torch.stack([result.routing[l].weights for l in self._layers], dim=1)
-        ids_np = ids.to(torch.int16).cpu().numpy()
-        weights_np = weights.to(torch.float16).cpu().numpy()
-        for item, (span, lo, hi) in zip(items, result.batch.row_ranges()):
+    def observe(self, step: StepRouting) -> None:
+        """A routing-tap subscriber: file each sequence's rows at their positions."""
+        for item, (span, lo, hi) in zip(step.items, step.rows):
             trace = self._trace_of(item.seq, span.start)
             if trace is not None:
-                trace.put(span.start, ids_np[lo:hi], weights_np[lo:hi])
+                trace.put(span.start, step.ids[lo:hi], step.weights[lo:hi])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         src = self._active.get(parent.seq_id)

@@ -75,8 +75,7 @@ class ServerState:
                 engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
             core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
-                core.step_observers.append(grouping.observe)
-                core.runner.record_routing = True
+                core.routing.subscribe(grouping.observe)
             if c.record_trace:
                 core.start_recording(c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died)

@@ -51,8 +51,7 @@ def test_plan_grouping_forms_node_micro_batches_without_changing_outputs(tmp_pat
     reference = run(EngineCore(model, tok), batch)
     policy = PlanGrouping.from_plan(result.plan, model.config.moe_layers)
     core = EngineCore(model, tok, EngineConfig(num_micro_batches=2), grouping=policy)
-    core.step_observers.append(policy.observe)
-    core.runner.record_routing = True
+    core.routing.subscribe(policy.observe)
     assert run(core, batch) == reference
     assert any(len(nodes) == 1 for nodes in policy.last_nodes)  # micro-batches are per node
 
