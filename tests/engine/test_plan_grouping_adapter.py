@@ -3,9 +3,9 @@
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from locus.engine.plan_grouping import PlanGrouping
+from locus.engine.routing_tap import StepRouting
 from locus.routing.caps import Caps
 from locus.routing.grouping_spec import GroupingSpec
 from locus.routing.placement import PlacementPlan
@@ -56,12 +56,10 @@ def test_prefill_routing_moves_a_request_after_a_chunked_prefill():
     assert policy.grouper.node_of("a") == 0
 
     def step(rows_a, start_a):
-        ids = torch.tensor([[e] for e in rows_a] + [[2], [3]])  # a's rows, then b's two prompt rows
+        ids = np.array([[[e]] for e in rows_a] + [[[2]], [[3]]], dtype=np.int16)  # [T, L=1, K=1]: a's rows, then b's
         spans = [SimpleNamespace(start=start_a), SimpleNamespace(start=0)]
         ranges = [(spans[0], 0, len(rows_a)), (spans[1], len(rows_a), len(rows_a) + 2)]
-        result = SimpleNamespace(routing={5: SimpleNamespace(ids=ids)},
-                                 batch=SimpleNamespace(row_ranges=lambda: ranges))
-        policy.observe(result, [a, b])
+        policy.observe(StepRouting(ids, np.ones(ids.shape, np.float16), [a, b], ranges))
 
     step([2, 3, 2], 0)  # first half of a's prompt: no decision yet
     assert policy.grouper.node_of("a") == 0 and policy.grouper.stats.moves == 0
