@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from locus.engine.routing_tap import StepRouting
+from locus.traces.counts import count_expert_ids
 
 
 class ExpertLoadCounter:
@@ -21,10 +22,7 @@ class ExpertLoadCounter:
 
     def __call__(self, step: StepRouting) -> None:
         """A routing-tap subscriber: add the micro-batch's (token, slot) pairs per layer and expert."""
-        ids = step.ids  # [T, L, K]
-        L, E = len(self.moe_layers), self.num_experts
-        flat = (np.arange(L, dtype=np.int64)[None, :, None] * E + ids)[ids >= 0]
-        counts = np.bincount(flat, minlength=L * E).reshape(L, E)
+        counts = count_expert_ids(step.ids, self.num_experts)  # [L, E]
         with self._lock:
             self._counts += counts
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from locus.engine.grouping import ScheduledSeq
 from locus.engine.routing_tap import StepRouting
+from locus.traces.counts import count_expert_ids
 from locus.routing.grouper import Grouper
 
 
@@ -28,7 +29,8 @@ class PlanGrouping:
         self.num_experts = int(num_experts)
         self._requests: dict[str, object] = {}  # request id -> Request (to notice when it finishes)
         self._prefill: dict[str, np.ndarray] = {}  # request id -> prompt pair counts so far [L, E]
-        self.last_nodes: list[list[int]] = []
+        self.last_ranks: list[list[int]] = []  # per returned micro-batch: the ranks its requests run on
+        self.last_nodes: list[list[int]] = []  # the same, as nodes
 
     @classmethod
     def from_plan(cls, plan, moe_layers, attention_cap: float | None = None) -> "PlanGrouping":
@@ -38,17 +40,23 @@ class PlanGrouping:
 
     def group(self, items: list[ScheduledSeq], num_micro_batches: int) -> list[list[ScheduledSeq]]:
         self._release_finished()
-        nodes = self.grouper.topology.nodes
+        topology = self.grouper.topology
         k = max(1, num_micro_batches)
         groups: list[list[ScheduledSeq]] = [[] for _ in range(k)]
         held: list[set[int]] = [set() for _ in range(k)]
         for item in items:
-            node = self.grouper.node_of(self._admit(item))
-            mb = node * k // nodes
+            rank = self.rank_of(self._admit(item))
+            mb = topology.node_of(rank) * k // topology.nodes
             groups[mb].append(item)
-            held[mb].add(node)
-        self.last_nodes = [sorted(h) for g, h in zip(groups, held) if g]
+            held[mb].add(rank)
+        self.last_ranks = [sorted(h) for g, h in zip(groups, held) if g]
+        self.last_nodes = [sorted({topology.node_of(r) for r in ranks}) for ranks in self.last_ranks]
         return [g for g in groups if g]
+
+    def rank_of(self, request_id: str) -> int:
+        """The rank the grouper gave the request (its attention runs there; expert parallelism
+        starts its tokens there at every MoE layer)."""
+        return self.grouper.rank_of(request_id)
 
     def observe(self, step: StepRouting) -> None:
         """A routing-tap subscriber: add this step's prompt rows to each request's signature; when a
@@ -62,10 +70,7 @@ class PlanGrouping:
             prompt = len(item.seq.prompt_ids)
             rows = min(hi, lo + max(prompt - span.start, 0))  # the rows of this step that are prompt tokens
             counts = self._prefill[rid]
-            block = ids[lo:rows]  # [r, L, K]
-            layer = np.broadcast_to(np.arange(len(self.layers))[None, :, None], block.shape)
-            keep = block >= 0
-            np.add.at(counts, (layer[keep], block[keep]), 1)
+            counts += count_expert_ids(ids[lo:rows], self.num_experts)
             if span.start + (hi - lo) >= prompt:
                 self.grouper.observe_prefill(rid, counts)
                 del self._prefill[rid]

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from locus.errors import LocusError
+from locus.files import write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -99,11 +98,4 @@ def save_assignment(assignment: Assignment, request_ids, path: str | Path) -> No
         raise ValueError(f"{len(request_ids)} request ids for {len(assignment.ranks)} assigned requests")
     path = Path(path)
     text = json.dumps({str(rid): int(r) for rid, r in zip(request_ids, assignment.ranks)}, indent=0) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, text)

@@ -16,13 +16,13 @@ import json
 import math
 import os
 import platform
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from locus.files import write_text_atomic
 from locus.routing.assignment import assign_balanced
 from locus.routing.caps import Caps
 from locus.routing.grouper import Grouper
@@ -162,22 +162,9 @@ def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path
         ],
     }
     paths = [out_dir / "results.json", out_dir / "results.md"]
-    write_atomic(paths[0], json.dumps(_finite(doc), indent=1) + "\n")
-    write_atomic(paths[1], format_markdown(results, settings))
+    write_text_atomic(paths[0], json.dumps(_finite(doc), indent=1) + "\n")
+    write_text_atomic(paths[1], format_markdown(results, settings))
     return paths
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory and rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _pct(x: float) -> str:

@@ -35,6 +35,7 @@ from locus.errors import LocusError
 from locus.routing.grouping_spec import GroupingSpec, spec_of
 from locus.routing.node_cost import NodeCostModel
 from locus.routing.topology import Topology
+from locus.traces.metrics import max_over_mean
 
 
 @dataclass
@@ -152,8 +153,7 @@ class Grouper:
         return self._get(request_id).rank // self.G
 
     def attention_imbalance(self) -> float:
-        mean = self.loads.mean()
-        return float(self.loads.max() / mean) if mean > 0 else 1.0
+        return float(max_over_mean(self.loads))
 
     def _get(self, request_id: str) -> _Live:
         try:

@@ -66,9 +66,3 @@ def rank_loads(slots: np.ndarray, demand: np.ndarray) -> np.ndarray:
     remote = remote_share(demand, x)  # [L, E]
     total = local.reshape(L, R, E) + held * remote[:, None, :]
     return total.sum(-1)
-
-
-def imbalance(loads: np.ndarray) -> np.ndarray:
-    """max / mean over the last axis (1.0 where nothing is loaded)."""
-    mean = loads.mean(-1)
-    return np.where(mean > 0, loads.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

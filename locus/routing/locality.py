@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from locus.routing.gpu_packing import pack_replicas
-from locus.routing.load_model import imbalance, node_replicas, rank_loads, replica_loads
+from locus.routing.load_model import node_replicas, rank_loads, replica_loads
 from locus.routing.replica_selection import balance_nodes, select_replicas
 from locus.routing.slot_search import enforce_cap
+from locus.traces.metrics import max_over_mean
 
 # Share of the cap's headroom the node-level balance may use; the rest absorbs GPU packing granularity.
 NODE_HEADROOM = 0.5
@@ -45,7 +46,7 @@ def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float) -
     slots, _ = pack_layer(demand, x, gpus, slots_per_gpu)
     slots = enforce_cap(demand, slots, gpus, target=cap * mean_rank * (1 - 1e-9))
     loads = rank_loads(slots[None], demand[None])[0]
-    imb = float(imbalance(loads))
+    imb = float(max_over_mean(loads))
     x = node_replicas(slots[None], N, E)[0]
     local = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
     return LayerPlacement(slots, imb, local, imb <= cap)

@@ -14,14 +14,13 @@ names the layer, rank, slot or expert at fault.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from locus.errors import LocusError
+from locus.files import write_text_atomic
 from locus.routing.topology import Topology
 
 FORMAT = "locus-placement"
@@ -74,19 +73,7 @@ class PlacementPlan:
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a reader never sees half a plan, even if we are killed mid-write."""
-        path = Path(path)
-        text = self.to_json()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a plan is meant to be shared
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, self.to_json())
 
 
 def load_plan(path: str | Path) -> PlacementPlan:

@@ -90,9 +90,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print(result.summary.format_table())
     print(f"wrote {args.output}")
     if args.json:
-        from locus.routing.evaluate import write_atomic
+        from locus.files import write_text_atomic
 
-        _write(args.json, lambda path: write_atomic(Path(path), json.dumps(result.summary.to_dict(), indent=1) + "\n"))
+        _write(args.json, lambda path: write_text_atomic(Path(path), json.dumps(result.summary.to_dict(), indent=1) + "\n"))
     return 0
 
 

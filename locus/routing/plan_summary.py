@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from locus.routing.load_model import imbalance, node_replicas, rank_loads
+from locus.routing.load_model import node_replicas, rank_loads
 from locus.routing.node_cost import NodeCostModel
+from locus.traces.metrics import max_over_mean
 
 LITTLE_TO_WIN = 0.05  # expected reduction vs eplb below which `locus plan` says there is little to win
 
@@ -106,7 +107,7 @@ def demand_figures(slots: np.ndarray, demand: np.ndarray) -> tuple[float, float,
     x = node_replicas(slots, N, E)
     total = float(demand.sum())
     locality = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
-    imb = imbalance(rank_loads(slots, demand))
+    imb = max_over_mean(rank_loads(slots, demand))
     return locality, float(imb.mean()), float(imb.max())
 
 
@@ -114,4 +115,4 @@ def attention_imbalance(tokens: np.ndarray, prefill_rank: np.ndarray, decode_ran
                         prompt_tokens: np.ndarray, num_ranks: int) -> float:
     loads = np.bincount(prefill_rank, weights=prompt_tokens, minlength=num_ranks)
     loads += np.bincount(decode_rank, weights=tokens - prompt_tokens, minlength=num_ranks)
-    return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+    return float(max_over_mean(loads))

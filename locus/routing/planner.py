@@ -36,7 +36,7 @@ from locus.routing.caps import Caps
 from locus.routing.grouper import Grouper
 from locus.routing.grouper_simulation import run_grouper, signature_chunks
 from locus.routing.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
-from locus.routing.load_model import imbalance, rank_loads
+from locus.routing.load_model import rank_loads
 from locus.routing.locality import place_layers
 from locus.routing.placement import PlacementPlan, validate
 from locus.routing.replay import count_expert_loads
@@ -45,6 +45,7 @@ from locus.routing.plan_summary import (PlanSummary, attention_imbalance, demand
 from locus.routing.request_clustering import balanced_clusters, signature_features
 from locus.routing.signatures import RequestSignatures, collect_signatures, group_demand
 from locus.routing.topology import Topology
+from locus.traces.metrics import max_over_mean
 
 PLANNERS = ("round_robin", "eplb", "locality")
 
@@ -184,7 +185,7 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -
     if missed:
         loads = demand[missed].sum(1)  # [M, E]
         backup = eplb(loads, [meta.moe_layers[i] for i in missed], topology).slots
-        backup_imb = imbalance(rank_loads(backup, demand[missed]))
+        backup_imb = max_over_mean(rank_loads(backup, demand[missed]))
         for j, i in enumerate(missed):
             if backup_imb[j] > cap:
                 raise LocusError(

@@ -29,10 +29,9 @@ from locus.routing.placement import PlacementPlan, validate
 from locus.routing.replay_metrics import LinkModel, TrafficMeter
 from locus.routing.replay_report import ReplayReport
 from locus.routing.topology import Topology
+from locus.traces.counts import count_expert_ids
+from locus.traces.reader import CHUNK_ROUTINGS
 
-# Rows per chunk are chosen so a chunk has about this many (token, layer, k) routings: small enough
-# for the per-chunk temporaries to stay in cache, large enough to amortise numpy call overhead.
-CHUNK_ROUTINGS = 1 << 19
 
 Progress = Callable[[int, int], None]  # (rows done, rows total)
 STEP_ORDERS = ("trace", "ranks")
@@ -76,13 +75,11 @@ def count_expert_loads(reader, request_start: int, request_stop: int) -> np.ndar
     meta = reader.meta
     L, E = len(meta.moe_layers), meta.num_experts
     lo, hi = int(reader.offsets[request_start]), int(reader.offsets[request_stop])
-    layer_base = np.arange(L, dtype=np.int64)[None, :, None] * E
-    counts = np.zeros(L * E, dtype=np.int64)
+    counts = np.zeros((L, E), dtype=np.int64)
     step = max(1, CHUNK_ROUTINGS // (L * meta.top_k))
     for a in range(lo, hi, step):
-        ids = np.asarray(reader.expert_ids[a : min(a + step, hi)], dtype=np.int64)
-        counts += np.bincount((ids + layer_base)[ids >= 0], minlength=L * E)
-    return counts.reshape(L, E)
+        counts += count_expert_ids(reader.expert_ids[a : min(a + step, hi)], E)
+    return counts
 
 
 def plan_in_trace_order(plan: PlacementPlan, moe_layers) -> PlacementPlan:

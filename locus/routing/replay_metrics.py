@@ -34,6 +34,7 @@ import numpy as np
 from locus.errors import LocusError
 from locus.routing.dispatch_rule import DispatchTable, destinations, table_keys
 from locus.routing.topology import Topology
+from locus.traces.metrics import max_over_mean
 
 if hasattr(np, "bitwise_count"):
     _popcount = np.bitwise_count
@@ -171,15 +172,13 @@ class TrafficMeter:
         if len(loads) == 0:
             return
         self.steps += len(loads)
-        mean = loads.mean(-1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            imbalance = np.where(mean > 0, loads.max(-1) / mean, np.nan)  # [n, L]; nan: layer idle
+        imbalance = max_over_mean(loads, np.nan)  # [n, L]; nan: layer idle
         defined = imbalance[~np.isnan(imbalance).all(1)]
         if len(defined):
             self.imb_sum += float(np.nanmean(defined, axis=1).sum())
             self.imb_count += len(defined)
             self.imb_worst = float(np.nanmax([self.imb_worst, np.nanmax(defined)]))
-        attn = tokens.max(-1) / tokens.mean(-1)  # every step has at least one token
+        attn = max_over_mean(tokens)  # every step has at least one token
         self.attn_sum += float(attn.sum())
         self.attn_worst = float(np.nanmax([self.attn_worst, attn.max()]))
         u, links = self.bytes_per_send, self.links

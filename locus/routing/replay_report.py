@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from locus.routing.replay_metrics import LinkModel, TrafficTotals
+from locus.traces.metrics import max_over_mean
 
 
 @dataclass
@@ -52,9 +53,7 @@ class ReplayReport:
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
                     step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0) -> "ReplayReport":
-        loads = t.layer_loads.astype(np.float64)  # [L, R]
-        mean = loads.mean(1)
-        layer_imb = np.where(mean > 0, loads.max(1) / np.where(mean > 0, mean, 1), np.nan)
+        layer_imb = max_over_mean(t.layer_loads.astype(np.float64), np.nan)  # [L] over ranks
         known = ~np.isnan(layer_imb)
         u = t.bytes_per_send
         inter_nodedup = t.valid_pairs - t.own_node_pairs
@@ -86,7 +85,7 @@ class ReplayReport:
             expert_imbalance_worst_layer=int(moe_layers[int(np.nanargmax(layer_imb))]) if known.any() else None,
             step_expert_imbalance_mean=_ratio(t.step_expert_imbalance_sum, t.step_expert_imbalance_count),
             step_expert_imbalance_worst=t.step_expert_imbalance_worst,
-            attention_imbalance=_ratio(t.rank_tokens.max(), t.rank_tokens.mean()),
+            attention_imbalance=float(max_over_mean(t.rank_tokens.astype(np.float64), math.nan)),
             step_attention_imbalance_mean=_ratio(t.step_attention_imbalance_sum, t.steps),
             step_attention_imbalance_worst=t.step_attention_imbalance_worst,
             a2a_seconds=t.a2a_seconds,

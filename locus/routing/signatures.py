@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Rows per chunk: about this many (token, layer, k) ids, so the int64 keys stay near 64 MB.
-CHUNK_ROUTINGS = 1 << 23
+from locus.traces.reader import CHUNK_ROUTINGS
+
 
 
 @dataclass

@@ -108,6 +108,16 @@ class ServerState:
             raise APIError(503, "the engine is not healthy", "service_unavailable")
         return self.engine
 
+    def accept(self, body) -> AsyncEngine:
+        """The checks every generation and tokenizer request passes first: a ready engine, this
+        model, Unicode text, no unsupported field."""
+        engine = self.ready_engine()
+        self.check_model(body.model)
+        reject_lone_surrogates(body)
+        if hasattr(body, "check_unsupported"):
+            body.check_unsupported()
+        return engine
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
@@ -173,9 +183,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        engine = state.ready_engine()
-        state.check_model(body.model)
-        reject_lone_surrogates(body)
+        engine = state.accept(body)
         tok = engine.core.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
@@ -218,10 +226,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        engine = state.ready_engine()
-        state.check_model(body.model)
-        reject_lone_surrogates(body)
-        body.check_unsupported()
+        engine = state.accept(body)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         tok, chars = engine.core.tokenizer, text_chars(body.prompt)
         if isinstance(body.prompt, str):
@@ -234,10 +239,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        engine = state.ready_engine()
-        state.check_model(body.model)
-        reject_lone_surrogates(body)
-        body.check_unsupported()
+        engine = state.accept(body)
         params = body.sampling_params(body.effective_max_tokens, body.logprobs_count)
         tok = engine.core.tokenizer
         messages = [m.model_dump(exclude_none=True) for m in body.messages]

@@ -88,13 +88,19 @@ def read_counts(path: str | Path) -> CountTrace:
     return CountTrace(meta, counts, num_tokens)
 
 
+def count_expert_ids(expert_ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """The one tally of routings: expert ids [T, L, K] (-1 = none) -> (token, k) pairs per layer
+    and expert, [L, E] int64. Used for traces, replay, the engine's /metrics and the grouper."""
+    ids = np.asarray(expert_ids, dtype=np.int64)
+    L = ids.shape[1]
+    keys = (ids + (np.arange(L, dtype=np.int64) * num_experts)[None, :, None])[ids >= 0]
+    return np.bincount(keys, minlength=L * num_experts).reshape(L, num_experts)
+
+
 def count_tokens(reader, max_tokens: int = 1 << 18) -> CountTrace:
     """Per-layer expert load [L, E] of a token trace (TraceReader), streamed in chunks."""
     L, E = reader.meta.num_layers, reader.meta.num_experts
-    counts = np.zeros(L * E, dtype=np.int64)
-    layer_base = (np.arange(L, dtype=np.int64) * E)[None, :, None]  # [1, L, 1]
+    counts = np.zeros((L, E), dtype=np.int64)
     for chunk in reader.iter_chunks(max_tokens, copy=True):
-        ids = np.asarray(chunk.expert_ids, dtype=np.int64)
-        flat = (ids + layer_base)[ids >= 0]
-        counts += np.bincount(flat, minlength=L * E)
-    return CountTrace(reader.meta, counts.reshape(L, E), reader.num_tokens)
+        counts += count_expert_ids(chunk.expert_ids, E)
+    return CountTrace(reader.meta, counts, reader.num_tokens)

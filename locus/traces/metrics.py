@@ -22,12 +22,21 @@ def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return terms.sum(axis=-1)
 
 
+def max_over_mean(load: np.ndarray, empty: float = 1.0) -> np.ndarray:
+    """The one imbalance measure (DESIGN.md): max / mean over the last axis (expert load of a layer
+    over its experts or ranks, tokens over ranks); `empty` where nothing is loaded (mean 0)."""
+    load = np.asarray(load)
+    mean = load.mean(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(mean > 0, load.max(axis=-1) / np.where(mean > 0, mean, 1.0), empty)
+
+
 def layer_imbalance(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(max/mean, std/mean) per layer of load [L, E]; nan for a layer with no load."""
     load = np.asarray(load, dtype=np.float64)
     mean = load.mean(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(mean > 0, load.max(axis=1) / mean, np.nan), np.where(mean > 0, load.std(axis=1) / mean, np.nan)
+        return max_over_mean(load, np.nan), np.where(mean > 0, load.std(axis=1) / mean, np.nan)
 
 
 def mean_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

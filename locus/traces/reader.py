@@ -35,6 +35,10 @@ from locus.traces.npyfile import open_npy
 
 # Ids per block of the id-range scan (int16): 32 MB, whatever the row shape.
 SCAN_IDS = 1 << 24
+# Rows per chunk of the streaming passes over a trace (replay, expert loads, request signatures): about
+# this many (token, layer, k) routings, so that a chunk's int64 temporaries (~4 MiB) stay in cache
+# while numpy's per-call overhead is amortised (bench/replay.py measured it).
+CHUNK_ROUTINGS = 1 << 19
 
 
 @dataclass

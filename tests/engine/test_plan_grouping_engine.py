@@ -1,22 +1,33 @@
-"""The engine driven by a locality plan's grouper: one micro-batch per node, same tokens as without."""
+"""The engine driven by a plan's grouper: each request runs in the micro-batch of the node the
+grouper chose for it, and the tokens are those of an engine without grouping."""
 
 from __future__ import annotations
 
-import httpx
+import numpy as np
 import torch
 
 from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.grouping import FirstComeGrouping
 from locus.engine.plan_grouping import PlanGrouping
 from locus.engine.presets import build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.tokenizer import ByteTokenizer
 from locus.routing.caps import Caps
-from locus.routing.planner import PlanOptions, make_plan
+from locus.routing.grouping_spec import GroupingSpec
+from locus.routing.placement import PlacementPlan
 from locus.routing.topology import Topology
-from locus.traces.reader import TraceReader
-from tests.server.server_process import running_server
 
-DOMAINS = ("code", "math", "chat", "general")
+TOPOLOGY = Topology(2, 2, 2)  # 2 nodes x 2 GPUs, 2 slots each: node n holds the tiny preset's experts 4n..4n+3
+
+
+def domain_plan(model_config) -> PlacementPlan:
+    """A plan whose grouping sends "code" to node 0 and "math" to node 1."""
+    L, E = len(model_config.moe_layers), model_config.num_local_experts
+    spec = GroupingSpec(domain_nodes={"code": [1.0, 0.0], "math": [0.0, 1.0]}, caps=Caps(attention=4.0),
+                        expected_decode_tokens=10.0, kv_bytes_per_token=1, bytes_per_send=1,
+                        top_k=model_config.num_experts_per_tok, expert_prior=np.full((L, E), 1.0 / E), prior_tokens=0.0)
+    slots = np.tile(np.arange(E).reshape(TOPOLOGY.ranks, -1)[None], (L, 1, 1))
+    return PlacementPlan("tiny", E, tuple(model_config.moe_layers), TOPOLOGY, slots, grouping=spec.to_dict())
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -24,9 +35,9 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(4, 60, (n,), generator=g)]
 
 
-def run(core: EngineCore, batch: list[list[int]]) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        core.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), domain=DOMAINS[i % 4])
+def run(core: EngineCore, batch: list[list[int]], domains: list[str]) -> dict[str, list[int]]:
+    for i, (p, d) in enumerate(zip(batch, domains)):
+        core.add_request(f"r{i}-{d}", p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), domain=d)
     outs = {}
     while core.has_unfinished():
         for out in core.step():
@@ -35,27 +46,47 @@ def run(core: EngineCore, batch: list[list[int]]) -> dict[str, list[int]]:
     return outs
 
 
-def test_plan_grouping_forms_node_micro_batches_without_changing_outputs(tmp_path):
-    model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)
-    recorder_core = EngineCore(model, tok)
-    recorder_core.start_recording(tmp_path / "trace", "tiny")
-    run(recorder_core, prompts(40, seed=1))
-    recorder_core.dump_recording()
-    reader = TraceReader(tmp_path / "trace")
-    result = make_plan("locality", reader, Topology(2, 2, 3), (0, len(reader.requests)),
-                       PlanOptions(caps=Caps(expert=1.5, attention=1.5)))
-    plan_path = tmp_path / "plan.json"
-    result.plan.save(plan_path)
+def record_micro_batches(core: EngineCore) -> list[list[list[str]]]:
+    """Per step, the domains of the requests in each micro-batch, in micro-batch order."""
+    steps: list[list[list[str]]] = []
+    grouping = core.scheduler.grouping
+    real = grouping.group
 
+    def group(items, k):
+        groups = real(items, k)
+        steps.append([[i.seq.request.domain for i in g] for g in groups])
+        return groups
+
+    grouping.group = group
+    return steps
+
+
+def test_each_request_runs_in_the_micro_batch_of_the_node_its_grouper_chose():
+    model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)
     batch = prompts(12, seed=2)
-    reference = run(EngineCore(model, tok), batch)
-    policy = PlanGrouping.from_plan(result.plan, model.config.moe_layers)
+    domains = ["code", "math"] * 6  # arrival order alternates, so first-come batches would mix them
+    reference = run(EngineCore(model, tok), batch, domains)
+
+    policy = PlanGrouping.from_plan(domain_plan(model.config), model.config.moe_layers)
     core = EngineCore(model, tok, EngineConfig(num_micro_batches=2), grouping=policy)
     core.routing.subscribe(policy.observe)
-    assert run(core, batch) == reference
-    assert any(len(nodes) == 1 for nodes in policy.last_nodes)  # micro-batches are per node
+    steps = record_micro_batches(core)
+    assert run(core, batch, domains) == reference  # grouping changes where, never what
+    assert steps and all(len(s) == 2 for s in steps[:3])  # both nodes busy while both domains run
+    for step in steps:
+        for micro_batch in step:
+            assert len(set(micro_batch)) == 1, f"a micro-batch mixes domains: {step}"
+    first = steps[0]
+    assert first[0][0] == "code" and first[1][0] == "math"  # micro-batch i is node i
+    # the ranks it kept say the same: code on node 0's ranks, math on node 1's
+    assert policy.last_nodes == [[0], [1]] or len(policy.last_nodes) == 1
+    assert all(TOPOLOGY.node_of(r) == n for ranks, (n,) in zip(policy.last_ranks, policy.last_nodes) for r in ranks)
 
-    with running_server("--model", "tiny", "--plan", str(plan_path)) as proc:
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, "domain": "code"}
-        r = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+def test_first_come_grouping_would_fail_the_same_check():
+    """The check above is about the grouper's decision: first-come micro-batches mix the domains."""
+    model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)
+    core = EngineCore(model, tok, EngineConfig(num_micro_batches=2), grouping=FirstComeGrouping())
+    steps = record_micro_batches(core)
+    run(core, prompts(12, seed=2), ["code", "math"] * 6)
+    assert any(len(set(mb)) > 1 for step in steps for mb in step)
