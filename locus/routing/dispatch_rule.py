@@ -14,6 +14,9 @@ Lookup tables (built once per plan), shape legend: L MoE layers, R ranks, E expe
 Column 0 of every [L, R, E + 1] table stands for "no expert" (trace id -1), so a trace id e reads
 column e + 1 and no masking is needed on the hot path.
     replica_ranks [L * P]        int16  per layer, the rank of every slot, sorted by (expert, rank)
+    replica_slots [L * P]        int32  the same entries as physical slots p = rank * slots + j (the
+                                        runtime needs the slot, not only the rank: a rank may hold
+                                        an expert twice)
     fixed         [L, R, E + 1]  int16  destination when the chosen tier has one replica; -1 when it has
                                         several; R (a rank that does not exist) for "no expert"
     start, count  [L, R, E + 1]  int32  the chosen tier's replicas: replica_ranks[start : start + count]
@@ -37,6 +40,7 @@ class DispatchTable:
     num_experts: int
     gpus_per_node: int
     replica_ranks: np.ndarray
+    replica_slots: np.ndarray
     fixed: np.ndarray
     start: np.ndarray
     count: np.ndarray
@@ -73,6 +77,7 @@ def build_dispatch_table(plan: PlacementPlan) -> DispatchTable:
     # Sorting each layer's slots by expert (stable, slots are rank-major) lists replicas by rank.
     order = np.argsort(slots.reshape(L, P), axis=1, kind="stable")
     replica_ranks = (order // S).astype(np.int16).ravel()
+    replica_slots = order.astype(np.int32).ravel()  # p = r * S + j, the slot itself
 
     rank = np.arange(R)
     node_lo, node_hi = (rank // G) * G, (rank // G + 1) * G
@@ -96,6 +101,7 @@ def build_dispatch_table(plan: PlacementPlan) -> DispatchTable:
         num_experts=E,
         gpus_per_node=G,
         replica_ranks=replica_ranks,
+        replica_slots=replica_slots,
         fixed=with_none_column(fixed, R, np.int16),
         start=with_none_column(start, 0, np.int32),
         count=with_none_column(count, 1, np.int32),
@@ -131,6 +137,19 @@ def destinations(table: DispatchTable, keys: np.ndarray, position: np.ndarray) -
         i = np.asarray(position, dtype=np.int64)[pick // per_token] % table.count.ravel()[k]
         dest.ravel()[pick] = table.replica_ranks[table.start.ravel()[k] + i]
     return dest
+
+
+def destination_slots(table: DispatchTable, keys: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """Destination physical slot of every key from `table_keys`: the same choice as `destinations`
+    (its rank is slot // slots_per_gpu), int32 of keys' shape, -1 for no expert. The expert-parallel
+    runtime's entry to the rule: a rank may hold an expert in two slots, and the tie-break picks one.
+
+    position [T]: each token's position in its request (keys' first axis is the token).
+    """
+    count = table.count.ravel()[keys]
+    i = np.asarray(position, dtype=np.int64).reshape(-1, *([1] * (keys.ndim - 1))) % count
+    slot = table.replica_slots[table.start.ravel()[keys] + i]
+    return np.where(keys % (table.num_experts + 1) == 0, -1, slot).astype(np.int32)
 
 
 def route(table: DispatchTable, expert_ids, src_rank, position, layers=None) -> np.ndarray:

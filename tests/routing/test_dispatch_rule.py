@@ -95,3 +95,24 @@ def test_route_checks_its_inputs():
         route(table, [[1]], [6], [0], layers=0)
     with pytest.raises(ValueError, match="one layer index"):
         route(table, [[1]], [0], [0])
+
+
+def test_destination_slots_make_the_same_choice_and_name_the_slot():
+    """The runtime's entry (physical slots) and replay's (ranks) are one rule: slot // S == rank."""
+    from locus.routing.dispatch_rule import destination_slots, destinations, table_keys
+
+    rng = np.random.default_rng(3)
+    for slots in (SLOTS, [[[0, 0], [0, 1], [2, 3], [1, 2]]]):
+        plan = plan_of(slots, 2, len(slots[0]) // 2)
+        table, S = build_dispatch_table(plan), plan.topology.slots_per_gpu
+        ids = rng.integers(-1, plan.num_experts, size=(50, 1, 2)).astype(np.int32)
+        src, pos = rng.integers(0, table.num_ranks, 50), rng.integers(0, 100, 50)
+        keys = table_keys(table, ids, src)
+        got, ranks = destination_slots(table, keys, pos), destinations(table, keys, pos).astype(np.int64)
+        assert ((got // S == ranks) | (ids < 0)).all() and ((got == -1) == (ids < 0)).all()
+        held = np.asarray(slots).reshape(1, -1)[0]
+        assert (held[got[ids >= 0]] == ids[ids >= 0]).all()  # the slot holds the expert asked for
+    # rank 0 holds expert 0 twice: the tie-break alternates between its two slots, then rank 1's
+    table = build_dispatch_table(plan_of([[[0, 0], [0, 1], [2, 3], [1, 2]]], 2, 2))
+    keys = table_keys(table, np.zeros((6, 1, 1), np.int32), np.full(6, 2))
+    assert destination_slots(table, keys, np.arange(6)).ravel().tolist() == [0, 1, 2, 0, 1, 2]

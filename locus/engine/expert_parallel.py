@@ -1,0 +1,86 @@
+"""Expert parallelism applied to a built model from outside (as gpt-fast's `apply_tp` does for
+tensor parallelism): each MoE block's expert call becomes route -> dispatch rule -> two-tier
+dispatch -> local fused MoE over local slots -> combine. The model's code does not change, and a
+model without `apply_expert_parallel` runs exactly as before.
+
+Rank r keeps only the experts of `plan.layers[l].slots[r]`, stacked in slot order as
+[S, H, 2I] / [S, I, H] (a rank may hold one expert in two slots). Attention, norms, the router, the
+shared expert and the dense layers stay whole on every rank (data-parallel attention).
+
+The dispatch rule's tie-break needs each token's position in its request: the caller sets
+`EPContext.positions` before every forward (the runner's batch positions).
+
+Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from locus.engine.model import Llama4ForCausalLM
+from locus.engine.moe import MoEBlock
+from locus.kernels import fused_moe
+from locus.routing.dispatch_rule import DispatchTable, build_dispatch_table, destination_slots, table_keys
+from locus.routing.ep.exchange import Groups, TwoTierExchange
+from locus.routing.gate import TopK, route_llama4
+from locus.routing.placement import PlacementPlan, validate
+
+
+@dataclass
+class EPContext:
+    """What every expert-parallel layer of one model shares."""
+
+    groups: Groups
+    table: DispatchTable
+    exchange: TwoTierExchange
+    positions: torch.Tensor | None = None  # [T] each token's position in its request
+
+
+class ExpertParallelMoE(nn.Module):
+    def __init__(self, block: MoEBlock, layer_index: int, slot_experts: list[int], context: EPContext):
+        super().__init__()
+        self.top_k, self.moe_backend = block.top_k, block.moe_backend
+        self.router, self.shared_expert = block.router, block.shared_expert
+        index = torch.tensor(slot_experts, dtype=torch.long)
+        # the local slots' experts, in slot order; the full tensors are not kept
+        self.gate_up_proj = nn.Parameter(block.experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(block.experts.down_proj.detach()[index].clone(), requires_grad=False)
+        self.layer_index = layer_index  # row of the dispatch table
+        self.context = context
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
+        ctx = self.context
+        topk = route_llama4(self.router(x), self.top_k)
+        positions = ctx.positions
+        if positions is None or positions.shape[0] != x.shape[0]:
+            raise RuntimeError("EPContext.positions must hold the batch's token positions before the forward")
+        ids = topk.ids.cpu().numpy().astype(np.int32)[:, None, :]  # [T, 1, K]
+        keys = table_keys(ctx.table, ids, np.full(x.shape[0], ctx.groups.rank), [self.layer_index])
+        slots = torch.from_numpy(destination_slots(ctx.table, keys, positions.cpu().numpy())[:, 0, :].astype(np.int64))
+        routed = ctx.exchange.run(x, slots.to(x.device), topk.weights.to(x.dtype), self._compute)
+        return self.shared_expert(x) + routed, topk
+
+    def _compute(self, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights, weight_on_input=True,
+                         backend=self.moe_backend)
+
+
+def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups: Groups) -> EPContext:
+    """Swap every MoE block of `model` for its expert-parallel form on this rank; returns the context
+    whose `positions` the caller sets before each forward and whose exchange counts the bytes."""
+    config = model.config
+    validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
+    topo = plan.topology
+    if (topo.nodes, topo.gpus_per_node, topo.slots_per_gpu) != (groups.nodes, groups.gpus_per_node, groups.slots_per_gpu):
+        raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} ({topo.slots_per_gpu} slots) is not "
+                         f"the process groups' {groups.nodes}x{groups.gpus_per_node} ({groups.slots_per_gpu} slots)")
+    context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups))
+    for row, layer in enumerate(plan.moe_layers):
+        decoder = model.model.layers[layer]
+        slot_experts = [int(e) for e in plan.slots[row][groups.rank]]
+        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row, slot_experts, context)
+    return context
