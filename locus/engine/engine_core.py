@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,14 @@ from locus.errors import LocusError
 
 GiB = 1 << 30
 log = logging.getLogger("locus.engine")
+
+
+class Lockstep(Protocol):
+    def agree(self, forwards: int) -> int:
+        """The largest forward count any rank has this step (a collective)."""
+
+    def idle(self) -> None:
+        """One forward's exchanges with no tokens of this rank's own."""
 
 
 class RequestFailedError(LocusError):
@@ -109,6 +118,9 @@ class EngineCore:
         # recorder, a plan's grouper (subscribe with self.routing.subscribe).
         self.routing = RoutingTap(tuple(mc.moe_layers))
         self.recorder: TraceRecorder | None = None
+        # Expert parallelism (set by whoever applied it): agree on the step's forward count with
+        # the other ranks, and take part in their exchanges when this rank has fewer micro-batches.
+        self.lockstep: Lockstep | None = None
         self.expert_load: ExpertLoadCounter | None = None
         if config.count_expert_load and mc.moe_layers:
             self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
@@ -177,12 +189,18 @@ class EngineCore:
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        micro_batches = batch.micro_batches if batch is not None else []
+        forwards = len(micro_batches)
+        if self.lockstep is not None:  # every rank runs as many forwards as the busiest one
+            forwards = self.lockstep.agree(forwards)
+            for _ in range(forwards - len(micro_batches)):
+                self.lockstep.idle()  # no tokens here, but this rank takes part in every exchange
         if batch is None:
             return []
         for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
             self.cache.copy_block(src, dst)
         touched: OrderedDict[str, Request] = OrderedDict()
-        for items in batch.micro_batches:
+        for items in micro_batches:
             result = self.runner.run(items, record_routing=self.routing.active)
             for item in items:
                 item.seq.num_computed += item.num_tokens

@@ -7,18 +7,20 @@ Rank r keeps only the experts of `plan.layers[l].slots[r]`, stacked in slot orde
 [S, H, 2I] / [S, I, H] (a rank may hold one expert in two slots). Attention, norms, the router, the
 shared expert and the dense layers stay whole on every rank (data-parallel attention).
 
-The dispatch rule's tie-break needs each token's position in its request: the caller sets
-`EPContext.positions` before every forward (the runner's batch positions).
+The dispatch rule's tie-break needs each token's position in its request: a forward pre-hook on
+the model takes them from the batch. The context is also the engine's `Lockstep`: ranks agree on
+each step's forward count, and a rank with fewer micro-batches runs empty exchanges (`idle`).
 
 Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots per rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from locus.engine.model import Llama4ForCausalLM
@@ -38,6 +40,23 @@ class EPContext:
     table: DispatchTable
     exchange: TwoTierExchange
     positions: torch.Tensor | None = None  # [T] each token's position in its request
+    layers: list["ExpertParallelMoE"] = field(default_factory=list)  # in forward order
+
+    def idle(self) -> None:
+        """A forward with no tokens: every MoE layer's exchange, in order, with empty tensors (the
+        other ranks' tokens may still come here to be computed)."""
+        for layer in self.layers:
+            layer.exchange_nothing()
+
+    def agree(self, forwards: int) -> int:
+        """The largest number of forwards any rank runs this step (gloo all-reduce)."""
+        count = torch.tensor([forwards], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.control)
+        return int(count.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """True if `flag` holds on any rank (gloo all-reduce)."""
+        return self.agree(int(flag)) > 0
 
 
 class ExpertParallelMoE(nn.Module):
@@ -64,6 +83,13 @@ class ExpertParallelMoE(nn.Module):
         routed = ctx.exchange.run(x, slots.to(x.device), topk.weights.to(x.dtype), self._compute)
         return self.shared_expert(x) + routed, topk
 
+    def exchange_nothing(self) -> None:
+        H = self.router.in_features
+        dtype, device = self.router.weight.dtype, self.router.weight.device
+        self.context.exchange.run(torch.empty(0, H, dtype=dtype, device=device),
+                                  torch.empty(0, self.top_k, dtype=torch.long, device=device),
+                                  torch.empty(0, self.top_k, dtype=dtype, device=device), self._compute)
+
     def _compute(self, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights, weight_on_input=True,
                          backend=self.moe_backend)
@@ -79,8 +105,16 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
         raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} ({topo.slots_per_gpu} slots) is not "
                          f"the process groups' {groups.nodes}x{groups.gpus_per_node} ({groups.slots_per_gpu} slots)")
     context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups))
-    for row, layer in enumerate(plan.moe_layers):
+    row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
+    for layer in sorted(row_of):  # forward order, which idle() follows
         decoder = model.model.layers[layer]
-        slot_experts = [int(e) for e in plan.slots[row][groups.rank]]
-        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row, slot_experts, context)
+        slot_experts = [int(e) for e in plan.slots[row_of[layer]][groups.rank]]
+        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slot_experts, context)
+        context.layers.append(decoder.feed_forward)
+
+    def take_positions(module, args, kwargs):  # the dispatch rule's tie-break needs them
+        batch = args[0] if args else kwargs["batch"]
+        context.positions = batch.positions
+
+    model.register_forward_pre_hook(take_positions, with_kwargs=True)
     return context

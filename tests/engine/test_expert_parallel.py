@@ -115,3 +115,61 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
     measured_intra = sum(r["bytes"].intra_node for r in results)
     assert (measured_inter, measured_intra) == (inter, intra)
     assert intra > 0 and (inter > 0) == (plan.topology.nodes > 1)
+
+
+def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None:
+    """One rank's engine: its share of the prompts, in lockstep with the other ranks."""
+    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.sampling import SamplingParams
+    from locus.engine.tokenizer import ByteTokenizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = build_preset("tiny", seed=0)
+        plan = plan_for(case, model.config.moe_layers)
+        topo = plan.topology
+        ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu))
+        core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+                          EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32))
+        core.lockstep = ctx
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        for i, prompt in enumerate(engine_prompts()):
+            if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
+                core.add_request(f"p{i}", prompt, params)
+        finals = {}
+        while ctx.any_rank(core.has_unfinished()):
+            for output in core.step():
+                if output.finished:
+                    finals[output.request_id] = ([c.token_ids for c in output.outputs],
+                                                 [[lp.logprob for lp in c.logprobs] for c in output.outputs])
+        torch.save(finals, f"{out}/engine{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def engine_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (16,), generator=g)]
+
+
+@pytest.mark.parametrize("case", ["1x2", "2x2-replicas"])
+def test_engines_in_lockstep_generate_what_one_engine_does(case, tmp_path):
+    from locus.engine.engine_core import EngineConfig
+    from locus.engine.llm import LLM
+    from locus.engine.sampling import SamplingParams
+    from locus.engine.tokenizer import ByteTokenizer
+
+    world = plan_for(case, build_preset("tiny", seed=0).config.moe_layers).topology.ranks
+    mp.spawn(engine_worker, args=(world, case, free_port(), str(tmp_path)), nprocs=world, join=True)
+    got = {}
+    for rank in range(world):
+        got.update(torch.load(tmp_path / f"engine{rank}.pt", weights_only=False))
+    llm = LLM.from_model(build_preset("tiny", seed=0), ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+                         EngineConfig(block_size=8, num_kv_blocks=256))
+    want = llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert len(got) == 16
+    for i, out in enumerate(want):
+        tokens, logprobs = got[f"p{i}"]
+        assert tokens == [out.outputs[0].token_ids]
+        assert np.allclose(logprobs[0], [lp.logprob for lp in out.outputs[0].logprobs], atol=1e-5)

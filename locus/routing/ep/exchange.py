@@ -73,6 +73,7 @@ class Groups:
     slots_per_gpu: int
     inter: object | None  # tier-1 group: node * G + local for every node
     intra: object | None  # tier-2 group: this node's ranks
+    control: object | None = None  # every rank, on gloo: step agreement, requests in, outputs out
     timeout: timedelta = field(default=timedelta(seconds=60))
 
     @property
@@ -98,7 +99,8 @@ def make_groups(nodes: int, gpus_per_node: int, slots_per_gpu: int, timeout: tim
         group = dist.new_group([node * gpus_per_node + g for g in range(gpus_per_node)], timeout=timeout)
         if gpus_per_node > 1 and node == rank // gpus_per_node:
             intra = group
-    return Groups(rank, nodes, gpus_per_node, slots_per_gpu, inter, intra, timeout)
+    control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+    return Groups(rank, nodes, gpus_per_node, slots_per_gpu, inter, intra, control, timeout)
 
 
 def send_rows(tensors: list[torch.Tensor], member: torch.Tensor, group, size: int) -> tuple[list[torch.Tensor], _Route]:
