@@ -76,8 +76,11 @@ class _Call:
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_waiting: int | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None):
+                 on_finished: Callable[[RequestOutput], None] | None = None, driver=None):
         self.core = core
+        # Expert parallelism (rank 0 of several): requests go to the driver, which assigns them to
+        # ranks, and each step is an iteration of every rank (locus/engine/ep_driver.py).
+        self.driver = driver
         self.max_waiting = max_waiting
         self.on_dead = on_dead  # called once, from the engine thread, after a fatal engine error
         # called from the engine thread with every request's last output: finished, aborted (its
@@ -180,6 +183,8 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.driver is not None:
+            return self._drive_ranks()
         try:
             while not self._stopping.is_set():
                 self._apply_commands()
@@ -192,13 +197,7 @@ class AsyncEngine:
                 self._publish_stats(0)
                 self._deliver_step(outputs)
         except BaseException as exc:  # not pinned on one request: the engine is dead
-            self._error = exc
-            log.critical("engine failed; every request in flight gets an error", exc_info=exc)
-            err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
-            for request_id in list(self._sinks):
-                self._deliver(request_id, err)
-            if self.on_dead is not None:
-                self.on_dead(exc)
+            self._die(exc)
             return
         # on shutdown, whoever is still waiting gets an aborted final output
         for request_id in list(self.core.requests):
@@ -206,12 +205,43 @@ class AsyncEngine:
             if out is not None:
                 self._deliver(request_id, out)
 
+    def _drive_ranks(self) -> None:
+        """The loop of rank 0 of an expert-parallel server: every iteration is one of all ranks,
+        at least every half second (the other ranks wait for it in a collective)."""
+        driver = self.driver
+        try:
+            while not self._stopping.is_set():
+                adds = self._apply_commands(publish=False)
+                busy = driver.has_unfinished()
+                outputs = driver.step()
+                for request_id, message in driver.errors:
+                    self._deliver(request_id, LocusError(message))
+                driver.errors.clear()
+                self._publish_stats(adds)  # the added requests are in the ranks' counts now
+                self._deliver_step(outputs)
+                if not busy:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+            driver.stop()
+        except BaseException as exc:  # a rank died, a collective timed out, or a step failed
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self._error = exc
+        log.critical("engine failed; every request in flight gets an error", exc_info=exc)
+        err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for request_id in list(self._sinks):
+            self._deliver(request_id, err)
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
     def _publish_stats(self, applied_adds: int) -> None:
         with self._admission:
-            self._stats = self.core.stats()
+            self._stats = self.driver.total_stats() if self.driver is not None else self.core.stats()
             self._unapplied_adds -= applied_adds
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self, publish: bool = True) -> int:
+        driver = self.driver
         adds = 0
         while True:
             try:
@@ -220,27 +250,39 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add):
                 adds += 1
+                if driver is not None:  # validated at admission; the driver picks the rank
+                    driver.add(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
+                    continue
                 try:
                     self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
                 except LocusError as exc:
                     self._deliver(cmd.request_id, exc)
             elif isinstance(cmd, _Abort):
+                if driver is not None:  # its rank aborts it; the aborted output comes back
+                    driver.abort(cmd.request_id)
+                    continue
                 out = self.core.abort(cmd.request_id)
                 if out is not None:
                     self._note_finished(out)
                     self._deliver(cmd.request_id, out)
             elif isinstance(cmd, _FailAll):
+                for request_id in list(self._sinks):
+                    self._deliver(request_id, cmd.error)
+                if driver is not None:
+                    for request_id in driver.requests():
+                        driver.abort(request_id)
+                    continue
                 for request_id in list(self.core.requests):
                     self._note_finished(self.core.abort(request_id))
-                    self._deliver(request_id, cmd.error)
             elif isinstance(cmd, _Call):
                 try:
                     result, error = cmd.fn(self.core), None
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     result, error = None, exc
                 cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, error)
-        if adds:  # the added requests are in the engine's own counts from now on
+        if adds and publish:  # the added requests are in the engine's own counts from now on
             self._publish_stats(adds)
+        return adds
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one wake-up per event loop, not one per request: at 32+

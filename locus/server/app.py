@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.ep_driver import EPDriver
+from locus.engine.ep_launch import EPSetup, start_expert_parallel
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
@@ -52,6 +54,7 @@ class ServerConfig:
     max_waiting: int | None = None
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
+    ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
 
 
 class ServerState:
@@ -63,22 +66,30 @@ class ServerState:
         self.load_error: str | None = None
         self.on_load_failed = None  # callable; `locus serve` uses it to exit instead of serving 503s
         self.on_engine_dead = None  # callable; `locus serve` uses it to exit non-zero
+        self.ep_driver: EPDriver | None = None
         self.created = int(time.time())
 
     def load(self) -> None:
         try:
             c = self.config
             loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
-            grouping, engine_config = None, c.engine
-            if c.plan:
+            grouping, engine_config, ep = None, c.engine, None
+            if c.ep is not None:  # the plan places the experts over the ranks; requests go to ranks balanced
+                ep = start_expert_parallel(c.ep, loaded.model)
+            elif c.plan:
                 grouping = load_plan_grouping(c.plan, loaded.model.config)
                 engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
             core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
+            driver = None
+            if ep is not None:
+                core.lockstep = ep
+                driver = EPDriver(core, ep)
+                self.ep_driver = driver
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.routing.subscribe(grouping.observe)
             if c.record_trace:
                 core.start_recording(c.record_trace, self.model_name)
-            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died)
+            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver)
             self.metrics = ServerMetrics(engine, self.model_name)
             engine.on_finished = self.metrics.observe_output
             engine.start()
@@ -173,6 +184,17 @@ def create_app(config: ServerConfig) -> FastAPI:
         if state.metrics is None:
             return Response("", media_type="text/plain; version=0.0.4")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/ep/stats")
+    async def ep_stats():
+        """Expert-parallel traffic measured so far, summed over ranks (replay's field names)."""
+        driver = state.ep_driver
+        if driver is None:
+            raise APIError(404, "this server does not run expert parallelism (--ep-ranks)", "not_found_error")
+        per_rank = [b.__dict__ | {"inter_node": b.inter_node, "intra_node": b.intra_node} for b in driver.bytes]
+        return {"ranks": len(per_rank), "inter_node_bytes": sum(b["inter_node"] for b in per_rank),
+                "intra_node_bytes": sum(b["intra_node"] for b in per_rank),
+                "tokens": sum(b["tokens"] for b in per_rank), "per_rank": per_rank}
 
     @app.get("/v1/models")
     async def models():

@@ -35,6 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
+    p.add_argument("--ep-ranks", type=int, default=1, metavar="N",
+                   help="expert parallelism over N local processes (ranks); the experts are placed by --plan, "
+                        "else round-robin. Under torchrun the launcher's WORLD_SIZE decides instead")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="ranks per (virtual) node for --ep-ranks (default: all on one node)")
+    p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds any expert-parallel collective may take")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
@@ -53,21 +59,73 @@ def cut_at_deadline(engine, graceful_timeout: float) -> None:
     timer.start()
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def engine_config_of(args: argparse.Namespace):
     from locus.engine.engine_core import EngineConfig, parse_memory
-    from locus.server.app import ServerConfig, create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = EngineConfig(
+    return EngineConfig(
         block_size=args.block_size, kv_cache_memory=parse_memory(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def run_rank(args: argparse.Namespace, setup) -> int:
+    """A rank other than 0: the same model and engine, no HTTP; iterate with rank 0 until it stops."""
+    import torch.distributed as dist
+
+    from locus.engine.engine_core import EngineCore
+    from locus.engine.ep_driver import serve_rank
+    from locus.engine.ep_launch import start_expert_parallel
+    from locus.engine.loader import load
+
+    log = logging.getLogger("locus.engine")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = 0
+    try:
+        loaded = load(args.model, args.dtype, args.device, args.moe_backend, args.seed)
+        ctx = start_expert_parallel(setup, loaded.model)
+        core = EngineCore(loaded.model, loaded.tokenizer, engine_config_of(args))
+        core.lockstep = ctx
+        serve_rank(core, ctx)
+    except BaseException:  # noqa: BLE001 - a dead peer or a timed-out collective ends this rank too
+        log.exception("rank %d stops", setup.rank)
+        code = 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def stop_children(children) -> None:
+    """No rank outlives rank 0: wait a moment for the stop message to land, then kill."""
+    for child in children:
+        try:
+            child.wait(10)
+        except Exception:  # noqa: BLE001 - still running after rank 0 is done: end it
+            child.kill()
+            child.wait()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from locus.engine.ep_launch import SPAWNED, setup_from, spawn_local_ranks
+    from locus.server.app import ServerConfig, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan)
+    if setup is not None and setup.rank != 0:
+        return run_rank(args, setup)
+    children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []
+    engine = engine_config_of(args)
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
-        record_trace=args.record_trace, plan=args.plan))
+        record_trace=args.record_trace, plan=args.plan, ep=setup))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -106,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine_died.is_set():
         print("locus: error: the engine failed (traceback above); exiting", file=sys.stderr)
         code = 1
+    stop_children(children)
     # Everything is drained and written by now. Skip interpreter finalisation: with torch 2.13 it
     # tears down Triton's bindings (imported by torch itself) and prints pages of nanobind "leak" noise.
     logging.shutdown()

@@ -1,0 +1,157 @@
+"""One engine loop for every rank of an expert-parallel server (nano-vllm's ModelRunner-per-rank,
+with the control plane on a gloo group).
+
+Every rank repeats the same iteration, so the collectives always line up:
+    1. rank 0 broadcasts the commands it took since the last iteration (requests assigned to a rank,
+       aborts, stop); each rank applies the ones addressed to it;
+    2. the ranks agree whether any of them has work; if so, every rank runs `EngineCore.step()` (in
+       lockstep: see EPContext.agree/idle);
+    3. every rank sends rank 0 its outputs, its counters and its exchange bytes.
+Rank 0 runs this inside AsyncEngine's thread (`EPDriver` is its `driver`); the other ranks run
+`serve_rank` until rank 0 says stop. Rank 0 iterates at least every half second while idle, so a
+waiting rank's collective never hits the timeout.
+
+Requests are assigned at admission, `balanced`: to the rank with the fewest tokens in flight (prompt
+plus max_tokens of its unfinished requests), ties to the lowest rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from locus.engine.engine_core import EngineCore, EngineStats
+from locus.engine.expert_parallel import EPContext
+from locus.engine.outputs import RequestOutput
+from locus.engine.sampling import SamplingParams
+from locus.errors import LocusError
+from locus.routing.ep.exchange import ExchangeBytes
+
+log = logging.getLogger("locus.engine")
+
+
+@dataclass
+class RankReport:
+    """What one rank sends rank 0 after an iteration."""
+
+    outputs: list[RequestOutput]
+    errors: list[tuple[str, str]]  # (request id, message) of adds this rank refused
+    stats: EngineStats
+    bytes: ExchangeBytes
+
+
+@dataclass
+class _Commands:
+    adds: dict[int, list[tuple]] = field(default_factory=dict)  # rank -> (request id, prompt ids, params, domain)
+    aborts: dict[int, list[str]] = field(default_factory=dict)
+    stop: bool = False
+
+
+def apply_commands(core: EngineCore, rank: int, commands: _Commands, errors: list[tuple[str, str]]) -> list[RequestOutput]:
+    outputs = []
+    for request_id, prompt_ids, params, domain in commands.adds.get(rank, ()):
+        try:
+            core.add_request(request_id, prompt_ids, params, domain)
+        except LocusError as exc:
+            errors.append((request_id, str(exc)))
+    for request_id in commands.aborts.get(rank, ()):
+        out = core.abort(request_id)
+        if out is not None:
+            outputs.append(out)
+    return outputs
+
+
+def iterate(core: EngineCore, ctx: EPContext, commands: _Commands | None) -> list[RankReport | None] | None:
+    """One iteration on any rank (see the module doc); rank 0 passes its commands and gets every
+    rank's report, the others pass None and get a list of Nones. None: rank 0 said stop."""
+    rank, control = ctx.groups.rank, ctx.groups.control
+    box = [commands]
+    dist.broadcast_object_list(box, src=0, group=control)
+    commands = box[0]
+    if commands.stop:
+        return None
+    errors: list[tuple[str, str]] = []
+    outputs = apply_commands(core, rank, commands, errors)
+    if ctx.any_rank(core.has_unfinished()):
+        outputs += core.step()
+    report = RankReport(outputs, errors, core.stats(), ctx.exchange.bytes)
+    world = dist.get_world_size(control)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0, group=control)
+    return gathered if rank == 0 else [None] * world
+
+
+def serve_rank(core: EngineCore, ctx: EPContext) -> None:
+    """A non-zero rank: iterate until rank 0 says stop (or a collective fails, which raises)."""
+    while iterate(core, ctx, None) is not None:
+        pass
+
+
+class EPDriver:
+    """Rank 0's side: AsyncEngine hands it adds and aborts, and calls `step` from its thread."""
+
+    def __init__(self, core: EngineCore, ctx: EPContext):
+        self.core, self.ctx = core, ctx
+        self.world = dist.get_world_size(ctx.groups.control)
+        self._pending = _Commands()
+        self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
+        self._in_flight = [0] * self.world  # tokens charged to each rank
+        self._charge: dict[str, int] = {}
+        self.stats: list[EngineStats | None] = [None] * self.world
+        self.bytes: list[ExchangeBytes] = [ExchangeBytes() for _ in range(self.world)]
+        self.errors: list[tuple[str, str]] = []  # refused adds, for AsyncEngine to deliver
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> int:
+        rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
+        charge = len(prompt_ids) + (params.max_tokens or 0) * params.n
+        self._owner[request_id], self._charge[request_id] = rank, charge
+        self._in_flight[rank] += charge
+        self._pending.adds.setdefault(rank, []).append((request_id, prompt_ids, params, domain))
+        return rank
+
+    def abort(self, request_id: str) -> None:
+        rank = self._owner.get(request_id)
+        if rank is not None:
+            self._pending.aborts.setdefault(rank, []).append(request_id)
+
+    def requests(self) -> list[str]:
+        """The unfinished requests, on any rank."""
+        return list(self._owner)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._owner) or bool(self._pending.adds)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of every rank; the outputs of all of them."""
+        commands, self._pending = self._pending, _Commands()
+        reports = iterate(self.core, self.ctx, commands)
+        outputs = []
+        for rank, report in enumerate(reports):
+            self.stats[rank], self.bytes[rank] = report.stats, report.bytes
+            for request_id, message in report.errors:
+                self._release(request_id)
+                self.errors.append((request_id, message))
+            for out in report.outputs:
+                if out.finished:
+                    self._release(out.request_id)
+                outputs.append(out)
+        return outputs
+
+    def stop(self) -> None:
+        """Tell every other rank to leave its loop (a last broadcast)."""
+        dist.broadcast_object_list([_Commands(stop=True)], src=0, group=self.ctx.groups.control)
+
+    def total_stats(self) -> EngineStats:
+        """Counters summed over ranks (a rank not heard from yet counts as empty)."""
+        known = [s for s in self.stats if s is not None] or [self.core.stats()]
+        fields = EngineStats.__dataclass_fields__
+        summed = {name: sum(getattr(s, name) for s in known) for name in fields}
+        summed["kv_usage"] = 1.0 - summed["num_free_blocks"] / max(1, summed["num_blocks"])
+        return EngineStats(**summed)
+
+    def _release(self, request_id: str) -> None:
+        rank = self._owner.pop(request_id, None)
+        if rank is not None:
+            self._in_flight[rank] -= self._charge.pop(request_id, 0)

@@ -1,0 +1,124 @@
+"""Expert-parallel serving with real processes: `locus serve --ep-ranks`, two torchrun agents, and a
+rank killed mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from locus.engine.llm import LLM
+from locus.engine.sampling import SamplingParams
+from tests.server.server_process import free_port, running_server
+
+PROMPTS = ["expert parallel", "a longer prompt that takes a few more tokens to prefill", "x"]
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            out.append(int(status.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def test_four_ranks_as_2x2_serve_what_one_process_serves():
+    llm = LLM("tiny")
+    want = [out.outputs[0].text for out in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2") as proc:
+        rank_pids = children_of(proc.pid)
+        assert len(rank_pids) == 3  # ranks 1..3
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+        assert got == want
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert streamed == want[1]
+        n2 = client.completions.create(model="tiny", prompt="two", max_tokens=5, n=2, seed=3)
+        assert len(n2.choices) == 2
+        stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+        assert stats["ranks"] == 4 and stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0
+        assert stats["tokens"] > 0
+    assert proc.returncode == 0
+    assert not any(alive(pid) for pid in rank_pids), "a rank outlived the server"
+
+
+def test_two_torchrun_agents_serve_through_the_openai_client():
+    port, master = free_port(), free_port()
+    env = {**os.environ}
+    env.pop("WORLD_SIZE", None)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                                "--master-addr", "127.0.0.1", "--master-port", str(master),
+                                "-m", "locus.cli", "serve", "--model", "tiny", "--port", str(port), "--log-level", "warning"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+              for n in (0, 1)]
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert all(a.poll() is None for a in agents), "an agent exited before the server was ready"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the torchrun-launched server did not become healthy"
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="tiny", prompt="two machines", max_tokens=6, temperature=0)
+        assert r.usage.completion_tokens == 6
+        assert httpx.get(f"{base}/ep/stats").json()["inter_node_bytes"] > 0  # 2 nodes of 1 rank: tier 1 only
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGTERM)
+        for a in agents:
+            try:
+                a.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+
+
+def test_a_killed_rank_fails_open_streams_and_ends_the_server_with_no_process_left():
+    with running_server("--model", "tiny", "--ep-ranks", "2", "--ep-timeout", "5") as proc:
+        (rank1,) = children_of(proc.pid)
+        body = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=proc.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                os.kill(rank1, signal.SIGKILL)
+                killed = time.monotonic()
+                rest = [line for line in lines if line]
+        assert json.loads(rest[-1].removeprefix("data: "))["error"]["type"] == "service_unavailable"
+        try:  # the server may already be gone; while it is not, it says it is broken
+            assert httpx.get(f"{proc.base_url}/health", timeout=2).status_code == 503
+        except httpx.TransportError:
+            pass
+        code = proc.wait(30)
+        assert time.monotonic() - killed < 5 + 15
+    assert code != 0
+    assert not alive(rank1)
+    assert children_of(proc.pid) == []
