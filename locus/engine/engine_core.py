@@ -362,7 +362,8 @@ class EngineCore:
         """Record the routing of every request admitted from now on into a locus-trace directory."""
         if self.recorder is not None:
             raise LocusError(f"already recording to {self.recorder.path}; dump it first")
-        self.recorder = TraceRecorder(self.model.config, Path(path), model_name)
+        dtype_bytes = torch.empty((), dtype=self.model.dtype).element_size()  # replay's bytes = the served ones
+        self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes)
         self.routing.subscribe(self.recorder.observe)
         self._prefix_caching_before = self.blocks.enable_prefix_caching
         self.blocks.enable_prefix_caching = False  # every token must go through the model

@@ -58,6 +58,7 @@ class TraceRecorder:
     config: ModelConfig
     path: Path
     model_name: str
+    dtype_bytes: int = 2  # bytes of one hidden-state element as served (what an exchange moves per value)
     accepting: bool = True  # False after stop: sequences already recorded still finish
     _writer: TraceWriter | None = None
     _active: dict[int, _SeqTrace] = field(default_factory=dict)
@@ -67,7 +68,7 @@ class TraceRecorder:
     def __post_init__(self) -> None:
         c = self.config
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
-                         moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=2,
+                         moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
                          source="locus-engine")
         self._writer = TraceWriter(self.path, meta, with_weights=True)
         self._layers = tuple(c.moe_layers)

@@ -70,6 +70,19 @@ def assign_round_robin(num_requests: int, num_ranks: int, request_start: int = 0
     return Assignment("round_robin", request_start, np.arange(num_requests, dtype=np.int64) % num_ranks)
 
 
+def assign_recorded(requests, num_ranks: int, request_start: int = 0) -> Assignment:
+    """The ranks the requests ran on, as an expert-parallel server recorded them in the trace."""
+    ranks = np.empty(len(requests), dtype=np.int64)
+    for i, r in enumerate(requests):
+        if r.rank is None:
+            raise LocusError(f"request {r.id!r} has no recorded rank: the trace was not recorded by an "
+                             "expert-parallel server (use another --assign)")
+        if not 0 <= r.rank < num_ranks:
+            raise LocusError(f"request {r.id!r} ran on rank {r.rank}, but the plan has {num_ranks} ranks")
+        ranks[i] = r.rank
+    return Assignment("recorded", request_start, ranks)
+
+
 def load_assignment(path: str | Path, request_ids, num_ranks: int, request_start: int = 0) -> Assignment:
     """Ranks for `request_ids` (the replayed requests, in order) from a {request_id: rank} JSON file."""
     path = Path(path)

@@ -13,7 +13,8 @@ from locus.errors import LocusError
 
 BUILTIN_PLANS = ("round_robin", "eplb")
 ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper, "
-               "run online: needs a plan with a grouping), or a {request_id: rank} JSON file")
+               "run online: needs a plan with a grouping), recorded (the rank each request ran on, from a trace "
+               "an expert-parallel server recorded), or a {request_id: rank} JSON file")
 
 
 def register(subparsers) -> None:
@@ -138,7 +139,7 @@ def _builtin_plan(args, reader, replayed: tuple[int, int]):
 
 
 def _assignment(args, reader, plan, start: int, stop: int):
-    from locus.routing.assignment import assign_balanced, assign_round_robin, load_assignment
+    from locus.routing.assignment import assign_balanced, assign_recorded, assign_round_robin, load_assignment
 
     num_ranks = plan.topology.ranks
     if args.assign in ("grouper", "plan"):
@@ -153,6 +154,8 @@ def _assignment(args, reader, plan, start: int, stop: int):
         return assign_balanced(tokens, num_ranks, request_start=start)
     if args.assign == "round_robin":
         return assign_round_robin(stop - start, num_ranks, request_start=start)
+    if args.assign == "recorded":
+        return assign_recorded(reader.requests[start:stop], num_ranks, request_start=start)
     ids = [r.id for r in reader.requests[start:stop]]
     return load_assignment(args.assign, ids, num_ranks, request_start=start)
 

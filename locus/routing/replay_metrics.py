@@ -10,9 +10,11 @@ Definitions (a "pair" is one (token, layer, k) with an expert id other than -1):
   inter-node, deduplicated: per (token, layer), the number of distinct nodes other than the token's own
       among its destinations; times `2 * hidden * dtype_bytes` (dispatch there, combine back);
   inter-node, not deduplicated: pairs whose destination is on another node;
-  intra-node, deduplicated: per (token, layer), the number of distinct ranks of the token's own node,
-      other than its own rank, among its destinations (a token is sent once to each such rank);
-  intra-node, not deduplicated: pairs served by another rank of the token's node;
+  intra-node, deduplicated: the tier-2 payload of the two-tier dispatch (DESIGN.md, "Expert-parallel
+      serving"): per (token, layer), the number of distinct destination ranks whose local index
+      differs from the token's own rank's: the other ranks of its own node, and in each remote node
+      the ranks other than the proxy (the rank with the token's local index) that tier 1 sent it to;
+  intra-node, not deduplicated: the pairs those tier-2 sends carry;
   locality: share of pairs served on the token's own node (its own rank included);
   expert load of rank r in a layer: pairs it computes; imbalance = max over ranks / mean over ranks;
   attention load: tokens per rank;
@@ -63,7 +65,8 @@ class TrafficTotals:
     own_rank_pairs: int
     own_node_pairs: int
     inter_node_sends: int  # sum over (token, layer) of distinct remote nodes
-    intra_node_sends: int  # sum over (token, layer) of distinct other ranks on the own node
+    intra_node_sends: int  # sum over (token, layer) of distinct tier-2 destination ranks (own node and proxied)
+    intra_node_pairs: int  # pairs carried by tier-2 sends
     bytes_per_send: int  # 2 * hidden * dtype_bytes
     layer_loads: np.ndarray  # [L, R] pairs computed per rank
     rank_tokens: np.ndarray  # [R]
@@ -100,7 +103,7 @@ class TrafficMeter:
         self.node_bit = np.where(rank < R, np.left_shift(1, node % 64), 0).astype(node_dtype)
         self.local_bit = np.where(rank < R, np.left_shift(1, rank % G), 0).astype(local_dtype)
         self.rows = 0
-        self.counts = np.zeros(4, dtype=np.int64)  # own_rank, own_node, inter sends, intra sends
+        self.counts = np.zeros(5, dtype=np.int64)  # own_rank, own_node, inter sends, intra sends, intra pairs
         self.none_pairs = 0
         self.layer_loads = np.zeros((L, R), dtype=np.int64)
         self.rank_tokens = np.zeros(R, dtype=np.int64)
@@ -134,11 +137,16 @@ class TrafficMeter:
         own_node = self.node_of[dest] == self.node_of[src][:, None, None]
         own_rank = dest == src[:, None, None].astype(dest.dtype)
         remote_nodes = np.bitwise_or.reduce(self.node_bit[dest], axis=2) & ~self.node_bit[src][:, None]
-        peers = np.bitwise_or.reduce(self.local_bit[dest] * own_node, axis=2) & ~self.local_bit[src][:, None]
+        # tier 2 reaches every destination whose local index differs from the source's: the source
+        # itself and the remote proxies (same local index) hold the row already
+        tier2 = (dest < R) & ((dest % self.G) != (src % self.G)[:, None, None])  # [T, L, K]
+        ranks = np.sort(np.where(tier2, dest, R), axis=2)
+        distinct = np.ones(ranks.shape, dtype=bool)
+        distinct[..., 1:] = ranks[..., 1:] != ranks[..., :-1]
         inter = _popcount(remote_nodes)  # [T, L] distinct remote nodes
-        intra = _popcount(peers)  # [T, L] distinct other ranks on the own node
+        intra = np.count_nonzero(distinct & (ranks < R), axis=2)  # [T, L] distinct tier-2 destinations
         self.counts += (np.count_nonzero(own_rank), np.count_nonzero(own_node),
-                        int(inter.sum(dtype=np.int64)), int(intra.sum(dtype=np.int64)))
+                        int(inter.sum(dtype=np.int64)), int(intra.sum(dtype=np.int64)), np.count_nonzero(tier2))
 
         # Per-step sums, indexed by the step relative to the chunk's first one.
         row_key = step[:, None] * L + np.arange(L)  # [T, L]
@@ -191,7 +199,7 @@ class TrafficMeter:
             self._close_steps(*(x[None] for x in self.open))
             self.open = None
         valid = int(self.layer_loads.sum())
-        own_rank, own_node, inter, intra = (int(x) for x in self.counts)
+        own_rank, own_node, inter, intra, intra_pairs = (int(x) for x in self.counts)
         return TrafficTotals(
             tokens=self.rows,
             steps=self.steps,
@@ -200,6 +208,7 @@ class TrafficMeter:
             own_node_pairs=own_node,
             inter_node_sends=inter,
             intra_node_sends=intra,
+            intra_node_pairs=intra_pairs,
             bytes_per_send=self.bytes_per_send,
             layer_loads=self.layer_loads.copy(),
             rank_tokens=self.rank_tokens.copy(),

@@ -57,7 +57,7 @@ class ReplayReport:
         known = ~np.isnan(layer_imb)
         u = t.bytes_per_send
         inter_nodedup = t.valid_pairs - t.own_node_pairs
-        intra_nodedup = t.own_node_pairs - t.own_rank_pairs
+        intra_nodedup = t.intra_node_pairs
         tokens = max(t.tokens, 1)
         return cls(
             model=model,

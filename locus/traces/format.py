@@ -113,13 +113,17 @@ class RequestRecord:
     domain: str
     prompt_tokens: int
     tokens: int
+    rank: int | None = None  # the rank it ran on, when recorded by an expert-parallel server
 
     @property
     def decode_tokens(self) -> int:
         return self.tokens - self.prompt_tokens
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "domain": self.domain, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens}
+        out = {"id": self.id, "domain": self.domain, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
 
 def check_meta(meta: TraceMeta, where: str) -> None:
@@ -177,7 +181,12 @@ def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
         raise TraceFormatError(
             f"{where}: prompt_tokens {d['prompt_tokens']} > tokens {d['tokens']} (request {d['id']!r})"
         )
-    return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"])
+    rank = d.get("rank")
+    if rank is not None:
+        _expect(d, "rank", int, where)
+        if rank < 0:
+            raise TraceFormatError(f"{where}: negative rank {rank} (request {d['id']!r})")
+    return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"], rank)
 
 
 def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:

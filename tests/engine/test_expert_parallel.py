@@ -19,8 +19,12 @@ from locus.engine.presets import build_preset
 from locus.routing.baselines import round_robin
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.ep.exchange import make_groups
+from locus.routing.assignment import assign_recorded
 from locus.routing.placement import PlacementPlan
+from locus.routing.replay import replay
 from locus.routing.topology import Topology
+from locus.traces.merge import merge_traces
+from locus.traces.reader import TraceReader
 
 H_BYTES = 64 * 4  # the tiny preset's hidden size, float32
 
@@ -133,6 +137,7 @@ def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None
         core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
                           EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32))
         core.lockstep = ctx
+        core.start_recording(f"{out}/trace{rank}", "tiny")  # this rank's requests, for the replay check
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
         for i, prompt in enumerate(engine_prompts()):
             if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
@@ -143,7 +148,8 @@ def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None
                 if output.finished:
                     finals[output.request_id] = ([c.token_ids for c in output.outputs],
                                                  [[lp.logprob for lp in c.logprobs] for c in output.outputs])
-        torch.save(finals, f"{out}/engine{rank}.pt")
+        core.dump_recording()
+        torch.save({"finals": finals, "bytes": ctx.exchange.bytes}, f"{out}/engine{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -162,9 +168,11 @@ def test_engines_in_lockstep_generate_what_one_engine_does(case, tmp_path):
 
     world = plan_for(case, build_preset("tiny", seed=0).config.moe_layers).topology.ranks
     mp.spawn(engine_worker, args=(world, case, free_port(), str(tmp_path)), nprocs=world, join=True)
-    got = {}
+    got, measured = {}, []
     for rank in range(world):
-        got.update(torch.load(tmp_path / f"engine{rank}.pt", weights_only=False))
+        saved = torch.load(tmp_path / f"engine{rank}.pt", weights_only=False)
+        got.update(saved["finals"])
+        measured.append(saved["bytes"])
     llm = LLM.from_model(build_preset("tiny", seed=0), ByteTokenizer(ByteTokenizer.MIN_VOCAB),
                          EngineConfig(block_size=8, num_kv_blocks=256))
     want = llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
@@ -173,3 +181,14 @@ def test_engines_in_lockstep_generate_what_one_engine_does(case, tmp_path):
         tokens, logprobs = got[f"p{i}"]
         assert tokens == [out.outputs[0].token_ids]
         assert np.allclose(logprobs[0], [lp.logprob for lp in out.outputs[0].logprobs], atol=1e-5)
+
+    # The bytes the ranks measured are, to the byte, what replay computes from the trace they
+    # recorded, the plan, and the rank each request ran on.
+    plan = plan_for(case, build_preset("tiny", seed=0).config.moe_layers)
+    merge_traces([tmp_path / f"trace{r}" for r in range(world)], tmp_path / "trace", ranks=list(range(world)))
+    reader = TraceReader(tmp_path / "trace")
+    report = replay(reader, plan, plan.topology, assign_recorded(reader.requests, world))
+    assert report.tokens == sum(b.tokens for b in measured) // len(plan.moe_layers)
+    assert sum(b.inter_node for b in measured) == report.inter_node_bytes
+    assert sum(b.intra_node for b in measured) == report.intra_node_bytes
+    assert report.intra_node_bytes > 0

@@ -44,7 +44,7 @@ def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes,
     G = gpus_per_node
     unit = 2 * hidden * dtype_bytes
     rows = [(ranks[i], pos, row) for i, req in enumerate(requests) for pos, row in enumerate(req)]
-    out = dict(pairs=0, own_rank=0, own_node=0, inter_sends=0, intra_sends=0)
+    out = dict(pairs=0, own_rank=0, own_node=0, inter_sends=0, intra_sends=0, intra_pairs=0)
     loads = [[0] * R for _ in range(L)]
     tokens = [0] * R
     step_imb, step_attn, a2a = [], [], 0.0
@@ -57,7 +57,7 @@ def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes,
             tokens[src] += 1
             step_tokens[src] += 1
             for l in range(L):
-                nodes, peers = set(), set()
+                nodes, peers, tier2_pairs = set(), set(), 0
                 for e in row[l]:
                     if e < 0:
                         continue
@@ -69,12 +69,14 @@ def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes,
                         out["own_rank"] += 1
                     if d // G == src // G:
                         out["own_node"] += 1
-                        if d != src:
-                            peers.add(d)
                     else:
                         nodes.add(d // G)
+                    if d % G != src % G:  # tier 2: not the source itself, not a remote node's proxy
+                        peers.add(d)
+                        tier2_pairs += 1
                 out["inter_sends"] += len(nodes)
                 out["intra_sends"] += len(peers)
+                out["intra_pairs"] += tier2_pairs
                 inter_r[l][src] += len(nodes)
                 intra_r[l][src] += len(peers)
         imbs = [max(x) / (sum(x) / R) for x in step_loads if sum(x)]
@@ -93,7 +95,7 @@ def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes,
         inter_node_bytes=unit * out["inter_sends"],
         inter_node_bytes_nodedup=unit * (out["pairs"] - out["own_node"]),
         intra_node_bytes=unit * out["intra_sends"],
-        intra_node_bytes_nodedup=unit * (out["own_node"] - out["own_rank"]),
+        intra_node_bytes_nodedup=unit * out["intra_pairs"],
         inter_node_bytes_per_token=unit * out["inter_sends"] / n_tokens,
         locality=out["own_node"] / out["pairs"] if out["pairs"] else math.nan,
         own_rank_share=out["own_rank"] / out["pairs"] if out["pairs"] else math.nan,

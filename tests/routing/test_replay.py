@@ -30,12 +30,13 @@ REQUEST_B = [[[0, 5, 3]], [[0, 2, 5]], [[1, 2, 4]]]  # runs on rank 2 (node 1)
 #   B0 (2, 0): e0 remote [0, 1], 0 % 2 -> 0; e5 node 1's rank 3 -> 3; e3 on rank 2 -> 2  => [0, 3, 2]
 #   B1 (2, 1): e0 remote, 1 % 2 -> 1; e2 remote -> 1; e5 -> 3                             => [1, 1, 3]
 #   B2 (2, 2): e1 remote -> 0; e2 remote -> 1; e4 on rank 2 -> 2                          => [0, 1, 2]
-# Per token: distinct remote nodes / pairs off node / distinct same-node other ranks / own-node pairs /
-# own-rank pairs:
-#   A0: {1} 1 / 2 / {} 0 / 1 / 1     A1: {1} 1 / 1 / {0} 1 / 1 / 0
-#   B0: {0} 1 / 1 / {3} 1 / 2 / 1    B1: {0} 1 / 2 / {3} 1 / 1 / 0    B2: {0} 1 / 2 / {} 0 / 1 / 1
-# Sums: 14 pairs; 5 inter sends (80 B), 8 off-node pairs (128 B); 3 intra sends (48 B), 3 intra pairs
-# (48 B); 6 own-node pairs -> locality 6/14; 3 own-rank pairs -> 3/14.
+# Per token: distinct remote nodes / pairs off node / tier-2 destinations (distinct ranks whose local
+# index differs from the source's: own-node peers, and remote ranks other than the proxy) and the
+# pairs they carry / own-node pairs / own-rank pairs:
+#   A0: {1} 1 / 2 / {2} 1, 2 / 1 / 1      A1: {1} 1 / 1 / {0} 1, 1 / 1 / 0
+#   B0: {0} 1 / 1 / {3} 1, 1 / 2 / 1      B1: {0} 1 / 2 / {1, 3} 2, 3 / 1 / 0    B2: {0} 1 / 2 / {1} 1, 1 / 1 / 1
+# Sums: 14 pairs; 5 inter sends (80 B), 8 off-node pairs (128 B); 6 intra sends (96 B), 8 intra pairs
+# (128 B); 6 own-node pairs -> locality 6/14; 3 own-rank pairs -> 3/14.
 # Rank loads: r0 {A1, B0, B2} 3, r1 {A0, B1, B1, B2} 4, r2 {A0, A0, B0, B2} 4, r3 {A1, B0, B1} 3:
 #   mean 3.5, max 4 -> imbalance 8/7.
 # Tokens per rank: [0, 2, 3, 0] -> mean 1.25, max 3 -> attention imbalance 2.4.
@@ -43,9 +44,9 @@ REQUEST_B = [[[0, 5, 3]], [[0, 2, 5]], [[1, 2, 4]]]  # runs on rank 2 (node 1)
 #   step loads [1, 1, 2, 1] -> 2/1.25 = 1.6; [1, 2, 1, 2] -> 2/1.5 = 4/3; [1, 1, 1, 0] -> 1/0.75 = 4/3.
 #   step tokens [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 1, 0] -> attention imbalance 4 in each.
 # Link model chosen so one send takes 1 s between nodes (16 B at 16 B/s), 0.5 s within, latency 0.1 s:
-#   step 1: rank 1 sends 2 inter (2 s), 1 intra (0.5 s) -> 0.2 + 2 = 2.2 s
-#   step 2: rank 2 sends 2 inter (2 s), 2 intra (1 s)   -> 2.2 s
-#   step 3: rank 2 sends 1 inter (1 s), 0 intra         -> 1.2 s;  total 5.6 s
+#   step 1: rank 1 sends 2 inter (2 s), 2 intra (1 s)   -> 0.2 + 2 = 2.2 s
+#   step 2: rank 2 sends 2 inter (2 s), 3 intra (1.5 s) -> 2.2 s
+#   step 3: rank 2 sends 1 inter (1 s), 1 intra (0.5 s) -> 1.2 s;  total 5.6 s
 LINKS = LinkModel(inter_gbps=16e-9, intra_gbps=32e-9, latency_us=1e5)
 
 
@@ -66,7 +67,7 @@ def test_hand_computed_toy(tmp_path):
                     batch_tokens=2, links=LINKS)
     assert (report.tokens, report.steps, report.routings) == (5, 3, 14)
     assert (report.inter_node_bytes, report.inter_node_bytes_nodedup) == (80, 128)
-    assert (report.intra_node_bytes, report.intra_node_bytes_nodedup) == (48, 48)
+    assert (report.intra_node_bytes, report.intra_node_bytes_nodedup) == (96, 128)
     assert report.inter_node_bytes_per_token == pytest.approx(16.0)
     assert report.locality == pytest.approx(6 / 14) and report.own_rank_share == pytest.approx(3 / 14)
     assert report.expert_imbalance_mean == pytest.approx(8 / 7) == report.expert_imbalance_worst
@@ -86,8 +87,8 @@ def test_hand_computed_toy_in_rank_order(tmp_path):
     # batch 8 over 4 ranks: each rank takes 2 rows of its queue per step. Rank 1's queue is A0 A1,
     # rank 2's is B0 B1 B2: step 0 = A0 A1 B0 B1, step 1 = B2.
     #   step 0 loads [2, 3, 3, 3] -> 3 / 2.75 = 12/11; tokens [0, 2, 2, 0] -> 2 / 1 = 2;
-    #     rank 1 sends 2 inter (2 s) + 1 intra, rank 2 sends 2 inter (2 s) + 2 intra (1 s) -> 2.2 s
-    #   step 1 loads [1, 1, 1, 0] -> 4/3; tokens [0, 0, 1, 0] -> 4; rank 2 sends 1 inter -> 1.2 s
+    #     rank 1 sends 2 inter (2 s) + 2 intra (1 s), rank 2 sends 2 inter (2 s) + 3 intra (1.5 s) -> 2.2 s
+    #   step 1 loads [1, 1, 1, 0] -> 4/3; tokens [0, 0, 1, 0] -> 4; rank 2 sends 1 inter + 1 intra -> 1.2 s
     reader = write_trace(tmp_path / "trace", META, [REQUEST_A, REQUEST_B])
     report = replay(reader, toy_plan(), TOPOLOGY, Assignment("hand", 0, np.array([1, 2])),
                     batch_tokens=8, links=LINKS, step_order="ranks")
@@ -98,7 +99,7 @@ def test_hand_computed_toy_in_rank_order(tmp_path):
     assert report.step_attention_imbalance_worst == pytest.approx(4.0)
     assert report.a2a_seconds == pytest.approx(3.4)
     # Whole-replay figures do not depend on the order.
-    assert (report.inter_node_bytes, report.intra_node_bytes, report.routings) == (80, 48, 14)
+    assert (report.inter_node_bytes, report.intra_node_bytes, report.routings) == (80, 96, 14)
     assert report.expert_imbalance_mean == pytest.approx(8 / 7)
 
 
