@@ -113,6 +113,11 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
+    def failed(self) -> bool:
+        """The engine died of an error (as opposed to having been shut down)."""
+        return self._error is not None
+
+    @property
     def healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 

@@ -84,9 +84,13 @@ def iterate(core: EngineCore, ctx: EPContext, commands: _Commands | None) -> lis
 
 
 def serve_rank(core: EngineCore, ctx: EPContext) -> None:
-    """A non-zero rank: iterate until rank 0 says stop (or a collective fails, which raises)."""
+    """A non-zero rank: iterate until rank 0 says stop (or a collective fails, which raises); then
+    write its part of a recorded trace and tell rank 0 it is done."""
     while iterate(core, ctx, None) is not None:
         pass
+    if core.recorder is not None:
+        core.dump_recording()
+    dist.barrier(group=ctx.groups.control)
 
 
 class EPDriver:
@@ -140,8 +144,10 @@ class EPDriver:
         return outputs
 
     def stop(self) -> None:
-        """Tell every other rank to leave its loop (a last broadcast)."""
+        """Tell every other rank to leave its loop (a last broadcast), and wait until each has
+        finished its own shutdown work (writing its part of a recorded trace)."""
         dist.broadcast_object_list([_Commands(stop=True)], src=0, group=self.ctx.groups.control)
+        dist.barrier(group=self.ctx.groups.control)
 
     def total_stats(self) -> EngineStats:
         """Counters summed over ranks (a rank not heard from yet counts as empty)."""

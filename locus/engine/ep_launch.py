@@ -100,6 +100,11 @@ def plan_for(setup: EPSetup, model: Llama4ForCausalLM) -> PlacementPlan:
     return plan
 
 
+def rank_trace_path(path: str, rank: int) -> str:
+    """Where rank `rank` records its own requests under `--record-trace PATH` (rank 0 merges them)."""
+    return f"{path.rstrip('/')}.rank{rank}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import shutil
 import logging
 import threading
 import time
@@ -23,13 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep_driver import EPDriver
-from locus.engine.ep_launch import EPSetup, start_expert_parallel
+from locus.engine.ep_launch import EPSetup, rank_trace_path, start_expert_parallel
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.metrics import ServerMetrics
+from locus.traces.merge import merge_traces
 from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
 from locus.server.protocol import (
     ChatCompletionRequest,
@@ -57,12 +59,17 @@ class ServerConfig:
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
 
 
+def served_name(model: str | None, served_model_name: str | None) -> str:
+    """The name /v1/models reports (and traces record): --served-model-name, else the model dir's name."""
+    return served_model_name or (model or "tiny").rstrip("/").split("/")[-1]
+
+
 class ServerState:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.engine: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
-        self.model_name = config.served_model_name or (config.model or "tiny").rstrip("/").split("/")[-1]
+        self.model_name = served_name(config.model, config.served_model_name)
         self.load_error: str | None = None
         self.on_load_failed = None  # callable; `locus serve` uses it to exit instead of serving 503s
         self.on_engine_dead = None  # callable; `locus serve` uses it to exit non-zero
@@ -87,8 +94,8 @@ class ServerState:
                 self.ep_driver = driver
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.routing.subscribe(grouping.observe)
-            if c.record_trace:
-                core.start_recording(c.record_trace, self.model_name)
+            if c.record_trace:  # under EP every rank records its own requests; rank 0 merges at shutdown
+                core.start_recording(rank_trace_path(c.record_trace, 0) if ep else c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver)
             self.metrics = ServerMetrics(engine, self.model_name)
             engine.on_finished = self.metrics.observe_output
@@ -167,6 +174,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                 summary = await state.engine.call(lambda core: core.dump_recording())
                 log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests, summary.tokens)
             await asyncio.to_thread(state.engine.shutdown, 10.0)
+            if config.ep is not None and config.record_trace and not state.engine.failed:
+                parts = [rank_trace_path(config.record_trace, r) for r in range(config.ep.world)]
+                count = await asyncio.to_thread(merge_traces, parts, config.record_trace, list(range(config.ep.world)))
+                for part in parts:
+                    shutil.rmtree(part, ignore_errors=True)
+                log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, config.ep.world)
 
     app = FastAPI(title="Locus", lifespan=lifespan)
     app.state.locus = state
@@ -229,21 +242,28 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise InvalidParameter("tokens", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return {"prompt": engine.core.tokenizer.decode(body.tokens)}
 
+    def recording_engine() -> AsyncEngine:
+        engine = state.ready_engine()
+        if state.ep_driver is not None:
+            raise APIError(400, "recording on demand is not supported under expert parallelism yet; "
+                                "start the server with --record-trace", "invalid_request_error")
+        return engine
+
     @app.post("/traces/start")
     async def traces_start(body: TraceStartRequest):
-        engine = state.ready_engine()
+        engine = recording_engine()
         path = body.path or f"traces/{state.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         await engine.call(lambda core: core.start_recording(path, state.model_name))
         return {"status": "recording", "path": path}
 
     @app.post("/traces/stop")
     async def traces_stop():
-        await state.ready_engine().call(lambda core: core.stop_recording())
+        await recording_engine().call(lambda core: core.stop_recording())
         return {"status": "stopped"}
 
     @app.post("/traces/dump")
     async def traces_dump():
-        summary = await state.ready_engine().call(lambda core: core.dump_recording())
+        summary = await recording_engine().call(lambda core: core.dump_recording())
         return {"status": "written", **summary.__dict__}
 
     @app.post("/v1/completions")

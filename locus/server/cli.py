@@ -74,7 +74,8 @@ def run_rank(args: argparse.Namespace, setup) -> int:
 
     from locus.engine.engine_core import EngineCore
     from locus.engine.ep_driver import serve_rank
-    from locus.engine.ep_launch import start_expert_parallel
+    from locus.engine.ep_launch import rank_trace_path, start_expert_parallel
+    from locus.server.app import served_name
     from locus.engine.loader import load
 
     log = logging.getLogger("locus.engine")
@@ -86,6 +87,8 @@ def run_rank(args: argparse.Namespace, setup) -> int:
         ctx = start_expert_parallel(setup, loaded.model)
         core = EngineCore(loaded.model, loaded.tokenizer, engine_config_of(args))
         core.lockstep = ctx
+        if args.record_trace:
+            core.start_recording(rank_trace_path(args.record_trace, setup.rank), served_name(args.model, args.served_model_name))
         serve_rank(core, ctx)
     except BaseException:  # noqa: BLE001 - a dead peer or a timed-out collective ends this rank too
         log.exception("rank %d stops", setup.rank)

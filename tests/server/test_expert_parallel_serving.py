@@ -122,3 +122,32 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server_with_no_process_le
     assert code != 0
     assert not alive(rank1)
     assert children_of(proc.pid) == []
+
+
+def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_path):
+    """DESIGN.md's promise: what a running server counts equals, to the byte, what `locus replay`
+    computes for the same routing, plan and request -> rank assignment."""
+    from locus.engine.presets import build_preset
+    from locus.routing.baselines import round_robin
+    from locus.routing.topology import Topology
+
+    plan_path = tmp_path / "plan.json"
+    round_robin(8, build_preset("tiny").config.moe_layers, Topology(2, 2, 3), model="tiny").save(plan_path)  # replicas
+    trace = tmp_path / "trace"
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
+                        "--record-trace", str(trace)) as proc:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for i in range(8):
+            client.completions.create(model="tiny", prompt=f"request {i} " * (i + 1), max_tokens=6 + i, temperature=0.7,
+                                      seed=i, stream=i % 2 == 0)
+        stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    out = tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "-m", "locus.cli", "replay", str(trace), "--plan", str(plan_path),
+                           "--assign", "recorded", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    replayed = json.loads(out.read_text())
+    assert replayed["requests"] == [0, 8]
+    assert (stats["inter_node_bytes"], stats["intra_node_bytes"]) == (replayed["inter_node_bytes"], replayed["intra_node_bytes"])
+    assert stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0
