@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from locus.routing.planner import PlanOptions, make_plan
-from locus.routing.topology import parse_topology
+from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.plan.topology import parse_topology
 from locus.traces.presets import preset_config
 from locus.traces.reader import TraceReader
 from locus.traces.synth import synthesize

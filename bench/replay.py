@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from locus.routing.assignment import assign_balanced
-from locus.routing.baselines import eplb, round_robin
-from locus.routing.replay import count_expert_loads, replay
-from locus.routing.topology import parse_topology
+from locus.routing.replay.assignment import assign_balanced
+from locus.routing.planners.baselines import eplb, round_robin
+from locus.routing.replay.simulator import count_expert_loads, replay
+from locus.routing.plan.topology import parse_topology
 from locus.traces.format import TraceMeta
 from locus.traces.reader import TraceReader
 from locus.traces.writer import TraceWriter

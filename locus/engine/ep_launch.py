@@ -23,10 +23,10 @@ import torch.distributed as dist
 from locus.engine.expert_parallel import EPContext, apply_expert_parallel
 from locus.engine.model import Llama4ForCausalLM
 from locus.errors import LocusError
-from locus.routing.baselines import round_robin
+from locus.routing.planners.baselines import round_robin
 from locus.routing.ep.exchange import make_groups
-from locus.routing.placement import PlacementPlan, load_plan
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import PlacementPlan, load_plan
+from locus.routing.plan.topology import Topology
 
 SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
 

@@ -29,7 +29,7 @@ from locus.kernels import fused_moe
 from locus.routing.dispatch_rule import DispatchTable, build_dispatch_table, destination_slots, table_keys
 from locus.routing.ep.exchange import Groups, TwoTierExchange
 from locus.routing.gate import TopK, route_llama4
-from locus.routing.placement import PlacementPlan, validate
+from locus.routing.plan.placement import PlacementPlan, validate
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """PlanGrouping: the engine's GroupingPolicy backed by the placement plan's micro-batch grouper.
 
 Micro-batch i is node i: every scheduled sequence goes to the micro-batch of the node its request was
-placed on (locus.routing.grouper.Grouper: domain tag at admission, expert signature after prefill).
+placed on (locus.routing.grouping.grouper.Grouper: domain tag at admission, expert signature after prefill).
 When the engine runs fewer micro-batches than the plan has nodes, node n goes to micro-batch
 n * num_micro_batches // nodes. Empty micro-batches are dropped (the engine runs every one it gets);
 `last_nodes` says which node(s) each returned micro-batch holds.
@@ -19,7 +19,7 @@ import numpy as np
 from locus.engine.grouping import ScheduledSeq
 from locus.engine.routing_tap import StepRouting
 from locus.traces.counts import count_expert_ids
-from locus.routing.grouper import Grouper
+from locus.routing.grouping.grouper import Grouper
 
 
 class PlanGrouping:

@@ -18,7 +18,7 @@ ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, group
 
 
 def register(subparsers) -> None:
-    from locus.routing.plan_cli import register_plan
+    from locus.routing.planners.cli import register_plan
 
     register_plan(subparsers)
     p = subparsers.add_parser(
@@ -52,10 +52,10 @@ def register(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from locus.routing.assignment import save_assignment
-    from locus.routing.placement import load_plan
-    from locus.routing.replay import replay, parse_request_range
-    from locus.routing.replay_metrics import LinkModel
+    from locus.routing.replay.assignment import save_assignment
+    from locus.routing.plan.placement import load_plan
+    from locus.routing.replay.simulator import replay, parse_request_range
+    from locus.routing.replay.metrics import LinkModel
     from locus.traces.format import TraceFormatError
 
     if args.batch_tokens < 1:
@@ -117,9 +117,9 @@ def _write(path: str, write) -> None:
 
 
 def _builtin_plan(args, reader, replayed: tuple[int, int]):
-    from locus.routing.baselines import eplb, round_robin
-    from locus.routing.replay import count_expert_loads, parse_request_range
-    from locus.routing.topology import parse_topology
+    from locus.routing.planners.baselines import eplb, round_robin
+    from locus.routing.replay.simulator import count_expert_loads, parse_request_range
+    from locus.routing.plan.topology import parse_topology
 
     meta = reader.meta
     if not args.topology:
@@ -139,13 +139,13 @@ def _builtin_plan(args, reader, replayed: tuple[int, int]):
 
 
 def _assignment(args, reader, plan, start: int, stop: int):
-    from locus.routing.assignment import assign_balanced, assign_recorded, assign_round_robin, load_assignment
+    from locus.routing.replay.assignment import assign_balanced, assign_recorded, assign_round_robin, load_assignment
 
     num_ranks = plan.topology.ranks
     if args.assign in ("grouper", "plan"):
-        from locus.routing.grouper import Grouper
-        from locus.routing.grouper_simulation import simulate_grouper
-        from locus.routing.placement import validate
+        from locus.routing.grouping.grouper import Grouper
+        from locus.routing.grouping.simulation import simulate_grouper
+        from locus.routing.plan.placement import validate
 
         validate(plan, num_experts=reader.meta.num_experts, moe_layers=reader.meta.moe_layers)
         return simulate_grouper(Grouper.from_plan(plan, moe_layers=reader.meta.moe_layers), reader, start, stop)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from locus.routing.placement import PlacementPlan, validate
+from locus.routing.plan.placement import PlacementPlan, validate
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def reject_lone_surrogates(body) -> None:
 def load_plan_grouping(path: str, model_config):
     """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
     from locus.engine.plan_grouping import PlanGrouping
-    from locus.routing.placement import load_plan, validate
+    from locus.routing.plan.placement import load_plan, validate
 
     plan = load_plan(path)
     validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))

@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 from locus.engine.expert_parallel import ExpertParallelMoE, apply_expert_parallel
 from locus.engine.forward_batch import ForwardBatch
 from locus.engine.presets import build_preset
-from locus.routing.baselines import round_robin
+from locus.routing.planners.baselines import round_robin
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.ep.exchange import make_groups
-from locus.routing.assignment import assign_recorded
-from locus.routing.placement import PlacementPlan
-from locus.routing.replay import replay
-from locus.routing.topology import Topology
+from locus.routing.replay.assignment import assign_recorded
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.replay.simulator import replay
+from locus.routing.plan.topology import Topology
 from locus.traces.merge import merge_traces
 from locus.traces.reader import TraceReader
 

@@ -6,10 +6,10 @@ import numpy as np
 
 from locus.engine.plan_grouping import PlanGrouping
 from locus.engine.routing_tap import StepRouting
-from locus.routing.caps import Caps
-from locus.routing.grouping_spec import GroupingSpec
-from locus.routing.placement import PlacementPlan
-from locus.routing.topology import Topology
+from locus.routing.plan.caps import Caps
+from locus.routing.plan.grouping_spec import GroupingSpec
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.plan.topology import Topology
 
 TOPOLOGY = Topology(2, 2, 2)
 

@@ -12,10 +12,10 @@ from locus.engine.plan_grouping import PlanGrouping
 from locus.engine.presets import build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.tokenizer import ByteTokenizer
-from locus.routing.caps import Caps
-from locus.routing.grouping_spec import GroupingSpec
-from locus.routing.placement import PlacementPlan
-from locus.routing.topology import Topology
+from locus.routing.plan.caps import Caps
+from locus.routing.plan.grouping_spec import GroupingSpec
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.plan.topology import Topology
 
 TOPOLOGY = Topology(2, 2, 2)  # 2 nodes x 2 GPUs, 2 slots each: node n holds the tiny preset's experts 4n..4n+3
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from locus.errors import LocusError
-from locus.routing.assignment import assign_balanced, assign_round_robin, load_assignment, save_assignment
+from locus.routing.replay.assignment import assign_balanced, assign_round_robin, load_assignment, save_assignment
 
 
 def test_balanced_sends_each_request_to_the_least_loaded_rank_lowest_first():

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from locus.errors import LocusError
-from locus.routing.baselines import balanced_pack, eplb, replicate, round_robin
-from locus.routing.placement import validate
-from locus.routing.topology import Topology
+from locus.routing.planners.baselines import balanced_pack, eplb, replicate, round_robin
+from locus.routing.plan.placement import validate
+from locus.routing.plan.topology import Topology
 
 
 def expected_rank_loads(plan, loads):

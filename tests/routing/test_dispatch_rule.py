@@ -3,8 +3,8 @@ import pytest
 from routing_reference import reference_destination
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
-from locus.routing.placement import PlacementPlan
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.plan.topology import Topology
 
 
 def plan_of(slots, nodes, gpus) -> PlacementPlan:

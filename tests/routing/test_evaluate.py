@@ -3,8 +3,8 @@
 import json
 
 from locus.cli import main
-from locus.routing.caps import Caps
-from locus.routing.evaluate import EvalCase, evaluate_case, format_markdown
+from locus.routing.plan.caps import Caps
+from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_markdown
 
 from planner_fixtures import separable_trace, synth_trace
 

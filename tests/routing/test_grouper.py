@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from locus.errors import LocusError
-from locus.routing.caps import Caps
-from locus.routing.grouper import Grouper
-from locus.routing.grouping_spec import GroupingSpec, domain_node_weights
-from locus.routing.node_cost import NodeCostModel
-from locus.routing.placement import PlacementPlan, PlanError
-from locus.routing.topology import Topology
+from locus.routing.plan.caps import Caps
+from locus.routing.grouping.grouper import Grouper
+from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights
+from locus.routing.grouping.node_cost import NodeCostModel
+from locus.routing.plan.placement import PlacementPlan, PlanError
+from locus.routing.plan.topology import Topology
 
 TOPOLOGY = Topology(2, 2, 2)  # 2 nodes x 2 GPUs, 4 experts, 1 layer
 
@@ -118,8 +118,8 @@ def test_grouping_spec_round_trip_and_errors():
 def test_replay_counts_prompt_rows_at_admission_and_decode_rows_after_the_move(tmp_path, order):
     # A moved request replays exactly like two requests, its prompt on one rank and its decode on another
     # (one replica per expert, so the position tie-break cannot differ between the two).
-    from locus.routing.assignment import Assignment
-    from locus.routing.replay import replay
+    from locus.routing.replay.assignment import Assignment
+    from locus.routing.replay.simulator import replay
     from locus.traces.format import TraceMeta
     from locus.traces.reader import TraceReader
     from locus.traces.writer import TraceWriter

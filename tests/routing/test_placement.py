@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from locus.routing.placement import PlacementPlan, PlanError, load_plan, plan_from_dict, validate
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import PlacementPlan, PlanError, load_plan, plan_from_dict, validate
+from locus.routing.plan.topology import Topology
 
 
 def small_plan() -> PlacementPlan:

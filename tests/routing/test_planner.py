@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 
 from locus.errors import LocusError
-from locus.routing.assignment import assign_balanced
-from locus.routing.caps import Caps
-from locus.routing.grouper import Grouper
-from locus.routing.grouper_simulation import simulate_grouper
-from locus.routing.load_model import rank_loads
+from locus.routing.replay.assignment import assign_balanced
+from locus.routing.plan.caps import Caps
+from locus.routing.grouping.grouper import Grouper
+from locus.routing.grouping.simulation import simulate_grouper
+from locus.routing.planners.expected_load import rank_loads
 from locus.traces.metrics import max_over_mean
-from locus.routing.placement import load_plan, validate
-from locus.routing.planner import PlanOptions, make_plan
-from locus.routing.replay import replay
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import load_plan, validate
+from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.replay.simulator import replay
+from locus.routing.plan.topology import Topology
 from locus.traces.reader import TraceReader
 
 from planner_fixtures import separable_trace, synth_trace
@@ -46,7 +46,7 @@ def test_planning_figures_match_the_load_model(skewed):
     topology = Topology(2, 2, 10)
     result = make_plan("locality", skewed, topology, (0, 100))
     # Recompute the expected rank loads from scratch for the grouping the plan was made for.
-    from locus.routing.signatures import collect_signatures, group_demand
+    from locus.routing.planners.signatures import collect_signatures, group_demand
 
     sig = collect_signatures(skewed, 0, 100)
     a = result.assignment

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from locus.cli import main
-from locus.routing.placement import load_plan
+from locus.routing.plan.placement import load_plan
 
 from planner_fixtures import synth_trace
 

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
-from locus.routing.gpu_packing import gpu_sums, pack_replicas
-from locus.routing.load_model import node_replicas, rank_loads, replica_loads
+from locus.routing.planners.gpu_packing import gpu_sums, pack_replicas
+from locus.routing.planners.expected_load import node_replicas, rank_loads, replica_loads
 from locus.traces.metrics import max_over_mean
-from locus.routing.locality import place_layer
-from locus.routing.placement import PlacementPlan
-from locus.routing.replica_selection import select_replicas
-from locus.routing.slot_search import enforce_cap
-from locus.routing.topology import Topology
+from locus.routing.planners.locality import place_layer
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.planners.replica_selection import select_replicas
+from locus.routing.planners.slot_search import enforce_cap
+from locus.routing.plan.topology import Topology
 
 
 def brute_force_loads(slots: np.ndarray, demand: np.ndarray, gpus: int) -> np.ndarray:

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from locus.errors import LocusError
-from locus.routing import replay as replay_module
-from locus.routing.assignment import Assignment
-from locus.routing.placement import PlacementPlan
-from locus.routing.replay import count_expert_loads, parse_request_range, replay
-from locus.routing.replay_metrics import LinkModel
-from locus.routing.topology import Topology
+from locus.routing.replay import simulator as replay_module
+from locus.routing.replay.assignment import Assignment
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.replay.simulator import count_expert_loads, parse_request_range, replay
+from locus.routing.replay.metrics import LinkModel
+from locus.routing.plan.topology import Topology
 from locus.traces.format import TraceMeta
 from locus.traces.reader import TraceReader
 from locus.traces.writer import TraceWriter

@@ -1,7 +1,7 @@
 import pytest
 
 from locus.errors import LocusError
-from locus.routing.topology import Topology, parse_topology
+from locus.routing.plan.topology import Topology, parse_topology
 
 
 def test_ranks_are_node_major():

@@ -128,8 +128,8 @@ def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_pa
     """DESIGN.md's promise: what a running server counts equals, to the byte, what `locus replay`
     computes for the same routing, plan and request -> rank assignment."""
     from locus.engine.presets import build_preset
-    from locus.routing.baselines import round_robin
-    from locus.routing.topology import Topology
+    from locus.routing.planners.baselines import round_robin
+    from locus.routing.plan.topology import Topology
 
     plan_path = tmp_path / "plan.json"
     round_robin(8, build_preset("tiny").config.moe_layers, Topology(2, 2, 3), model="tiny").save(plan_path)  # replicas

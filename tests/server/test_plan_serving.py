@@ -8,9 +8,9 @@ from locus.engine.engine_core import EngineCore
 from locus.engine.presets import build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.tokenizer import ByteTokenizer
-from locus.routing.caps import Caps
-from locus.routing.planner import PlanOptions, make_plan
-from locus.routing.topology import Topology
+from locus.routing.plan.caps import Caps
+from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.plan.topology import Topology
 from locus.traces.reader import TraceReader
 from tests.server.server_process import running_server
 

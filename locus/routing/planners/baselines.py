@@ -22,8 +22,8 @@ import datetime
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.placement import PlacementPlan
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import PlacementPlan
+from locus.routing.plan.topology import Topology
 
 
 def round_robin(num_experts: int, moe_layers, topology: Topology, model: str = "") -> PlacementPlan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.baselines import balanced_pack
+from locus.routing.planners.baselines import balanced_pack
 
 MAX_SWAP_ROUNDS = 64
 

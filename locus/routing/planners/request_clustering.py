@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.grouping_spec import normalise_rows
+from locus.routing.plan.grouping_spec import normalise_rows
 
 PROJECTED = 256
 ITERATIONS = 12

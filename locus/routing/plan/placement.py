@@ -21,7 +21,7 @@ import numpy as np
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
-from locus.routing.topology import Topology
+from locus.routing.plan.topology import Topology
 
 FORMAT = "locus-placement"
 VERSION = 1

@@ -64,10 +64,10 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from locus.routing.caps import Caps
-    from locus.routing.planner import PlanOptions, make_plan
-    from locus.routing.replay import parse_request_range
-    from locus.routing.topology import parse_topology
+    from locus.routing.plan.caps import Caps
+    from locus.routing.planners.planner import PlanOptions, make_plan
+    from locus.routing.replay.simulator import parse_request_range
+    from locus.routing.plan.topology import parse_topology
 
     for out in filter(None, (args.output, args.json)):  # fail before the work, not after it
         parent = Path(out).parent
@@ -119,8 +119,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    from locus.routing.caps import Caps
-    from locus.routing.evaluate import evaluate_case, format_markdown, write_results
+    from locus.routing.plan.caps import Caps
+    from locus.routing.planners.evaluate import evaluate_case, format_markdown, write_results
 
     caps = Caps(args.expert_cap, args.attention_cap)
     if args.synth_requests < 4:
@@ -159,7 +159,7 @@ def _knobs(specs: list[str]) -> dict:
 
 
 def _synthetic_case(name: str, args):
-    from locus.routing.evaluate import EvalCase
+    from locus.routing.planners.evaluate import EvalCase
     from locus.traces.presets import PRESETS, preset_config
     from locus.traces.synth import synthesize
 
@@ -183,7 +183,7 @@ def _synthetic_case(name: str, args):
 
 
 def _parse_trace_case(spec: str):
-    from locus.routing.evaluate import EvalCase
+    from locus.routing.planners.evaluate import EvalCase
 
     try:
         name, rest = spec.split("=", 1)

@@ -10,7 +10,7 @@ exactly `capacity` = GPUs x slots replicas and every expert at least one.
            first, to the node where it costs least (the node's least valuable duplicate replica makes
            room, minus what the orphan's own demand there wins back).
   balance  locality piles load where demand is: a node serves its own demand for the experts it holds
-           plus a share of every other node's demand for them (load_model.py). While some node serves
+           plus a share of every other node's demand for them (expected_load.py). While some node serves
            more than `limit` pairs, swap one replica of the most loaded node with one of another node,
            choosing the swap that removes the most overload per local pair lost.
   split    a replica too heavy for one GPU gets another copy on the same node, in place of the node's
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.load_model import node_loads, remote_share, replica_loads
+from locus.routing.planners.expected_load import node_loads, remote_share, replica_loads
 
 MAX_BALANCE_MOVES = 400
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.grouping_spec import GroupingSpec, spec_of
-from locus.routing.node_cost import NodeCostModel
-from locus.routing.topology import Topology
+from locus.routing.plan.grouping_spec import GroupingSpec, spec_of
+from locus.routing.grouping.node_cost import NodeCostModel
+from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
 

@@ -30,21 +30,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.assignment import Assignment, assign_balanced
-from locus.routing.baselines import eplb, round_robin
-from locus.routing.caps import Caps
-from locus.routing.grouper import Grouper
-from locus.routing.grouper_simulation import run_grouper, signature_chunks
-from locus.routing.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
-from locus.routing.load_model import rank_loads
-from locus.routing.locality import place_layers
-from locus.routing.placement import PlacementPlan, validate
-from locus.routing.replay import count_expert_loads
-from locus.routing.plan_summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
+from locus.routing.replay.assignment import Assignment, assign_balanced
+from locus.routing.planners.baselines import eplb, round_robin
+from locus.routing.plan.caps import Caps
+from locus.routing.grouping.grouper import Grouper
+from locus.routing.grouping.simulation import run_grouper, signature_chunks
+from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
+from locus.routing.planners.expected_load import rank_loads
+from locus.routing.planners.locality import place_layers
+from locus.routing.plan.placement import PlacementPlan, validate
+from locus.routing.replay.simulator import count_expert_loads
+from locus.routing.planners.summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
                                         expected_bytes_per_token)
-from locus.routing.request_clustering import balanced_clusters, signature_features
-from locus.routing.signatures import RequestSignatures, collect_signatures, group_demand
-from locus.routing.topology import Topology
+from locus.routing.planners.request_clustering import balanced_clusters, signature_features
+from locus.routing.planners.signatures import RequestSignatures, collect_signatures, group_demand
+from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
 PLANNERS = ("round_robin", "eplb", "locality")

@@ -1,6 +1,6 @@
 """PlanSummary: what `locus plan` prints about a plan, measured on its planning data.
 
-Figures are expectations under the load and cost models (load_model.py, node_cost.py) for the
+Figures are expectations under the load and cost models (expected_load.py, node_cost.py) for the
 grouping of the planning requests the plan was computed for; they are not results (replay another
 part of the trace for those).
   locality                share of (token, k) pairs whose expert has a replica on the token's node
@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from locus.routing.load_model import node_replicas, rank_loads
-from locus.routing.node_cost import NodeCostModel
+from locus.routing.planners.expected_load import node_replicas, rank_loads
+from locus.routing.grouping.node_cost import NodeCostModel
 from locus.traces.metrics import max_over_mean
 
 LITTLE_TO_WIN = 0.05  # expected reduction vs eplb below which `locus plan` says there is little to win
@@ -80,8 +80,8 @@ class PlanSummary:
 
 def eplb_bytes_per_token(meta, spec, signatures, topology) -> float:
     """Expected inter-node bytes per token of EPLB with balanced assignment on the same requests."""
-    from locus.routing.assignment import assign_balanced
-    from locus.routing.baselines import eplb
+    from locus.routing.replay.assignment import assign_balanced
+    from locus.routing.planners.baselines import eplb
 
     plan = eplb(signatures.total.sum(0), meta.moe_layers, topology)
     node = assign_balanced(signatures.tokens, topology.ranks).ranks // topology.gpus_per_node

@@ -18,9 +18,9 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.assignment import Assignment
-from locus.routing.grouper import Grouper
-from locus.routing.signatures import count_request_pairs
+from locus.routing.replay.assignment import Assignment
+from locus.routing.grouping.grouper import Grouper
+from locus.routing.planners.signatures import count_request_pairs
 from locus.traces.reader import CHUNK_ROUTINGS
 
 PrefillChunks = Iterable[tuple[int, int, np.ndarray]]  # (lo, hi, prefill counts [hi - lo, L, E]), in order

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from locus.routing.caps import Caps
-from locus.routing.placement import PlanError
+from locus.routing.plan.caps import Caps
+from locus.routing.plan.placement import PlanError
 
 VERSION = 1
 DEFAULT_PRIOR_TOKENS = 16.0

@@ -23,13 +23,13 @@ from typing import Callable
 import numpy as np
 
 from locus.files import write_text_atomic
-from locus.routing.assignment import assign_balanced
-from locus.routing.caps import Caps
-from locus.routing.grouper import Grouper
-from locus.routing.grouper_simulation import simulate_grouper
-from locus.routing.planner import PlanOptions, make_plan
-from locus.routing.replay import parse_request_range, replay
-from locus.routing.topology import parse_topology
+from locus.routing.replay.assignment import assign_balanced
+from locus.routing.plan.caps import Caps
+from locus.routing.grouping.grouper import Grouper
+from locus.routing.grouping.simulation import simulate_grouper
+from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.replay.simulator import parse_request_range, replay
+from locus.routing.plan.topology import parse_topology
 
 Log = Callable[[str], None]
 

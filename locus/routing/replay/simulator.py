@@ -23,12 +23,12 @@ from typing import Callable
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.assignment import Assignment
+from locus.routing.replay.assignment import Assignment
 from locus.routing.dispatch_rule import build_dispatch_table
-from locus.routing.placement import PlacementPlan, validate
-from locus.routing.replay_metrics import LinkModel, TrafficMeter
-from locus.routing.replay_report import ReplayReport
-from locus.routing.topology import Topology
+from locus.routing.plan.placement import PlacementPlan, validate
+from locus.routing.replay.metrics import LinkModel, TrafficMeter
+from locus.routing.replay.report import ReplayReport
+from locus.routing.plan.topology import Topology
 from locus.traces.counts import count_expert_ids
 from locus.traces.reader import CHUNK_ROUTINGS
 

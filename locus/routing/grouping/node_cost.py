@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from locus.routing.grouping_spec import GroupingSpec
-from locus.routing.load_model import node_replicas
-from locus.routing.replay import plan_in_trace_order
+from locus.routing.plan.grouping_spec import GroupingSpec
+from locus.routing.planners.expected_load import node_replicas
+from locus.routing.replay.simulator import plan_in_trace_order
 
 # Requests scored per batch: keeps the [B, L, E] distributions near 16 MB for DeepSeek shapes.
 BATCH = 256

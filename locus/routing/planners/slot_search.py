@@ -9,7 +9,7 @@ slots:
            that had none, that node's demand for a turns local;
   shed     w replaces its replica of a (which keeps another copy) by a copy of any expert f.
 A move changes the replica counts of two experts only, so its effect on every rank's load is two
-experts' contributions recomputed (load_model's rule, own-rank tier included), for all candidate moves
+experts' contributions recomputed (expected_load's rule, own-rank tier included), for all candidate moves
 in one batch. The move taken removes the most overload (sum over ranks of load above the target) per
 local pair lost; moves that win local pairs score best. Deterministic: ties go to the first candidate.
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.gpu_packing import pack_replicas
-from locus.routing.load_model import node_replicas, replica_loads
-from locus.routing.replica_selection import split_replica
+from locus.routing.planners.gpu_packing import pack_replicas
+from locus.routing.planners.expected_load import node_replicas, replica_loads
+from locus.routing.planners.replica_selection import split_replica
 
 MAX_STEPS = 400
 MAX_KICKS = 32
@@ -45,7 +45,7 @@ def contributions(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarra
     """Load each expert puts on each rank, [B, R], from its node demand [B, N] and copies h_e [B, R].
 
     Per node: ranks holding e keep their own share D / G; the node's other ranks spread theirs over the
-    node's copies; the demand of nodes without e spreads over all copies (load_model.rank_loads).
+    node's copies; the demand of nodes without e spreads over all copies (expected_load.rank_loads).
     """
     B, R = h_e.shape
     N = R // gpus

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from locus.routing.replay_metrics import LinkModel, TrafficTotals
+from locus.routing.replay.metrics import LinkModel, TrafficTotals
 from locus.traces.metrics import max_over_mean
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from locus.errors import LocusError
 from locus.routing.dispatch_rule import DispatchTable, destinations, table_keys
-from locus.routing.topology import Topology
+from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
 if hasattr(np, "bitwise_count"):

@@ -3,7 +3,7 @@
     demand D[n, e] --select--> x[n, e] --balance nodes--> --pack GPUs--> slots [R, S] --enforce cap-->
 
 select / balance: replica_selection.py; pack: gpu_packing.py; the cap: slot_search.py, checked with
-load_model.rank_loads (the dispatch rule's expected per-rank load). Balancing nodes first to a tighter
+expected_load.rank_loads (the dispatch rule's expected per-rank load). Balancing nodes first to a tighter
 limit than the cap leaves the GPU packing some room, so the cap search starts close. A layer the
 search cannot bring under the cap comes back with met_cap False, and the planner decides what to do
 (EPLB's balance for that layer, or an error).
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from locus.routing.gpu_packing import pack_replicas
-from locus.routing.load_model import node_replicas, rank_loads, replica_loads
-from locus.routing.replica_selection import balance_nodes, select_replicas
-from locus.routing.slot_search import enforce_cap
+from locus.routing.planners.gpu_packing import pack_replicas
+from locus.routing.planners.expected_load import node_replicas, rank_loads, replica_loads
+from locus.routing.planners.replica_selection import balance_nodes, select_replicas
+from locus.routing.planners.slot_search import enforce_cap
 from locus.traces.metrics import max_over_mean
 
 # Share of the cap's headroom the node-level balance may use; the rest absorbs GPU packing granularity.

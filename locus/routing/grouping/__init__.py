@@ -1,0 +1,1 @@
+"""The online micro-batch grouper: which node (and rank) runs each request."""
