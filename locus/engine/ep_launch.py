@@ -10,6 +10,7 @@ Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep_dr
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -20,14 +21,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from locus.engine.config import ModelConfig
 from locus.engine.expert_parallel import EPContext, apply_expert_parallel
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.expert_slices import expert_memory, slices_of
+from locus.engine.loader import LoadedModel, config_of, default_device, load
 from locus.errors import LocusError
 from locus.routing.planners.baselines import round_robin
 from locus.routing.ep.exchange import make_groups
 from locus.routing.plan.placement import PlacementPlan, load_plan
 from locus.routing.plan.topology import Topology
 
+log = logging.getLogger("locus.engine")
 SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
 
 
@@ -75,20 +79,28 @@ def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
     return children
 
 
-def start_expert_parallel(setup: EPSetup, model: Llama4ForCausalLM) -> EPContext:
-    """Join the process group, make the tiers' groups, and apply the plan to this rank's model."""
-    backend = "nccl" if model.device.type == "cuda" else "gloo"
+def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, device: str | None = None,
+              moe_backend: str = "auto", seed: int = 0) -> tuple[LoadedModel, EPContext]:
+    """This rank's model, holding only its slots' experts (read as slices: the others are never
+    loaded), joined to the process group, with the plan applied. Logs the expert memory held."""
+    config = config_of(model)
+    plan = plan_for(setup, config)
+    device = device or default_device()
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = timedelta(seconds=setup.timeout_s)
     dist.init_process_group(backend, init_method="env://", rank=setup.rank, world_size=setup.world, timeout=timeout)
-    plan = plan_for(setup, model)
+    loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
     topo = plan.topology
     groups = make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu, timeout)
-    return apply_expert_parallel(model, plan, groups)
+    context = apply_expert_parallel(loaded.model, plan, groups)
+    context.memory = expert_memory(loaded.model)
+    log.info("rank %d of %d (node %d, local %d): %s", setup.rank, setup.world, groups.node, groups.local,
+             context.memory.describe())
+    return loaded, context
 
 
-def plan_for(setup: EPSetup, model: Llama4ForCausalLM) -> PlacementPlan:
+def plan_for(setup: EPSetup, config: ModelConfig) -> PlacementPlan:
     """The --plan (its topology must be the launch's), or round-robin over the launch's topology."""
-    config = model.config
     if setup.plan_path is None:
         slots = math.ceil(config.num_local_experts / setup.world)
         return round_robin(config.num_local_experts, config.moe_layers, Topology(setup.nodes, setup.gpus_per_node, slots))

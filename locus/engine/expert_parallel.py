@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from locus.engine.expert_slices import ExpertMemory
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.moe import MoEBlock
 from locus.kernels import fused_moe
@@ -41,6 +42,7 @@ class EPContext:
     exchange: TwoTierExchange
     positions: torch.Tensor | None = None  # [T] each token's position in its request
     layers: list["ExpertParallelMoE"] = field(default_factory=list)  # in forward order
+    memory: ExpertMemory | None = None  # what this rank's expert weights take (set at start-up)
 
     def idle(self) -> None:
         """A forward with no tokens: every MoE layer's exchange, in order, with empty tensors (the
@@ -64,10 +66,16 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.top_k, self.moe_backend = block.top_k, block.moe_backend
         self.router, self.shared_expert = block.router, block.shared_expert
-        index = torch.tensor(slot_experts, dtype=torch.long)
-        # the local slots' experts, in slot order; the full tensors are not kept
-        self.gate_up_proj = nn.Parameter(block.experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(block.experts.down_proj.detach()[index].clone(), requires_grad=False)
+        experts = block.experts
+        if experts.expert_ids is not None:  # loaded as this rank's slice (expert_slices.py): take it as is
+            if list(experts.expert_ids) != list(slot_experts):
+                raise ValueError(f"MoE row {layer_index}: the model holds experts {experts.expert_ids}, "
+                                 f"the plan gives this rank {slot_experts}")
+            self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        else:  # a whole model: keep the local slots' experts, in slot order; the full tensors are dropped
+            index = torch.tensor(slot_experts, dtype=torch.long)
+            self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
+            self.down_proj = nn.Parameter(experts.down_proj.detach()[index].clone(), requires_grad=False)
         self.layer_index = layer_index  # row of the dispatch table
         self.context = context
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from locus.engine.config import ModelConfig, load_config
+from locus.engine.expert_slices import ExpertSlices
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.presets import PRESETS, build_preset
 from locus.engine.tokenizer import Tokenizer, load_tokenizer
@@ -28,17 +30,34 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def config_of(model: str | None) -> ModelConfig:
+    """The config `load(model)` would build, without any weight."""
+    name = model or DEFAULT_MODEL
+    if Path(name).is_dir():
+        return load_config(Path(name))
+    if name in PRESETS:
+        return PRESETS[name]
+    raise _no_such_model(name)
+
+
 def load(model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
-         moe_backend: str = "auto", seed: int = 0) -> LoadedModel:
-    """A checkpoint directory, or a preset name (random weights); None = the embedded `tiny` preset."""
+         moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None) -> LoadedModel:
+    """A checkpoint directory, or a preset name (random weights); None = the embedded `tiny` preset.
+    expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py)."""
     device = device or default_device()
     name = model or DEFAULT_MODEL
     path = Path(name)
     if path.is_dir():
-        m = load_model(path, dtype=resolve_dtype(dtype) if dtype else None, device=device, moe_backend=moe_backend)
+        m = load_model(path, dtype=resolve_dtype(dtype) if dtype else None, device=device, moe_backend=moe_backend,
+                       expert_slices=expert_slices)
         tok = load_tokenizer(path, m.config.vocab_size, m.config.eos_token_ids)
         return LoadedModel(m, tok, name=str(path).rstrip("/").split("/")[-1] or str(path), random_weights=False)
     if name in PRESETS:
-        m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype), device=device, moe_backend=moe_backend)
+        m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype), device=device, moe_backend=moe_backend,
+                         expert_slices=expert_slices)
         return LoadedModel(m, load_tokenizer(None, m.config.vocab_size), name=name, random_weights=True)
-    raise LocusError(f"--model {name!r}: no such checkpoint directory, and not a preset ({', '.join(PRESETS)})")
+    raise _no_such_model(name)
+
+
+def _no_such_model(name: str) -> LocusError:
+    return LocusError(f"--model {name!r}: no such checkpoint directory, and not a preset ({', '.join(PRESETS)})")

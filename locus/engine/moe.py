@@ -28,6 +28,9 @@ class Experts(nn.Module):
         E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
+        # None: all E experts, row e = expert e. An expert-parallel rank holds only its slots' experts
+        # (locus/engine/expert_slices.py): row j = expert expert_ids[j].
+        self.expert_ids: list[int] | None = None
 
 
 class MoEBlock(nn.Module):
@@ -40,6 +43,8 @@ class MoEBlock(nn.Module):
         self.shared_expert = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
+        if self.experts.expert_ids is not None:
+            raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
         topk = route_llama4(self.router(x), self.top_k)
         routed = fused_moe(
             x, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),

@@ -13,6 +13,7 @@ import math
 import torch
 
 from locus.engine.config import ModelConfig, RopeConfig
+from locus.engine.expert_slices import ExpertSlices, keep_slices, moe_experts
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.tokenizer import ByteTokenizer
 from locus.errors import LocusError
@@ -43,13 +44,16 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def build_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 moe_backend: str = "torch") -> Llama4ForCausalLM:
-    """The preset's model with weights drawn from a seeded generator: same seed, same weights, anywhere."""
+                 moe_backend: str = "torch", expert_slices: ExpertSlices | None = None) -> Llama4ForCausalLM:
+    """The preset's model with weights drawn from a seeded generator: same seed, same weights, anywhere.
+    expert_slices: hold only these experts of each MoE layer (the same values the whole model has)."""
     if name not in PRESETS:
         raise LocusError(f"unknown preset {name!r} (choose {', '.join(PRESETS)}) and no such checkpoint directory")
     config = PRESETS[name]
     with torch.device("meta"):
         model = Llama4ForCausalLM(config, moe_backend)
+    if expert_slices is not None:
+        keep_slices(model, expert_slices)
     model.to_empty(device="cpu")
     model.tie_weights()
     init_random(model, seed)
@@ -58,8 +62,11 @@ def build_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, d
 
 @torch.no_grad()
 def init_random(model: Llama4ForCausalLM, seed: int) -> None:
-    """Fan-in scaled normal weights (std = 1/sqrt(fan_in)), unit norms; drawn on CPU in a fixed order."""
+    """Fan-in scaled normal weights (std = 1/sqrt(fan_in)), unit norms; drawn on CPU in a fixed order.
+    A sliced expert tensor draws its whole [E, ...] tensor (one at a time) and keeps its rows, so the
+    generator's sequence, and every weight, is the whole model's."""
     gen = torch.Generator().manual_seed(seed)
+    experts = {f"model.layers.{layer}.feed_forward.experts": module for layer, module in moe_experts(model).items()}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -70,4 +77,9 @@ def init_random(model: Llama4ForCausalLM, seed: int) -> None:
             fan_in = param.shape[1]  # [E, in, out]
         else:
             fan_in = param.shape[-1]  # nn.Linear [out, in]
+        owner = experts.get(name.rsplit(".", 1)[0])
+        if owner is not None and owner.expert_ids is not None:
+            full = torch.randn((model.config.num_local_experts, *param.shape[1:]), generator=gen)
+            param.copy_(full[owner.expert_ids] / math.sqrt(fan_in))
+            continue
         param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))

@@ -5,7 +5,8 @@ Loading accepts what the public checkpoints and their exports contain:
 - names with or without the multimodal `language_model.` prefix (vision tensors are skipped);
 - experts fused (`...experts.gate_up_proj` [E, H, 2I], `...experts.down_proj` [E, I, H]) or one by one
   (`...experts.{j}.{gate,up,down}_proj.weight` in nn.Linear's [out, in] layout).
-Every tensor's shape is checked against the config; any problem is one LocusError naming the file
+An expert-parallel rank passes its expert slices: it then reads only its slots' experts (safetensors
+slices of the fused tensors, or only the per-expert tensors it needs). Every tensor's shape is checked against the config; any problem is one LocusError naming the file
 or tensor. Saving writes the same format (fused or per-expert, optionally prefixed) so that round
 trips and re-exports can be tested.
 """
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from locus.engine.config import load_config
+from locus.engine.expert_slices import ExpertSlices, keep_slices
 from locus.engine.model import Llama4ForCausalLM
 from locus.errors import LocusError
 
@@ -30,6 +32,7 @@ INDEX_FILE = "model.safetensors.index.json"
 PREFIX = "language_model."
 # Tensors of the multimodal checkpoints that the text model does not use.
 SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
+FUSED = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -84,10 +87,24 @@ class _ShardReader:
         except (SafetensorError, OSError) as exc:
             raise LocusError(f"{shard}: cannot read tensor {name!r} ({exc}); truncated or corrupt?") from None
 
+    def get_rows(self, shard: Path, name: str, rows: list[int], full_shape: tuple[int, ...]) -> torch.Tensor:
+        """tensor[rows] of a [E, ...] tensor, reading only those rows from the file."""
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(shard), framework="pt")
+        try:
+            view = self._open[shard].get_slice(name)  # type: ignore[attr-defined]
+            shape = tuple(view.get_shape())
+            if shape != full_shape:
+                raise LocusError(f"{shard}: tensor {name!r} has shape {shape}, config.json implies {full_shape}")
+            return torch.cat([view[e:e + 1] for e in rows])
+        except (SafetensorError, OSError) as exc:
+            raise LocusError(f"{shard}: cannot read tensor {name!r} ({exc}); truncated or corrupt?") from None
+
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               moe_backend: str = "torch") -> Llama4ForCausalLM:
-    """Build the model from a checkpoint directory. dtype None: the checkpoint's (float32 if unstated)."""
+               moe_backend: str = "torch", expert_slices: ExpertSlices | None = None) -> Llama4ForCausalLM:
+    """Build the model from a checkpoint directory. dtype None: the checkpoint's (float32 if unstated).
+    expert_slices: hold (and read) only these experts of each MoE layer, in this order."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise LocusError(f"{model_dir}: no such checkpoint directory")
@@ -97,6 +114,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
 
     with torch.device("meta"):
         model = Llama4ForCausalLM(config, moe_backend)
+    if expert_slices is not None:
+        keep_slices(model, expert_slices)
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
@@ -107,7 +126,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         for name, param in expected.items():
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # shares embed_tokens.weight
-            tensor = _fetch(name, param, found, reader, used)
+            rows = _held_rows(model, name)
+            if rows is None:
+                tensor = _fetch(name, param, found, reader, used)
+            else:
+                tensor = _fetch_rows(name, rows, config.num_local_experts, param, found, reader, used)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise LocusError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}")
             param.copy_(tensor)
@@ -118,27 +141,43 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     return model.eval()
 
 
+def _held_rows(model: Llama4ForCausalLM, name: str) -> list[int] | None:
+    """The expert ids a sliced expert tensor holds; None for any other tensor (read whole)."""
+    match = FUSED.match(name)
+    if not match:
+        return None
+    return model.get_submodule(match.group(1)).expert_ids
+
+
 def _fetch(name: str, param: torch.Tensor, found: dict, reader: _ShardReader, used: set[str]) -> torch.Tensor:
     if name in found:
         used.add(name)
         return reader.get(*found[name])
-    # Fused expert tensor missing: assemble it from per-expert [out, in] tensors.
-    match = re.match(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$", name)
-    if not match:
+    if not FUSED.match(name):
         raise LocusError(f"checkpoint is missing tensor {name!r}")
-    base, kind = match.groups()
-    rows = []
-    for j in range(param.shape[0]):
-        parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
-        pieces = []
-        for part in parts:
-            key = f"{base}.{j}.{part}_proj.weight"
+    return _fetch_rows(name, list(range(param.shape[0])), param.shape[0], param, found, reader, used)
+
+
+def _fetch_rows(name: str, rows: list[int], num_experts: int, param: torch.Tensor, found: dict, reader: _ShardReader,
+                used: set[str]) -> torch.Tensor:
+    """Rows `rows` of a fused expert tensor [E, ...]: sliced from the fused tensor, or assembled from
+    the per-expert [out, in] tensors (whose presence is checked for every expert, read or not)."""
+    full_shape = (num_experts, *param.shape[1:])
+    if name in found:
+        used.add(name)
+        return reader.get_rows(*found[name], rows, full_shape)
+    base, kind = FUSED.match(name).groups()
+    parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
+    keys = {j: [f"{base}.{j}.{part}_proj.weight" for part in parts] for j in range(num_experts)}
+    for j in range(num_experts):
+        for key in keys[j]:
             if key not in found:
                 raise LocusError(f"checkpoint is missing tensor {name!r} (and per-expert {key!r})")
             used.add(key)
-            pieces.append(reader.get(*found[key]).t())  # [out, in] -> [in, out]
-        rows.append(torch.cat(pieces, dim=1))
-    return torch.stack(rows)
+    out = []
+    for j in rows:
+        out.append(torch.cat([reader.get(*found[key]).t() for key in keys[j]], dim=1))  # [out, in] -> [in, out]
+    return torch.stack(out)
 
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep_driver import EPDriver
-from locus.engine.ep_launch import EPSetup, rank_trace_path, start_expert_parallel
+from locus.engine.ep_launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.loader import load
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
@@ -79,11 +79,12 @@ class ServerState:
     def load(self) -> None:
         try:
             c = self.config
-            loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
             grouping, engine_config, ep = None, c.engine, None
-            if c.ep is not None:  # the plan places the experts over the ranks; requests go to ranks balanced
-                ep = start_expert_parallel(c.ep, loaded.model)
-            elif c.plan:
+            if c.ep is not None:  # the plan places the experts over the ranks; this rank loads only its own
+                loaded, ep = load_rank(c.ep, c.model, c.dtype, c.device, c.moe_backend, c.seed)
+            else:
+                loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+            if c.plan and c.ep is None:
                 grouping = load_plan_grouping(c.plan, loaded.model.config)
                 engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
             core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)

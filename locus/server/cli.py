@@ -74,17 +74,15 @@ def run_rank(args: argparse.Namespace, setup) -> int:
 
     from locus.engine.engine_core import EngineCore
     from locus.engine.ep_driver import serve_rank
-    from locus.engine.ep_launch import rank_trace_path, start_expert_parallel
+    from locus.engine.ep_launch import load_rank, rank_trace_path
     from locus.server.app import served_name
-    from locus.engine.loader import load
 
     log = logging.getLogger("locus.engine")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
-        loaded = load(args.model, args.dtype, args.device, args.moe_backend, args.seed)
-        ctx = start_expert_parallel(setup, loaded.model)
+        loaded, ctx = load_rank(setup, args.model, args.dtype, args.device, args.moe_backend, args.seed)
         core = EngineCore(loaded.model, loaded.tokenizer, engine_config_of(args))
         core.lockstep = ctx
         if args.record_trace:

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 from locus.engine.expert_parallel import ExpertParallelMoE, apply_expert_parallel
 from locus.engine.forward_batch import ForwardBatch
-from locus.engine.presets import build_preset
+from locus.engine.expert_slices import expert_memory, slices_of
+from locus.engine.presets import PRESETS, build_preset
 from locus.routing.planners.baselines import round_robin
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.ep.exchange import make_groups
@@ -29,11 +30,12 @@ from locus.traces.reader import TraceReader
 H_BYTES = 64 * 4  # the tiny preset's hidden size, float32
 
 
-def plan_for(case: str, moe_layers) -> PlacementPlan:
+def plan_for(case: str, moe_layers, preset: str = "tiny") -> PlacementPlan:
+    E = PRESETS[preset].num_local_experts
     if case == "1x2":  # one node: tier 2 only, no replicas
-        return round_robin(8, moe_layers, Topology(1, 2, 4), model="tiny")
-    if case == "2x2-replicas":  # 12 slots for 8 experts: experts 0-3 twice, on both nodes
-        return round_robin(8, moe_layers, Topology(2, 2, 3), model="tiny")
+        return round_robin(E, moe_layers, Topology(1, 2, E // 2), model=preset)
+    if case == "2x2-replicas":  # 1.5 slots per expert: half the experts twice, on both nodes
+        return round_robin(E, moe_layers, Topology(2, 2, 3 * E // 8), model=preset)
     # 2x2 where rank 1 holds expert 5 in two slots and rank 3 a third copy
     slots = np.array([[[0, 1, 2], [5, 5, 3], [4, 6, 7], [0, 5, 1]]] * len(moe_layers))
     return PlacementPlan("tiny", 8, tuple(moe_layers), Topology(2, 2, 3), slots)
@@ -121,8 +123,9 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
     assert intra > 0 and (inter > 0) == (plan.topology.nodes > 1)
 
 
-def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None:
-    """One rank's engine: its share of the prompts, in lockstep with the other ranks."""
+def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out: str) -> None:
+    """One rank's engine: its share of the prompts, in lockstep with the other ranks; the model is
+    built holding only this rank's experts, as a server's rank loads it."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.sampling import SamplingParams
     from locus.engine.tokenizer import ByteTokenizer
@@ -130,14 +133,16 @@ def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = build_preset("tiny", seed=0)
-        plan = plan_for(case, model.config.moe_layers)
+        config = PRESETS[preset]
+        plan = plan_for(case, config.moe_layers, preset)
         topo = plan.topology
+        model = build_preset(preset, seed=0, expert_slices=slices_of(plan, rank))
         ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu))
-        core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+        shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        core = EngineCore(model, ByteTokenizer(config.vocab_size),
                           EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32))
         core.lockstep = ctx
-        core.start_recording(f"{out}/trace{rank}", "tiny")  # this rank's requests, for the replay check
+        core.start_recording(f"{out}/trace{rank}", preset)  # this rank's requests, for the replay check
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
         for i, prompt in enumerate(engine_prompts()):
             if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
@@ -149,7 +154,8 @@ def engine_worker(rank: int, world: int, case: str, port: int, out: str) -> None
                     finals[output.request_id] = ([c.token_ids for c in output.outputs],
                                                  [[lp.logprob for lp in c.logprobs] for c in output.outputs])
         core.dump_recording()
-        torch.save({"finals": finals, "bytes": ctx.exchange.bytes}, f"{out}/engine{rank}.pt")
+        torch.save({"finals": finals, "bytes": ctx.exchange.bytes, "shapes": shapes,
+                    "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -159,21 +165,27 @@ def engine_prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (16,), generator=g)]
 
 
-@pytest.mark.parametrize("case", ["1x2", "2x2-replicas"])
-def test_engines_in_lockstep_generate_what_one_engine_does(case, tmp_path):
+@pytest.mark.parametrize("preset,case", [("tiny", "1x2"), ("tiny", "2x2-replicas"), ("small", "1x2"), ("small", "2x2-replicas")])
+def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, tmp_path):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
     from locus.engine.tokenizer import ByteTokenizer
 
-    world = plan_for(case, build_preset("tiny", seed=0).config.moe_layers).topology.ranks
-    mp.spawn(engine_worker, args=(world, case, free_port(), str(tmp_path)), nprocs=world, join=True)
+    config = PRESETS[preset]
+    plan = plan_for(case, config.moe_layers, preset)
+    world = plan.topology.ranks
+    mp.spawn(engine_worker, args=(world, preset, case, free_port(), str(tmp_path)), nprocs=world, join=True)
     got, measured = {}, []
     for rank in range(world):
         saved = torch.load(tmp_path / f"engine{rank}.pt", weights_only=False)
         got.update(saved["finals"])
         measured.append(saved["bytes"])
-    llm = LLM.from_model(build_preset("tiny", seed=0), ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+        # each rank holds only its slots ([S, H, 2I] per MoE layer), and its expert memory says so
+        S = plan.topology.slots_per_gpu
+        assert saved["shapes"] == [(S, config.hidden_size, 2 * config.intermediate_size)] * len(config.moe_layers)
+        assert saved["memory"].held_bytes * config.num_local_experts == saved["memory"].full_bytes * S
+    llm = LLM.from_model(build_preset(preset, seed=0), ByteTokenizer(config.vocab_size),
                          EngineConfig(block_size=8, num_kv_blocks=256))
     want = llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
     assert len(got) == 16
@@ -184,7 +196,6 @@ def test_engines_in_lockstep_generate_what_one_engine_does(case, tmp_path):
 
     # The bytes the ranks measured are, to the byte, what replay computes from the trace they
     # recorded, the plan, and the rank each request ran on.
-    plan = plan_for(case, build_preset("tiny", seed=0).config.moe_layers)
     merge_traces([tmp_path / f"trace{r}" for r in range(world)], tmp_path / "trace", ranks=list(range(world)))
     reader = TraceReader(tmp_path / "trace")
     report = replay(reader, plan, plan.topology, assign_recorded(reader.requests, world))
