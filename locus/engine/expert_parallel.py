@@ -16,6 +16,7 @@ Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,20 @@ from locus.routing.plan.placement import PlacementPlan, validate
 
 
 @dataclass
+class StepTimes:
+    """Seconds one rank spent in the iterations where it ran a step."""
+
+    steps: int = 0
+    step_s: float = 0.0  # wall time of those iterations, commands to report
+    control_s: float = 0.0  # in control collectives (gloo): commands, work agreement, forward counts, reports
+    exchange_s: float = 0.0  # in the MoE exchanges, less the local expert compute
+
+    @property
+    def compute_s(self) -> float:
+        return max(self.step_s - self.control_s - self.exchange_s, 0.0)
+
+
+@dataclass
 class EPContext:
     """What every expert-parallel layer of one model shares."""
 
@@ -42,7 +57,10 @@ class EPContext:
     exchange: TwoTierExchange
     positions: torch.Tensor | None = None  # [T] each token's position in its request
     layers: list["ExpertParallelMoE"] = field(default_factory=list)  # in forward order
+    plan: PlacementPlan | None = None
     memory: ExpertMemory | None = None  # what this rank's expert weights take (set at start-up)
+    times: StepTimes = field(default_factory=StepTimes)  # filled by the driver (ep_driver.iterate)
+    agree_s: float = 0.0  # wall time in agree() (control collectives)
 
     def idle(self) -> None:
         """A forward with no tokens: every MoE layer's exchange, in order, with empty tensors (the
@@ -52,8 +70,10 @@ class EPContext:
 
     def agree(self, forwards: int) -> int:
         """The largest number of forwards any rank runs this step (gloo all-reduce)."""
+        start = time.perf_counter()
         count = torch.tensor([forwards], dtype=torch.int64)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.control)
+        self.agree_s += time.perf_counter() - start
         return int(count.item())
 
     def any_rank(self, flag: bool) -> bool:
@@ -112,7 +132,7 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
     if (topo.nodes, topo.gpus_per_node, topo.slots_per_gpu) != (groups.nodes, groups.gpus_per_node, groups.slots_per_gpu):
         raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} ({topo.slots_per_gpu} slots) is not "
                          f"the process groups' {groups.nodes}x{groups.gpus_per_node} ({groups.slots_per_gpu} slots)")
-    context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups))
+    context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups), plan=plan)
     row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
     for layer in sorted(row_of):  # forward order, which idle() follows
         decoder = model.model.layers[layer]

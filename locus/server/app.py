@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -92,6 +92,7 @@ class ServerState:
             if ep is not None:
                 core.lockstep = ep
                 driver = EPDriver(core, ep)
+                log.info("expert parallelism over %d ranks; requests assigned %s", driver.world, driver.assignment)
                 self.ep_driver = driver
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.routing.subscribe(grouping.observe)
@@ -162,6 +163,22 @@ def load_plan_grouping(path: str, model_config):
     return PlanGrouping.from_plan(plan, model_config.moe_layers)
 
 
+def ep_stats_of(driver: EPDriver) -> dict:
+    """GET /ep/stats: the exchange counters summed over ranks under replay's field names, and each
+    rank's counters, step times and expert memory."""
+    per_rank = []
+    moe_layers = max(1, len(driver.ctx.layers))
+    for rank, (c, times) in enumerate(zip(driver.counters, driver.times)):
+        per_rank.append({"rank": rank, **asdict(c), "tokens": c.token_layers // moe_layers,
+                         "inter_node": c.inter_node, "intra_node": c.intra_node,
+                         "expert_bytes": driver.expert_bytes[rank], "steps": times.steps, "step_s": times.step_s,
+                         "compute_s": times.compute_s, "exchange_s": times.exchange_s, "control_s": times.control_s})
+    return {"ranks": len(per_rank), "assignment": driver.assignment,
+            "inter_node_bytes": sum(r["inter_node"] for r in per_rank),
+            "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
+            "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank}
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     state = ServerState(config)
 
@@ -205,10 +222,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         driver = state.ep_driver
         if driver is None:
             raise APIError(404, "this server does not run expert parallelism (--ep-ranks)", "not_found_error")
-        per_rank = [b.__dict__ | {"inter_node": b.inter_node, "intra_node": b.intra_node} for b in driver.bytes]
-        return {"ranks": len(per_rank), "inter_node_bytes": sum(b["inter_node"] for b in per_rank),
-                "intra_node_bytes": sum(b["intra_node"] for b in per_rank),
-                "tokens": sum(b["tokens"] for b in per_rank), "per_rank": per_rank}
+        return ep_stats_of(driver)
 
     @app.get("/v1/models")
     async def models():

@@ -52,6 +52,45 @@ class EngineCollector:
                 for expert, n in enumerate(counts):
                     c.add_metric([self.model_name, str(layer), str(expert)], n)
             yield c
+        if self.engine.driver is not None:
+            yield from ep_metrics(self.engine.driver, self.model_name)
+
+
+def ep_metrics(driver, model_name: str):
+    """Expert parallelism: exchange bytes summed over ranks by tier and direction (DESIGN.md's
+    definitions, as GET /ep/stats and `locus replay`), and per rank its tokens, expert load and step
+    time split, as of the last iteration every rank reported."""
+    counters, times = driver.counters, driver.times
+    b = CounterMetricFamily("locus_ep_bytes", "Expert-parallel payload bytes sent, summed over ranks.",
+                            labels=["model_name", "tier", "direction"])
+    for tier in ("inter_node", "intra_node"):
+        for direction in ("dispatch", "combine"):
+            b.add_metric([model_name, tier, direction], sum(getattr(c, f"{tier}_{direction}") for c in counters))
+    yield b
+    meta = CounterMetricFamily("locus_ep_metadata_bytes", "Routing metadata bytes sent (slot ids, weights, counts), summed over ranks.",
+                               labels=["model_name"])
+    meta.add_metric([model_name], sum(c.metadata for c in counters))
+    yield meta
+    moe_layers = max(1, len(driver.ctx.layers))
+    rank_families = [
+        ("locus_ep_rank_tokens", "Tokens this rank ran through the MoE layers (its requests' tokens).",
+         lambda r: counters[r].token_layers // moe_layers),
+        ("locus_ep_rank_expert_pairs", "(token, slot) pairs this rank's experts computed, summed over MoE layers: its expert load.",
+         lambda r: counters[r].expert_pairs),
+        ("locus_ep_rank_steps", "Iterations in which this rank ran a step.", lambda r: times[r].steps),
+    ]
+    for name, doc, value in rank_families:
+        c = CounterMetricFamily(name, doc, labels=["model_name", "rank"])
+        for r in range(driver.world):
+            c.add_metric([model_name, str(r)], value(r))
+        yield c
+    seconds = CounterMetricFamily("locus_ep_rank_step_seconds", "Wall time of this rank's steps, by part: compute, "
+                                  "exchange (MoE all-to-all, less expert compute), control (gloo control collectives).",
+                                  labels=["model_name", "rank", "part"])
+    for r, tm in enumerate(times):
+        for part, value in (("compute", tm.compute_s), ("exchange", tm.exchange_s), ("control", tm.control_s)):
+            seconds.add_metric([model_name, str(r), part], value)
+    yield seconds
 
 
 class ServerMetrics:

@@ -124,23 +124,67 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server_with_no_process_le
     assert children_of(proc.pid) == []
 
 
+# Three task families with disjoint prompt alphabets: the random router of a preset then sends each
+# family's tokens to different experts, which is what a locality plan exploits.
+DOMAINS = {"code": "{}()[];=<>+-*/_", "math": "0123456789.^%!", "chat": "abcdefghijklmnopqrstuvwxyz "}
+
+
+def domain_prompt(domain: str, i: int) -> str:
+    chars = DOMAINS[domain]
+    return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(12 + 3 * (i % 5)))
+
+
+def record_planning_trace(path: Path) -> None:
+    """A single-process engine on `small` records the routing of a mixed-domain workload."""
+    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.presets import build_preset
+    from locus.engine.tokenizer import ByteTokenizer
+
+    model = build_preset("small")
+    tok = ByteTokenizer(model.config.vocab_size)
+    core = EngineCore(model, tok, EngineConfig(block_size=8, num_kv_blocks=256))
+    core.start_recording(path, "small")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(24):
+        domain = list(DOMAINS)[i % 3]
+        core.add_request(f"plan-{i}", tok.encode(domain_prompt(domain, i)), params, domain)
+    while core.has_unfinished():
+        core.step()
+    core.dump_recording()
+
+
 def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_path):
     """DESIGN.md's promise: what a running server counts equals, to the byte, what `locus replay`
-    computes for the same routing, plan and request -> rank assignment."""
-    from locus.engine.presets import build_preset
-    from locus.routing.planners.baselines import round_robin
-    from locus.routing.plan.topology import Topology
+    computes for the same routing, plan and request -> rank assignment. `small` on 2x2 under a
+    locality plan (replicas, and a grouping: the front-end assigns requests with the plan's grouper)."""
+    from locus.routing.plan.grouping_spec import spec_of
+    from locus.routing.plan.placement import load_plan
+    from locus.traces.reader import TraceReader
 
+    record_planning_trace(tmp_path / "planning")
     plan_path = tmp_path / "plan.json"
-    round_robin(8, build_preset("tiny").config.moe_layers, Topology(2, 2, 3), model="tiny").save(plan_path)  # replicas
+    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
+                              "--slots", "6", "--planner", "locality", "-o", str(plan_path)],
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    plan = load_plan(plan_path)
+    domain_nodes = {d: {n for n, w in enumerate(ws) if w > 0} for d, ws in spec_of(plan).domain_nodes.items()}
+    assert set(domain_nodes) == set(DOMAINS)
+
     trace = tmp_path / "trace"
-    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
+    with running_server("--model", "small", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
                         "--record-trace", str(trace)) as proc:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for i in range(8):
-            client.completions.create(model="tiny", prompt=f"request {i} " * (i + 1), max_tokens=6 + i, temperature=0.7,
-                                      seed=i, stream=i % 2 == 0)
+        for i in range(9):
+            domain = list(DOMAINS)[i % 3]
+            response = client.completions.create(model="small", prompt=domain_prompt(domain, 100 + i), max_tokens=4 + i % 3,
+                                                 temperature=0.7, seed=i, stream=i % 2 == 0,
+                                                 extra_headers={"x-locus-domain": domain})
+            if i % 2 == 0:
+                reasons = [c.finish_reason for chunk in response for c in chunk.choices]  # read to the end
+                assert reasons[-1] == "length"
         stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+        metrics = httpx.get(f"{proc.base_url}/metrics").text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     out = tmp_path / "replay.json"
@@ -148,6 +192,23 @@ def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_pa
                            "--assign", "recorded", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     replayed = json.loads(out.read_text())
-    assert replayed["requests"] == [0, 8]
+    assert replayed["requests"] == [0, 9]
     assert (stats["inter_node_bytes"], stats["intra_node_bytes"]) == (replayed["inter_node_bytes"], replayed["intra_node_bytes"])
     assert stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0
+    assert stats["tokens"] == replayed["tokens"]
+
+    # the plan's grouper assigned the requests: each ran on a node of its domain
+    assert stats["assignment"] == "grouper"
+    for record in TraceReader(trace).requests:
+        assert record.rank // 2 in domain_nodes[record.domain], (record.domain, record.rank)
+
+    # /metrics says the same as /ep/stats; every rank holds 6 of 16 experts' weights per layer
+    full = 4 * 16 * (256 * 1024 + 512 * 256) * 4
+    assert [r["expert_bytes"] for r in stats["per_rank"]] == [full * 6 // 16] * 4
+    for tier in ("inter_node", "intra_node"):
+        sent = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("locus_ep_bytes_total{") and f'tier="{tier}"' in line)
+        assert sent == stats[f"{tier}_bytes"]
+    assert sum(r["expert_pairs"] for r in stats["per_rank"]) > 0
+    assert all(r["steps"] > 0 and r["step_s"] >= r["exchange_s"] + r["control_s"] for r in stats["per_rank"])
+    assert 'locus_ep_rank_step_seconds_total{model_name="small",part="exchange",rank="1"}' in metrics

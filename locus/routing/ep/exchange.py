@@ -24,6 +24,7 @@ Shape legend: T tokens on this rank, K experts per token, H hidden, M rows in an
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -35,15 +36,19 @@ Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # 
 
 
 @dataclass
-class ExchangeBytes:
-    """Payload and metadata bytes this rank sent (dispatch and combine alike)."""
+class ExchangeCounters:
+    """What one rank's exchanges did: payload and metadata bytes it sent (dispatch and combine alike),
+    the tokens it brought, the pairs its experts computed, and the time they took."""
 
     inter_node_dispatch: int = 0
     inter_node_combine: int = 0
     intra_node_dispatch: int = 0
     intra_node_combine: int = 0
     metadata: int = 0
-    tokens: int = 0  # tokens that entered an exchange on this rank (own rows, per layer)
+    token_layers: int = 0  # (token, MoE layer) pairs that entered an exchange on this rank (own rows)
+    expert_pairs: int = 0  # (row, slot) pairs this rank's experts computed: its expert load, summed over layers
+    exchange_s: float = 0.0  # wall time inside run(), less the local expert compute: moving rows and waiting
+    expert_s: float = 0.0  # wall time of the local expert compute (on CUDA: launch time, no sync is forced)
 
     @property
     def inter_node(self) -> int:
@@ -132,15 +137,16 @@ def send_back(values: torch.Tensor, route: _Route, group) -> torch.Tensor:
 class TwoTierExchange:
     def __init__(self, groups: Groups):
         self.g = groups
-        self.bytes = ExchangeBytes()
+        self.counters = ExchangeCounters()
 
     def run(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, compute: Compute) -> torch.Tensor:
         """x [T, H], slots [T, K] physical slots (-1 = none), weights [T, K] -> routed [T, H]: the
         sum over each token's pairs of its experts' outputs, wherever they ran."""
+        start, expert_before = time.perf_counter(), self.counters.expert_s
         g = self.g
         S, G = g.slots_per_gpu, g.gpus_per_node
         row_bytes = x.shape[1] * x.element_size()
-        self.bytes.tokens += x.shape[0]
+        self.counters.token_layers += x.shape[0]
         slot_node = torch.where(slots >= 0, slots // S // G, -1)
 
         # Tier 1: one row per (token, remote node holding any of its slots), to that node's proxy.
@@ -151,8 +157,8 @@ class TwoTierExchange:
             token, node = self._pairs_per_group(slot_node, remote, g.nodes)
             t1_slots = self._keep(slots[token], slot_node[token] == node[:, None])
             (px, pslots, pw), route1 = send_rows([x[token], t1_slots, weights[token]], node, g.inter, g.nodes)
-            self.bytes.inter_node_dispatch += len(token) * row_bytes
-            self.bytes.metadata += len(token) * slots.shape[1] * (4 + weights.element_size())
+            self.counters.inter_node_dispatch += len(token) * row_bytes
+            self.counters.metadata += len(token) * slots.shape[1] * (4 + weights.element_size())
             held_x = torch.cat([x, px])
             held_slots = torch.cat([own, pslots])
             held_w = torch.cat([weights, pw])
@@ -160,26 +166,34 @@ class TwoTierExchange:
         # Tier 2: each held row once to each other rank of this node holding one of its slots.
         slot_rank = torch.where(held_slots >= 0, held_slots // S, -1)
         mine = self._keep(held_slots, slot_rank == g.rank)
-        out = compute(held_x, torch.where(mine >= 0, mine % S, -1), held_w)
+        out = self._compute(compute, held_x, torch.where(mine >= 0, mine % S, -1), held_w)
         if g.intra is not None:
             other = (slot_rank >= 0) & (slot_rank != g.rank)
             local_of = torch.where(slot_rank >= 0, slot_rank % G, -1)
             row, member = self._pairs_per_group(local_of, other, G)
             t2_slots = self._keep(held_slots[row], local_of[row] == member[:, None])
             (rx, rslots, rw), route2 = send_rows([held_x[row], t2_slots, held_w[row]], member, g.intra, G)
-            self.bytes.intra_node_dispatch += len(row) * row_bytes
-            self.bytes.metadata += len(row) * slots.shape[1] * (4 + weights.element_size())
-            partial = compute(rx, torch.where(rslots >= 0, rslots % S, -1), rw)
+            self.counters.intra_node_dispatch += len(row) * row_bytes
+            self.counters.metadata += len(row) * slots.shape[1] * (4 + weights.element_size())
+            partial = self._compute(compute, rx, torch.where(rslots >= 0, rslots % S, -1), rw)
             back = send_back(partial, route2, g.intra)
-            self.bytes.intra_node_combine += len(row) * row_bytes
+            self.counters.intra_node_combine += len(row) * row_bytes
             out = out.index_add(0, row, back)
 
         # Combine tier 1: proxied rows' sums return to their sources.
         if g.inter is not None:
             T = x.shape[0]
             back = send_back(out[T:], route1, g.inter)
-            self.bytes.inter_node_combine += len(token) * row_bytes
+            self.counters.inter_node_combine += len(token) * row_bytes
             out = out[:T].index_add(0, token, back)
+        self.counters.exchange_s += time.perf_counter() - start - (self.counters.expert_s - expert_before)
+        return out
+
+    def _compute(self, compute: Compute, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = compute(x, local_slots, weights)
+        self.counters.expert_pairs += int((local_slots >= 0).sum())
+        self.counters.expert_s += time.perf_counter() - start
         return out
 
     @staticmethod
