@@ -1,0 +1,237 @@
+"""Expert-parallel serving under three placement plans: measured traffic, the replay's, throughput and
+where the step time goes.
+
+For each plan (round_robin, eplb, locality) this starts `locus serve --model M --ep-ranks 4
+--gpus-per-node 2 --plan P --record-trace T` (2 virtual nodes of 2 ranks, one torch thread per rank),
+sends the same fixed mixed-domain workload (three task families whose prompts use disjoint
+alphabets, tagged with the `x-locus-domain` header), reads `GET /ep/stats`, stops the server, and
+replays the trace it recorded with `locus replay T --plan P --assign recorded`. The plans are made
+from a planning trace recorded on the same model first (single process, other prompts of the same
+families), all with the same number of expert slots per rank.
+
+Printed per plan: inter-/intra-node bytes per token as measured by the ranks and as replayed (they
+must be equal, to the byte), output tokens per second over the workload, and the mean step time of
+the ranks split into compute, exchange (MoE all-to-all, less the expert compute) and control (gloo
+control collectives). On 2 shared cores the throughput and times are indicative only; the bytes are
+exact.
+
+    python bench/ep.py --out results/ep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+PROG = "bench/ep.py"
+PLANS = ("round_robin", "eplb", "locality")
+# Three task families with disjoint prompt alphabets: a preset's random router sends each family's
+# tokens to different experts, which is what a locality plan exploits.
+FAMILIES = {"code": "{}()[];=<>+-*/_", "math": "0123456789.^%!", "chat": "abcdefghijklmnopqrstuvwxyz "}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", help="preset or checkpoint directory (default: small)")
+    p.add_argument("--topology", default="2x2", help="NODESxGPUS of the launch (default: 2x2)")
+    p.add_argument("--slots", type=int, default=6, help="expert slots per rank, every plan (default: 6)")
+    p.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of round_robin,eplb,locality")
+    p.add_argument("--requests", type=int, default=48, help="requests in the measured workload (default: 48)")
+    p.add_argument("--planning-requests", type=int, default=48, help="requests in the planning trace (default: 48)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
+    p.add_argument("--ep-timeout", type=float, default=120.0)
+    p.add_argument("--out", help="write the results as JSON")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
+    return p.parse_args(argv)
+
+
+def family_prompt(family: str, i: int) -> str:
+    chars = FAMILIES[family]
+    return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(16 + 5 * (i % 7)))
+
+
+def workload(count: int, offset: int) -> list[tuple[str, str]]:
+    """(family, prompt) of each request, in sending order."""
+    names = list(FAMILIES)
+    return [(names[i % len(names)], family_prompt(names[i % len(names)], offset + i)) for i in range(count)]
+
+
+def record_planning_trace(model: str, path: Path, requests: int, output_len: int) -> None:
+    """One process, no expert parallelism: the routing the planners plan from."""
+    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.loader import load
+    from locus.engine.sampling import SamplingParams
+
+    loaded = load(model, moe_backend="torch")
+    core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig())
+    core.start_recording(path, Path(model).name)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, (family, prompt) in enumerate(workload(requests, offset=10_000)):
+        core.add_request(f"plan-{i}", loaded.tokenizer.encode(prompt), params, family)
+    while core.has_unfinished():
+        core.step()
+    core.dump_recording()
+
+
+def locus(*args: str, timeout: float = 600) -> str:
+    done = subprocess.run([sys.executable, "-m", "locus.cli", *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"{PROG}: locus {' '.join(args)} failed:\n{done.stderr}")
+    return done.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Path) -> dict:
+    nodes, gpus = (int(x) for x in args.topology.lower().split("x"))
+    port = free_port()
+    cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", args.model, "--ep-ranks", str(nodes * gpus),
+           "--gpus-per-node", str(gpus), "--plan", str(plan), "--record-trace", str(trace), "--moe-backend", "torch",
+           "--ep-timeout", str(args.ep_timeout), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one torch thread per rank
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    try:
+        wait_ready(base, proc, log)
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+
+        def send(item: tuple[str, str]) -> int:
+            family, prompt = item
+            body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/completions", json=body, headers={"x-locus-domain": family}, timeout=600)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        send(workload(1, offset=20_000)[0])  # warm-up: first-call costs stay out of the timed window
+        before = httpx.get(f"{base}/ep/stats").json()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            out_tokens = sum(pool.map(send, workload(args.requests, offset=0)))
+        seconds = time.perf_counter() - start
+        stats = httpx.get(f"{base}/ep/stats").json()
+        proc.send_signal(signal.SIGTERM)
+        if proc.wait(120) != 0:
+            raise SystemExit(f"{PROG}: the server exited with {proc.returncode}; see {log}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return {"stats": stats, "before": before, "out_tokens": out_tokens, "seconds": seconds}
+
+
+def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{PROG}: the server exited with {proc.returncode} before it was ready:\n"
+                             + log.read_text(errors="replace")[-3000:])
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{PROG}: the server was not ready after {timeout:.0f}s; see {log}")
+
+
+def step_split(stats: dict, before: dict) -> dict:
+    """Mean over ranks of the workload's steps: ms per step, and the share of each part."""
+    rows = []
+    for now, then in zip(stats["per_rank"], before["per_rank"]):
+        steps = now["steps"] - then["steps"]
+        if steps:
+            rows.append({k: (now[k] - then[k]) / steps for k in ("step_s", "compute_s", "exchange_s", "control_s")})
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+    return {"step_ms": 1e3 * mean.get("step_s", 0.0),
+            **{part: mean.get(f"{part}_s", 0.0) / max(mean.get("step_s", 0.0), 1e-12) for part in ("compute", "exchange", "control")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    if bad := [p for p in plans if p not in PLANS]:
+        raise SystemExit(f"{PROG}: unknown plan(s) {bad}; choose from {', '.join(PLANS)}")
+    work = Path(tempfile.mkdtemp(prefix="locus-bench-ep-"))
+    print(f"{PROG}: model {args.model}, {args.topology} ranks, {args.slots} slots per rank; workload: {args.requests} "
+          f"requests x {args.output_len} tokens, {len(FAMILIES)} families, concurrency {args.concurrency}; work dir {work}",
+          flush=True)
+    planning = work / "planning-trace"
+    record_planning_trace(args.model, planning, args.planning_requests, args.output_len)
+    results = []
+    for name in plans:
+        plan = work / f"{name}.json"
+        locus("plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", name, "-o", str(plan))
+        trace = work / f"{name}-trace"
+        run = serve_and_measure(args, plan, trace, work / f"{name}-server.log")
+        locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(work / f"{name}-replay.json"))
+        replayed = json.loads((work / f"{name}-replay.json").read_text())
+        stats = run["stats"]
+        tokens = stats["tokens"]
+        row = {
+            "plan": name, "assignment": stats["assignment"], "tokens": tokens,
+            "measured": {"inter_node_bytes": stats["inter_node_bytes"], "intra_node_bytes": stats["intra_node_bytes"]},
+            "replayed": {"inter_node_bytes": replayed["inter_node_bytes"], "intra_node_bytes": replayed["intra_node_bytes"],
+                         "tokens": replayed["tokens"]},
+            "inter_per_token": stats["inter_node_bytes"] / max(tokens, 1),
+            "intra_per_token": stats["intra_node_bytes"] / max(tokens, 1),
+            "replay_inter_per_token": replayed["inter_node_bytes"] / max(replayed["tokens"], 1),
+            "replay_intra_per_token": replayed["intra_node_bytes"] / max(replayed["tokens"], 1),
+            "out_tokens": run["out_tokens"], "seconds": run["seconds"], "out_tok_s": run["out_tokens"] / run["seconds"],
+            **step_split(stats, run["before"]),
+        }
+        row["equal"] = (row["measured"]["inter_node_bytes"] == row["replayed"]["inter_node_bytes"]
+                        and row["measured"]["intra_node_bytes"] == row["replayed"]["intra_node_bytes"]
+                        and tokens == replayed["tokens"])
+        results.append(row)
+        print(f"{name}: done ({run['seconds']:.1f} s)", flush=True)
+    print_table(results)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"bench": "ep", "args": vars(args), "machine": {"cpus": os.cpu_count(),
+                                   "python": platform.python_version()}, "results": results}, indent=1) + "\n")
+        print(f"wrote {out}")
+    ok = all(r["equal"] for r in results)
+    if ok and not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"kept {work}")
+    return 0 if ok else 1
+
+
+def print_table(results: list[dict]) -> None:
+    head = ("plan", "assign", "inter B/tok", "replay", "intra B/tok", "replay", "equal", "out tok/s", "step ms",
+            "compute", "exchange", "control")
+    rows = [(r["plan"], r["assignment"], f"{r['inter_per_token']:.1f}", f"{r['replay_inter_per_token']:.1f}",
+             f"{r['intra_per_token']:.1f}", f"{r['replay_intra_per_token']:.1f}", "yes" if r["equal"] else "NO",
+             f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['compute']:.0%}", f"{r['exchange']:.0%}",
+             f"{r['control']:.0%}") for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""bench/ep.py end to end on `tiny`: three plans served by 4 ranks as 2x2, each run's measured bytes
+equal to the replay of the trace it recorded (the script exits non-zero otherwise)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.bench_scripts import run_bench
+
+
+def test_bench_ep_measures_what_the_replay_predicts(tmp_path):
+    out = tmp_path / "ep.json"
+    stdout = run_bench("ep.py", "--model", "tiny", "--slots", "3", "--requests", "6", "--planning-requests", "12",
+                       "--output-len", "4", "--concurrency", "6", "--out", str(out), timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert [r["plan"] for r in results] == ["round_robin", "eplb", "locality"]
+    assert [r["assignment"] for r in results] == ["balanced", "balanced", "grouper"]
+    for r in results:
+        assert r["equal"] and r["measured"] == {k: r["replayed"][k] for k in r["measured"]}
+        assert r["tokens"] > 6 * 4 and r["out_tokens"] == 6 * 4 and r["step_ms"] > 0
+    assert "| locality" in stdout
