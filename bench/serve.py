@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch threads for the offline engine and the launched server (default: torch's "
                              "default here, passed to the server as OMP_NUM_THREADS so both match)")
 
+    p.add_argument("--compare-constrained", type=float, default=None, metavar="FRACTION",
+                   help="after each HTTP run, run the same workload again with this fraction of the requests "
+                        "constrained (structured outputs: a regex of exactly --output-len characters) and report "
+                        "constrained / free output-token throughput, side by side")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat (offline run, HTTP run) pairs this many times and report the median ratio: "
                         "on a shared machine one pair can be off by 5-10%%")
@@ -104,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.rounds < 1:
         p.error("--rounds must be positive")
+    if args.compare_constrained is not None and not 0 < args.compare_constrained <= 1:
+        p.error("--compare-constrained must be in (0, 1]")
     if args.concurrency is not None and args.concurrency < 1:
         p.error("--concurrency must be positive")
     if args.request_rate <= 0:
@@ -114,6 +120,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compare_offline and not args.model:
         p.error("--compare-offline needs --model or --launch-model (the offline engine loads it)")
     return args
+
+
+def constrain(bodies: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Every k-th request (k from the fraction) gets a structured-output constraint that allows exactly
+    --output-len characters, so constrained requests generate as much as free ones. The warm-up's
+    constrained requests compile the grammar (a one-time cost per distinct spec, then cached)."""
+    every = max(1, round(1 / args.compare_constrained))
+    pattern = f"[a-z ]{{{args.output_len}}}"
+    return [{**b, "guided_regex": pattern} if i % every == 0 else b for i, b in enumerate(bodies)]
+
+
+def report_constrained(args: argparse.Namespace, pairs: list[tuple]) -> None:
+    import json
+    import statistics
+
+    ratios = [c.output_throughput / f.output_throughput for f, c in pairs]
+    print(f"\nconstrained ({args.compare_constrained:.0%} of requests) vs free, output tokens/s:")
+    for i, ((f, c), ratio) in enumerate(zip(pairs, ratios)):
+        print(f"  round {i + 1}: free {f.output_throughput:.1f}, constrained {c.output_throughput:.1f}, ratio {ratio:.3f}")
+    print(f"  median ratio {statistics.median(ratios):.3f}")
+    out = Path(args.out)
+    result = json.loads(out.read_text())
+    result["constrained"] = {"fraction": args.compare_constrained, "median_ratio": statistics.median(ratios),
+                             "rounds": [{"free": f.output_throughput, "constrained": c.output_throughput,
+                                         "failed": c.failed} for f, c in pairs]}
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def base_url(args: argparse.Namespace) -> str:
@@ -179,6 +211,7 @@ def run(args: argparse.Namespace, launched: list[Launched]) -> int:
         raise BenchError(f"setting up against {url} failed: {type(exc).__name__}: {exc}") from None
     endpoint_url = f"{url}/v1/chat/completions" if args.endpoint == "chat" else f"{url}/v1/completions"
     rounds: list[Round] = []
+    constrained: list[tuple] = []  # (free, constrained) LoadReports per round
     for r in range(args.rounds):
         if r and args.compare_offline:  # the server idles meanwhile
             offline = offline_round(args, vocab, r)
@@ -192,9 +225,18 @@ def run(args: argparse.Namespace, launched: list[Launched]) -> int:
             run_load(args, endpoint_url, bodies, prompt_lens, warmup, server.proc.pid if server else None))
         load = summarize(done.results, done.duration, done.client_cpu, done.server_cpu, done.other_cpu, client_loop)
         rounds.append(Round(load, offline))
+        if args.compare_constrained:  # the same requests, a fraction of them constrained, right after
+            print(f"HTTP load, {args.compare_constrained:.0%} constrained ...", flush=True)
+            done, client_loop = run_on_fastest_loop(
+                run_load(args, endpoint_url, constrain(bodies, args), prompt_lens, constrain(warmup, args),
+                         server.proc.pid if server else None))
+            constrained.append((load, summarize(done.results, done.duration, done.client_cpu, done.server_cpu,
+                                                done.other_cpu, client_loop)))
     print_report(args, load, offline, loadavg)
     print_rounds(rounds)
     write_json(args.out, args, url, model, rounds, loadavg, server)
+    if constrained:
+        report_constrained(args, constrained)
     if load.successful == 0:
         print(f"{PROG}: error: every request failed", file=sys.stderr)
         return 1

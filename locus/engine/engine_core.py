@@ -32,6 +32,7 @@ from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.routing_tap import RoutingTap
 from locus.engine.runner import ModelRunner
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
+from locus.engine.structured_output import GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Sequence, SequenceStatus
 from locus.engine.tokenizer import Tokenizer
@@ -111,6 +112,7 @@ class EngineCore:
                                                                 config.num_micro_batches), grouping)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)  # structured outputs, compiled on first use
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
@@ -130,6 +132,8 @@ class EngineCore:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter/LocusError for a request that can never run; the engine keeps nothing."""
         params.validate(self.model.config.vocab_size)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a spec that does not compile is the request's error
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -168,6 +172,8 @@ class EngineCore:
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         state = SequenceSamplingState.create(request.params, request.prompt_ids, index)
+        if request.params.structured is not None:
+            state.grammar = self.grammars.matcher(request.params.structured)
         return Sequence(next(self._seq_ids), request, index, state,
                         IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params))
 

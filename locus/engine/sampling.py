@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from locus.engine.sampling_params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
+from locus.engine.structured_output import apply_grammar_masks
 
 # B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties
 
@@ -34,6 +36,7 @@ class SequenceSamplingState:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None  # CPU; None = torch's global RNG (unseeded requests)
+    grammar: Any = None  # an xgrammar matcher when the request asked for structured output
     # prompt ids as a tensor, built once: penalties need them every step
     _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -79,12 +82,20 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_penalties(logits, states)
         logits = self.mask_stop_tokens(logits, states)
+        matchers = [s.grammar for s in states]
+        constrained = any(m is not None for m in matchers)
+        if constrained:
+            logits = apply_grammar_masks(logits, matchers)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if rows:
             index = torch.tensor(rows, device=logits.device)
             tokens[index] = sample_random(logits[index], [states[i] for i in rows])
         token_ids = tokens.tolist()
+        if constrained:  # advance each grammar by its row's token
+            for i, m in enumerate(matchers):
+                if m is not None and not m.accept_token(token_ids[i]):
+                    raise RuntimeError(f"row {i}: the grammar rejected token {token_ids[i]} it allowed")
         return SampleOutput(token_ids, gather_logprobs(raw_logprobs, token_ids, states))
 
     def mask_stop_tokens(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
@@ -108,6 +119,8 @@ class Sampler:
         """After the engine appended a token: "stop" (a stop token), "length" (max_tokens), or None.
         Stop strings are the detokenizer's job; the context limit is the engine's."""
         p, out = state.params, state.output_ids
+        if state.grammar is not None and state.grammar.is_terminated():
+            return "stop"  # the grammar is complete (its stop token was sampled)
         if out and len(out) >= p.min_tokens:
             if out[-1] in p.stop_token_ids or (not p.ignore_eos and out[-1] in self.eos_token_ids):
                 return "stop"

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from locus.errors import LocusError
 
@@ -46,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: Any = None  # a StructuredOutput (structured_output.py): the grammar the output must match
 
     def __post_init__(self) -> None:
         # Requests carry lists (JSON) and OpenAI allows `stop` as one string; store tuples.

@@ -47,6 +47,7 @@ class ByteTokenizer:
         self.eos_token_ids = (self.EOS,)
         self._names = {v: k for k, v in self.SPECIALS.items()}
         self.max_token_chars = max(len(name) for name in self.SPECIALS)
+        self.chat_template: str | None = None  # a Jinja template (--chat-template) instead of the built-in format
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.BOS] if add_special_tokens else []
@@ -78,6 +79,9 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """<|begin_of_text|> then <|header_start|>role<|header_end|>\\n\\ncontent<|eot|> per message."""
+        if self.chat_template is not None:
+            return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                        bos_token="<|begin_of_text|>", eos_token="<|eot|>")
         parts = ["<|begin_of_text|>"]
         for m in messages:
             parts.append(f"<|header_start|>{m['role']}<|header_end|>\n\n{_content_text(m.get('content'))}<|eot|>")
@@ -129,6 +133,26 @@ class HFTokenizer:
             raise LocusError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents if `value` names a file, else the template itself; its
+    Jinja syntax is checked here, so a broken template fails at start-up, not on the first request."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value)
+    try:
+        template = path.read_text() if len(value) < 4096 and path.is_file() else value
+    except OSError as exc:
+        raise LocusError(f"--chat-template {value}: cannot read it ({exc.strerror})") from None
+    if "{" not in template:
+        raise LocusError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise LocusError(f"--chat-template: Jinja syntax error at line {exc.lineno}: {exc.message}") from None
+    return template
 
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:

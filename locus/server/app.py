@@ -26,6 +26,7 @@ from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep_driver import EPDriver
 from locus.engine.ep_launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.loader import load
+from locus.engine.tokenizer import read_chat_template
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
@@ -57,6 +58,7 @@ class ServerConfig:
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
+    chat_template: str | None = None  # --chat-template: a file or the template itself, replacing the tokenizer's
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:
@@ -84,6 +86,8 @@ class ServerState:
                 loaded, ep = load_rank(c.ep, c.model, c.dtype, c.device, c.moe_backend, c.seed)
             else:
                 loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+            if c.chat_template is not None:
+                loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
             if c.plan and c.ep is None:
                 grouping = load_plan_grouping(c.plan, loaded.model.config)
                 engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
@@ -307,6 +311,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         return await serve(raw, engine, [prompt], params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
 
     async def serve(raw: Request, engine: AsyncEngine, prompts, params, body, prefix: str, fmt):
+        if params.structured is not None:  # compiling a new grammar can take a while: not on the event loop
+            await asyncio.to_thread(engine.core.grammars.compile, params.structured)
         # Everything that can refuse the request does so here, before a byte is sent: validation,
         # then admission, synchronously (no await in between), so the queue limit is exact.
         for p in prompts:

@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template (a file, or the template text) for checkpoints without one, or to replace theirs")
     p.add_argument("--ep-ranks", type=int, default=1, metavar="N",
                    help="expert parallelism over N local processes (ranks); the experts are placed by --plan, "
                         "else round-robin. Under torchrun the launcher's WORLD_SIZE decides instead")
@@ -126,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
-        record_trace=args.record_trace, plan=args.plan, ep=setup))
+        record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

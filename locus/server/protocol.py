@@ -7,11 +7,13 @@ in one place, SamplingParams.validate, so the engine and the server can never di
 
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
 from locus.engine.sampling import InvalidParameter, SamplingParams
+from locus.engine.structured_output import StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -44,6 +46,56 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None  # vLLM: the logprob of every prompt token given its prefix, and top-k
     # Locus: the task family (code, math, chat, ...) for traces and the grouper; header X-Locus-Domain works too
     domain: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs object
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint the request asks for (a 400 if it asks for several)."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise InvalidParameter("response_format", "response_format json_schema needs json_schema.schema, a JSON object")
+                found.append(StructuredOutput("json", json.dumps(schema), "response_format"))
+            elif kind == "json_object":
+                found.append(StructuredOutput("json_object", "", "response_format"))
+            elif kind != "text":
+                raise InvalidParameter("response_format", f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            found.append(StructuredOutput("json", schema, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(StructuredOutput("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(StructuredOutput("choice", json.dumps(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(StructuredOutput("grammar", self.guided_grammar, "guided_grammar"))
+        for key, value in (self.structured_outputs or {}).items():
+            if value is None or value is False:
+                continue
+            if key == "json":
+                found.append(StructuredOutput("json", value if isinstance(value, str) else json.dumps(value), "structured_outputs"))
+            elif key == "json_object":
+                found.append(StructuredOutput("json_object", "", "structured_outputs"))
+            elif key == "choice":
+                found.append(StructuredOutput("choice", json.dumps(value), "structured_outputs"))
+            elif key in ("regex", "grammar"):
+                found.append(StructuredOutput(key, str(value), "structured_outputs"))
+            else:
+                raise InvalidParameter("structured_outputs", f"unknown structured_outputs key {key!r} "
+                                       "(json, json_object, regex, choice, grammar)")
+        if len(found) > 1:
+            raise InvalidParameter(found[1].param, "give one output constraint: " + ", ".join(sorted({f.param for f in found})) + " were given together")
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -69,6 +121,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs,
+            structured=self.structured_output(),
         )
         params.validate()
         return params
@@ -107,7 +160,6 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def check_unsupported(self) -> None:
@@ -115,8 +167,12 @@ class ChatCompletionRequest(_Common):
             raise InvalidParameter("messages", "messages must contain at least one message")
         if self.tools:
             raise InvalidParameter("tools", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidParameter("response_format", "only response_format type 'text' is supported")
+        for i, message in enumerate(self.messages):
+            for part in message.content if isinstance(message.content, list) else ():
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise InvalidParameter(f"messages[{i}].content", f"this model serves text only: content part "
+                                           f"type {kind!r} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:

@@ -79,3 +79,19 @@ def test_chat_template_errors_are_clear(hf_tokenizer_dir):
 
 def test_without_tokenizer_json_the_byte_tokenizer_is_used(tmp_path):
     assert isinstance(load_tokenizer(tmp_path, 512), ByteTokenizer)
+
+
+def test_chat_template_flag_reads_a_file_or_the_text_and_checks_its_syntax(tmp_path):
+    from locus.engine.tokenizer import read_chat_template
+
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(LocusError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(LocusError, match="syntax error at line 1"):
+        read_chat_template("{% for m in messages %}")
+    tok = ByteTokenizer()
+    tok.chat_template = read_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"

@@ -159,3 +159,15 @@ def test_rounds_draw_new_prompts_so_the_prefix_cache_never_hits(server_url, tmp_
                   "--seed", "7100", "--out", str(tmp_path / "again.json"))
     assert again.returncode == 0, again.stderr
     assert prefix_cache_hits(server_url) > before
+
+
+def test_compare_constrained_runs_the_workload_twice_and_reports_the_ratio(server_url, tmp_path):
+    out = tmp_path / "serve.json"
+    r = bench("--base-url", server_url, "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+              "--compare-constrained", "0.5", "--rounds", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "median ratio" in r.stdout
+    constrained = json.loads(out.read_text())["constrained"]
+    assert constrained["fraction"] == 0.5 and len(constrained["rounds"]) == 2
+    assert all(row["failed"] == 0 and row["free"] > 0 and row["constrained"] > 0 for row in constrained["rounds"])
+    assert constrained["median_ratio"] > 0
