@@ -161,12 +161,15 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
 
     def check_unsupported(self) -> None:
         if not self.messages:
             raise InvalidParameter("messages", "messages must contain at least one message")
         if self.tools:
             raise InvalidParameter("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParameter("tool_choice", "tool calling is not supported (tool_choice may only be \"none\")")
         for i, message in enumerate(self.messages):
             for part in message.content if isinstance(message.content, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None

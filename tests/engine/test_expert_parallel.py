@@ -143,7 +143,7 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
                           EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32))
         core.lockstep = ctx
         core.start_recording(f"{out}/trace{rank}", preset)  # this rank's requests, for the replay check
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
         for i, prompt in enumerate(engine_prompts()):
             if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
                 core.add_request(f"p{i}", prompt, params)
@@ -152,12 +152,17 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
             for output in core.step():
                 if output.finished:
                     finals[output.request_id] = ([c.token_ids for c in output.outputs],
-                                                 [[lp.logprob for lp in c.logprobs] for c in output.outputs])
+                                                 [[top_logprobs(lp) for lp in c.logprobs] for c in output.outputs])
         core.dump_recording()
         torch.save({"finals": finals, "bytes": ctx.exchange.counters, "shapes": shapes,
                     "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def top_logprobs(lp) -> list[tuple[int, float]]:
+    """The sampled token's logprob, then the top-5 alternatives': one step's logits, normalised."""
+    return [(lp.token_id, lp.logprob), *[(t, v) for t, v in lp.top]]
 
 
 def engine_prompts() -> list[list[int]]:
@@ -187,12 +192,16 @@ def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, tmp_pat
         assert saved["memory"].held_bytes * config.num_local_experts == saved["memory"].full_bytes * S
     llm = LLM.from_model(build_preset(preset, seed=0), ByteTokenizer(config.vocab_size),
                          EngineConfig(block_size=8, num_kv_blocks=256))
-    want = llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    want = llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
     assert len(got) == 16
     for i, out in enumerate(want):
         tokens, logprobs = got[f"p{i}"]
         assert tokens == [out.outputs[0].token_ids]
-        assert np.allclose(logprobs[0], [lp.logprob for lp in out.outputs[0].logprobs], atol=1e-5)
+        # at every step: the chosen token's and the 5 likeliest tokens' log-probabilities (same ids)
+        expected = [top_logprobs(lp) for lp in out.outputs[0].logprobs]
+        assert [[t for t, _ in step] for step in logprobs[0]] == [[t for t, _ in step] for step in expected]
+        assert np.allclose([[v for _, v in step] for step in logprobs[0]], [[v for _, v in step] for step in expected],
+                           atol=1e-5)
 
     # The bytes the ranks measured are, to the byte, what replay computes from the trace they
     # recorded, the plan, and the rank each request ran on.

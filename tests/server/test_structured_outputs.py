@@ -69,6 +69,7 @@ def test_guided_choice_and_regex_on_completions(client):
                                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
      "messages[0].content", "text only"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
 ])
 def test_refusals_are_400s_that_name_the_field(server, body, param, needle):
     request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
