@@ -47,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--intra-gbps", type=float, default=450.0, help="intra-node GB/s per GPU (default 450)")
     p.add_argument("--latency-us", type=float, default=5.0, help="all-to-all latency in microseconds (default 5)")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    p.add_argument("--chakra", metavar="OUT_PREFIX",
+                   help="also write Chakra execution traces for ASTRA-sim, one per rank: OUT_PREFIX.<rank>.et "
+                   "(point-to-point sends of both dispatch tiers with exact bytes; docs/replay.md)")
+    p.add_argument("--chakra-us-per-pair", type=float, default=0.0, metavar="US",
+                   help="Chakra compute model: microseconds of expert compute per (token, expert) pair a rank "
+                   "computes; adds a COMP node per step, layer and rank (default 0: no compute nodes)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=run_replay)
 
@@ -62,6 +68,10 @@ def run_replay(args: argparse.Namespace) -> int:
         raise LocusError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
     if min(args.inter_gbps, args.intra_gbps) <= 0 or args.latency_us < 0:
         raise LocusError("--inter-gbps and --intra-gbps must be positive, --latency-us non-negative")
+    if not 0 <= args.chakra_us_per_pair < float("inf"):
+        raise LocusError(f"--chakra-us-per-pair must be a non-negative number, got {args.chakra_us_per_pair}")
+    if args.chakra_us_per_pair and not args.chakra:
+        raise LocusError("--chakra-us-per-pair applies to the Chakra traces: add --chakra OUT_PREFIX")
     try:
         from locus.traces.reader import TraceReader
 
@@ -93,11 +103,18 @@ def run_replay(args: argparse.Namespace) -> int:
 
     links = LinkModel(args.inter_gbps, args.intra_gbps, args.latency_us)
     bar = ProgressBar() if args.progress or sys.stderr.isatty() else None
+    pairs = None
+    if args.chakra:
+        from locus.routing.replay.chakra import PairTraffic
+
+        pairs = PairTraffic()
     report = replay(reader, plan, plan.topology, assignment, batch_tokens=args.batch_tokens, links=links,
-                    progress=bar, step_order=args.step_order)
+                    progress=bar, step_order=args.step_order, pair_sink=pairs)
     if bar:
         bar.close()
     print(report.format_table())
+    if pairs is not None:
+        _write_chakra(args, reader.meta, plan.topology, pairs)
     if plan_range is not None and plan_range[0] < stop and start < plan_range[1]:
         print(f"note: the {plan.planner} plan was computed on requests {plan_range[0]}:{plan_range[1]}, which overlap "
               f"the replayed {start}:{stop}; figures on planning data are not results (see --plan-requests)",
@@ -106,6 +123,21 @@ def run_replay(args: argparse.Namespace) -> int:
         doc = {"trace": str(args.trace), "plan_requests": list(plan_range) if plan_range else None, **report.to_dict()}
         _write(args.json, lambda path: Path(path).write_text(json.dumps(doc, indent=1) + "\n"))
     return 0
+
+
+def _write_chakra(args, meta, topology, pairs) -> None:
+    """Write the Chakra traces of the replay just run and list them."""
+    from locus.routing.replay.chakra import write_chakra
+
+    traffic = pairs.finish()
+    try:
+        files = write_chakra(args.chakra, traffic, topology, meta.moe_layers, meta.hidden_size * meta.dtype_bytes,
+                             us_per_pair=args.chakra_us_per_pair)
+    except OSError as exc:
+        raise LocusError(f"cannot write Chakra traces {args.chakra}.<rank>.et: {exc.strerror or exc}") from None
+    print(f"Chakra traces ({traffic.steps} steps x {len(meta.moe_layers)} MoE layers, one file per rank):")
+    for path, nodes in files:
+        print(f"  {path}  {nodes:,} nodes, {path.stat().st_size:,} bytes")
 
 
 def _write(path: str, write) -> None:

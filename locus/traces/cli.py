@@ -1,4 +1,4 @@
-"""`locus trace ...`: synth, stats, import, validate.
+"""`locus trace ...`: synth, stats, import, export, validate.
 
 Kept light for `locus --help`: numpy and the rest load inside the handlers.
 """
@@ -62,6 +62,18 @@ def register(subparsers) -> None:
     p.add_argument("--moe-layers", help="model layer indices of the MoE layers: '1,3,5' or '1:48:2'")
     p.add_argument("--domain", default="unknown", help="domain of requests whose record names none")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("export", help="write a trace's expert counts for another engine (SGLang EPLB)",
+                       description="sglang-counts: per-layer expert token counts in the layout of SGLang's "
+                       "expert-distribution recorder stat dump (logical_count [1, layers, experts]); SGLang's "
+                       "--init-expert-location seeds its EPLB with it (docs/interop.md).")
+    p.add_argument("trace", type=Path, help="token or count trace")
+    p.add_argument("--to", dest="fmt", required=True, choices=("sglang-counts",))
+    p.add_argument("-o", "--output", required=True, type=Path, help="file to write, .pt or .json")
+    p.add_argument("--num-hidden-layers", type=int, help="model layers, dense ones included (SGLang counts every "
+                   "layer; default: the trace's last MoE layer + 1)")
+    p.add_argument("--force", action="store_true", help="replace an existing file at -o")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("validate", help="check a trace completely and print a summary")
     p.add_argument("trace", type=Path)
@@ -166,6 +178,19 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     what = f"{result.num_requests} requests, {result.num_tokens} tokens" if result.kind == "tokens" else "expert counts"
     print(f"wrote {result.kind} trace {result.path}: {what}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from locus.traces.export import export_trace
+    from locus.traces.format import TraceFormatError
+
+    try:
+        result = export_trace(args.trace, args.fmt, args.output, args.num_hidden_layers, overwrite=args.force)
+    except TraceFormatError as exc:
+        return _fail(str(exc))
+    print(f"wrote {result.path}: logical_count [1, {result.num_hidden_layers}, {result.num_experts}], "
+          f"{result.pairs} (token, expert) pairs")
     return 0
 
 

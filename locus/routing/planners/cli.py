@@ -1,8 +1,9 @@
-"""`locus plan TRACE ...` (make a placement plan) and `locus plan evaluate` (compare planners).
+"""`locus plan TRACE ...` (make a placement plan), `locus plan evaluate` (compare planners) and
+`locus plan export` / `locus plan import` (to and from SGLang, vLLM and DeepSeek EPLB expert maps).
 
-`plan` takes either a trace or the word `evaluate` first, which argparse's subparsers cannot express
+`plan` takes either a trace or a subcommand word first, which argparse's subparsers cannot express
 next to a positional; so the `plan` parser hands its whole argument list (prefix '+', so that '-h'
-and '--x' pass through untouched) to one of two inner parsers.
+and '--x' pass through untouched) to one of the inner parsers.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ WORKDIR = "results/tmp/traces"  # git-ignored
 def register_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", add_help=False, prefix_chars="+",
-        help="make a placement plan from a trace (locus plan -h); compare planners (locus plan evaluate -h)",
-        description="locus plan TRACE --topology NxG --slots S -o plan.json | locus plan evaluate",
+        help="make a placement plan from a trace (locus plan -h); compare planners (locus plan evaluate -h); "
+        "convert plans to and from SGLang/vLLM/DeepSeek maps (locus plan export -h, locus plan import -h)",
+        description="locus plan TRACE --topology NxG --slots S -o plan.json | locus plan evaluate | "
+        "locus plan export PLAN --to FORMAT -o OUT | locus plan import SRC --from FORMAT ... -o plan.json",
     )
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run_plan_command)
@@ -32,6 +35,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "evaluate":
         return run_evaluate(evaluate_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "export":
+        return run_export(export_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "import":
+        return run_import(import_parser().parse_args(argv[1:]))
     return run_plan(plan_parser().parse_args(argv))
 
 
@@ -140,6 +147,85 @@ def run_evaluate(args: argparse.Namespace) -> int:
     paths = _write(args.out, lambda out: write_results(results, settings, out))
     print(format_markdown(results, settings))
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+MAP_FORMATS = ("sglang", "vllm", "deepseek")  # locus.routing.plan.interop.FORMATS, kept light for --help
+
+
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="locus plan export",
+        description="Write a placement plan as another engine's expert map (docs/interop.md): sglang = SGLang's "
+        "--init-expert-location file; vllm = vLLM EPLB state (physical_to_logical_map, logical_to_physical_map, "
+        "logical_replica_count); deepseek = DeepSeek EPLB's (phy2log, log2phy, logcnt). The file type follows "
+        "the -o extension, .json or .pt.",
+    )
+    p.add_argument("plan", help="placement plan JSON (locus-placement v1)")
+    p.add_argument("--to", dest="fmt", required=True, choices=MAP_FORMATS)
+    p.add_argument("-o", "--output", required=True, help="file to write, .json or .pt")
+    p.add_argument("--num-hidden-layers", type=int, help="sglang: model layers, dense ones included (SGLang keeps "
+                   "a row per layer; default: the plan's last MoE layer + 1)")
+    return p
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from locus.routing.plan.interop import export_plan
+    from locus.routing.plan.map_files import map_file_kind
+    from locus.routing.plan.placement import load_plan
+
+    map_file_kind(args.output)  # a bad extension fails before the plan is read
+    if args.num_hidden_layers is not None and args.fmt != "sglang":
+        raise LocusError("--num-hidden-layers applies to --to sglang only "
+                         "(vLLM and DeepSeek maps hold MoE layers only)")
+    plan = load_plan(args.plan)
+    export_plan(plan, args.fmt, args.output, args.num_hidden_layers)
+    ranks, P = plan.topology.ranks, plan.topology.total_slots
+    print(f"wrote {args.output}: {args.fmt} map, {len(plan.moe_layers)} MoE layers, {P} physical experts "
+          f"({plan.num_experts} experts + {P - plan.num_experts} redundant) on {ranks} ranks")
+    if args.fmt == "sglang":
+        print(f"SGLang: --ep-size {ranks} --ep-num-redundant-experts {P - plan.num_experts} "
+              f"--init-expert-location {args.output}")
+    return 0
+
+
+def import_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="locus plan import",
+        description="Make a placement plan from another engine's expert map (.json or .pt; docs/interop.md). "
+        "Slots per GPU = physical experts / ranks; physical expert p lives on rank p // slots.",
+    )
+    p.add_argument("src", help="map file: SGLang --init-expert-location file, vLLM EPLB state, DeepSeek EPLB triple")
+    p.add_argument("--from", dest="fmt", required=True, choices=MAP_FORMATS)
+    p.add_argument("--topology", required=True, help="NODESxGPUS the map was made for, e.g. 4x8")
+    p.add_argument("--model", required=True, help="model name to record in the plan")
+    p.add_argument("--moe-layers", help="sglang: which rows (model layers) are MoE layers (default: every row); "
+                   "vllm/deepseek: the model layer index of each row (default 0..L-1); '1,3,5' or 'start:stop[:step]'")
+    p.add_argument("--num-experts", type=int, help="expert count, to check the map against (default: from the map's "
+                   "logical-side shapes, or the largest id + 1)")
+    p.add_argument("-o", "--output", required=True, help="plan JSON to write (atomically)")
+    return p
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from locus.routing.plan.interop import import_plan
+    from locus.traces.format import TraceFormatError
+    from locus.traces.importers.common import parse_layers
+
+    parent = Path(args.output).parent
+    if not parent.is_dir():
+        raise LocusError(f"cannot write {args.output}: directory {parent} does not exist")
+    try:
+        layers = parse_layers(args.moe_layers) if args.moe_layers is not None else None
+    except TraceFormatError as exc:
+        raise LocusError(str(exc)) from None
+    result = import_plan(args.src, args.fmt, args.topology, args.model, layers, args.num_experts)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    _write(args.output, result.plan.save)
+    plan = result.plan
+    print(f"wrote {args.output}: {plan.num_experts} experts, MoE layers {list(plan.moe_layers)}, topology "
+          f"{plan.topology}")
     return 0
 
 

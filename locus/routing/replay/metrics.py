@@ -25,11 +25,14 @@ All-to-all time, per step and layer (alpha-beta model, two collectives: dispatch
   where inter_r, intra_r are the deduplicated bytes (both directions) of the tokens whose home is r.
   NVLink and the NICs work concurrently, hence the max of the two rather than the sum; receive-side
   congestion (incast) is not modelled. Totals sum t over steps and layers.
+Per-(sender, receiver) rows of both tiers (PairChunk, for the Chakra traces of replay/chakra.py) are
+computed only for a meter given a `pair_sink`, from the same masks as the send counts above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -78,6 +81,42 @@ class TrafficTotals:
     a2a_seconds: float
 
 
+@dataclass(frozen=True)
+class PairChunk:
+    """Rows each rank sends each rank, per step and layer, for one chunk fed to a TrafficMeter: what a
+    `pair_sink` receives (only when one is given; the figures above never need it).
+
+    Shape legend: M (step, layer, sender, receiver) entries with at least one row, n steps in the chunk.
+        tier1 [M, 5] int64 columns (step, layer, sender, receiver, rows): a token's home rank s sends
+              one row to each remote node holding one of its chosen replicas, to that node's proxy
+              (the rank with s's local index); counted in inter_node_sends
+        tier2 [M, 5] same columns: one row to each distinct destination rank t whose local index
+              differs from s's, sent by the rank of t's node that holds the row (s itself on its own
+              node, the proxy on a remote one); counted in intra_node_sends
+        loads [n, L, R] int64 (token, expert) pairs each rank computes, steps first_step..first_step+n-1
+        tokens [n, R] int64 tokens per home rank over the same steps
+    Steps are the replay's step ids as fed (explicit ids may leave gaps; a step without tokens is no
+    step). Rows are per direction: combine sends the same rows back, receiver to sender.
+    """
+
+    first_step: int
+    tier1: np.ndarray
+    tier2: np.ndarray
+    loads: np.ndarray
+    tokens: np.ndarray
+
+
+PairSink = Callable[[PairChunk], None]
+
+
+def _pair_counts(keys: np.ndarray, first_step: int, L: int, R: int) -> np.ndarray:
+    """Flat keys ((step * L + layer) * R + sender) * R + receiver, one per row -> [M, 5] counts."""
+    keys, rows = np.unique(keys, return_counts=True)
+    receiver, keys = keys % R, keys // R
+    sender, keys = keys % R, keys // R
+    return np.stack([keys // L + first_step, keys % L, sender, receiver, rows], axis=1).astype(np.int64)
+
+
 def _bit_dtype(bits: int) -> type:
     for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
         if bits <= np.dtype(dtype).itemsize * 8:
@@ -89,10 +128,11 @@ class TrafficMeter:
     """Accumulates metrics over chunks fed in replay order; `add` any number of rows at a time."""
 
     def __init__(self, table: DispatchTable, topology: Topology, hidden_size: int, dtype_bytes: int,
-                 batch_tokens: int, links: LinkModel = LinkModel()):
+                 batch_tokens: int, links: LinkModel = LinkModel(), pair_sink: PairSink | None = None):
         if batch_tokens < 1:
             raise LocusError(f"batch_tokens must be at least 1, got {batch_tokens}")
         self.table, self.batch_tokens, self.links = table, int(batch_tokens), links
+        self.pair_sink = pair_sink  # optional: per-(sender, receiver) rows, see PairChunk
         self.bytes_per_send = 2 * int(hidden_size) * int(dtype_bytes)
         R, L, G = topology.ranks, table.num_layers, topology.gpus_per_node
         self.R, self.L, self.G = R, L, G
@@ -160,6 +200,11 @@ class TrafficMeter:
         tokens = np.bincount(step * R + src, minlength=n * R).reshape(n, R)
         self.layer_loads += loads.sum(0)
         self.rank_tokens += tokens.sum(0)
+        if self.pair_sink is not None:
+            tier2_dest = distinct & (ranks < R)  # [T, L, K] each tier-2 destination once
+            # copies: the open-step merge below adds into loads[0] and tokens[0] in place
+            self.pair_sink(self._pair_chunk(first, step, src, remote_nodes, ranks, tier2_dest, loads.copy(),
+                                            tokens.copy()))
 
         if self.open is not None:
             if first == self.open_step:  # the chunk's first step continues the step left open
@@ -172,6 +217,28 @@ class TrafficMeter:
         self._close_steps(loads[:-1], inter_r[:-1], intra_r[:-1], tokens[:-1])
         self.open = (loads[-1].copy(), inter_r[-1].copy(), intra_r[-1].copy(), tokens[-1].copy())
         self.open_step = first + n - 1
+
+    def _pair_chunk(self, first: int, step: np.ndarray, src: np.ndarray, remote_nodes: np.ndarray,
+                    ranks: np.ndarray, tier2_dest: np.ndarray, loads: np.ndarray, tokens: np.ndarray) -> PairChunk:
+        """The chunk's rows per (step, layer, sender, receiver), by the same rules as the send counts.
+
+        step [T] relative to `first`, remote_nodes [T, L] bitmask, ranks [T, L, K] sorted destinations
+        (R = none), tier2_dest [T, L, K] marks each distinct tier-2 destination in `ranks`.
+        """
+        R, L, G = self.R, self.L, self.G
+        step_layer = (step[:, None] * L + np.arange(L)) * R  # [T, L] key prefix of (step, layer)
+        local = src % G
+        # tier 1: one row to each remote node in the token's mask, to that node's proxy
+        tier1 = []
+        for node in range(R // G):
+            hit = (remote_nodes & self.node_bit[node * G]) != 0  # [T, L]
+            tier1.append(((step_layer + src[:, None]) * R + (node * G + local)[:, None])[hit])
+        # tier 2: the sender is the rank of the destination's node with the source's local index
+        dest = ranks.astype(np.int64)  # [T, L, K]
+        sender = (dest // G) * G + local[:, None, None]
+        tier2 = ((step_layer[:, :, None] + sender) * R + dest)[tier2_dest]
+        return PairChunk(first, _pair_counts(np.concatenate(tier1), first, L, R),
+                         _pair_counts(tier2, first, L, R), loads, tokens)
 
     def _close_steps(self, loads, inter, intra, tokens) -> None:
         """Fold finished steps ([n, L, R] sums, tokens [n, R]) into the step statistics."""

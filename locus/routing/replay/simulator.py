@@ -26,7 +26,7 @@ from locus.errors import LocusError
 from locus.routing.replay.assignment import Assignment
 from locus.routing.dispatch_rule import build_dispatch_table
 from locus.routing.plan.placement import PlacementPlan, validate
-from locus.routing.replay.metrics import LinkModel, TrafficMeter
+from locus.routing.replay.metrics import LinkModel, PairSink, TrafficMeter
 from locus.routing.replay.report import ReplayReport
 from locus.routing.plan.topology import Topology
 from locus.traces.counts import count_expert_ids
@@ -111,8 +111,13 @@ def rank_step_order(offsets: np.ndarray, assignment: Assignment, num_ranks: int,
 
 
 def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignment, batch_tokens: int = 4096,
-           links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace") -> ReplayReport:
-    """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's."""
+           links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace",
+           pair_sink: PairSink | None = None) -> ReplayReport:
+    """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's.
+
+    pair_sink, if given, receives every chunk's per-(step, layer, sender, receiver) rows (metrics.PairChunk;
+    replay/chakra.py's PairTraffic collects them for Chakra traces); without one nothing extra is computed.
+    """
     meta = reader.meta
     validate(plan, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
     if plan.topology != topology:
@@ -139,7 +144,7 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         raise LocusError(f"requests {start}:{stop} hold no tokens; nothing to replay")
 
     table = build_dispatch_table(plan_in_trace_order(plan, meta.moe_layers))
-    meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links)
+    meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links, pair_sink)
     rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
     order = None
     if step_order == "ranks":
