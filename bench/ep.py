@@ -25,8 +25,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from serve_lib.common import BenchError
+from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
 
 PROG = "bench/ep.py"
 PLANS = ("round_robin", "eplb", "locality")
@@ -94,24 +94,17 @@ def locus(*args: str, timeout: float = 600) -> str:
     return done.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Path) -> dict:
     nodes, gpus = (int(x) for x in args.topology.lower().split("x"))
     port = free_port()
     cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", args.model, "--ep-ranks", str(nodes * gpus),
            "--gpus-per-node", str(gpus), "--plan", str(plan), "--record-trace", str(trace), "--moe-backend", "torch",
            "--ep-timeout", str(args.ep_timeout), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # one torch thread per rank
     base = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    server = start_server(cmd, threads=1, log_path=str(log))  # one torch thread per rank
     try:
-        wait_ready(base, proc, log)
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            wait_until_ready(client, base, 300.0, server.proc, str(log))
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
 
         def send(item: tuple[str, str]) -> int:
@@ -129,29 +122,13 @@ def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Pa
             out_tokens = sum(pool.map(send, workload(args.requests, offset=0)))
         seconds = time.perf_counter() - start
         stats = httpx.get(f"{base}/ep/stats").json()
-        proc.send_signal(signal.SIGTERM)
-        if proc.wait(120) != 0:
-            raise SystemExit(f"{PROG}: the server exited with {proc.returncode}; see {log}")
+    except BenchError as exc:
+        raise SystemExit(f"{PROG}: {exc}") from None
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(server, grace=120.0)  # SIGTERM: the server drains, merges the trace, exits
+    if server.proc.returncode != 0:
+        raise SystemExit(f"{PROG}: the server exited with {server.proc.returncode}; see {log}")
     return {"stats": stats, "before": before, "out_tokens": out_tokens, "seconds": seconds}
-
-
-def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{PROG}: the server exited with {proc.returncode} before it was ready:\n"
-                             + log.read_text(errors="replace")[-3000:])
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{PROG}: the server was not ready after {timeout:.0f}s; see {log}")
 
 
 def step_split(stats: dict, before: dict) -> dict:

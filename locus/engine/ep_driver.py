@@ -194,6 +194,10 @@ class EPDriver:
         dist.broadcast_object_list([_Commands(stop=True)], src=0, group=self.ctx.groups.control)
         dist.barrier(group=self.ctx.groups.control)
 
+    def rank_tokens(self, rank: int) -> int:
+        """Tokens `rank` ran through the MoE layers (its exchange counts each token once per layer)."""
+        return self.counters[rank].token_layers // max(1, len(self.ctx.layers))
+
     def total_stats(self) -> EngineStats:
         """Counters summed over ranks (a rank not heard from yet counts as empty)."""
         known = [s for s in self.stats if s is not None] or [self.core.stats()]

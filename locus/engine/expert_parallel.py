@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from locus.engine.expert_slices import ExpertMemory
+from locus.engine.expert_slices import ExpertMemory, slices_of
 from locus.engine.model import Llama4ForCausalLM
 from locus.engine.moe import MoEBlock
 from locus.kernels import fused_moe
@@ -134,10 +134,10 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
                          f"the process groups' {groups.nodes}x{groups.gpus_per_node} ({groups.slots_per_gpu} slots)")
     context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups), plan=plan)
     row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
+    slices = slices_of(plan, groups.rank)  # what the loaders kept, if they sliced
     for layer in sorted(row_of):  # forward order, which idle() follows
         decoder = model.model.layers[layer]
-        slot_experts = [int(e) for e in plan.slots[row_of[layer]][groups.rank]]
-        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slot_experts, context)
+        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slices[layer], context)
         context.layers.append(decoder.feed_forward)
 
     def take_positions(module, args, kwargs):  # the dispatch rule's tie-break needs them

@@ -80,23 +80,25 @@ class _ShardReader:
         self._open: dict[Path, object] = {}
 
     def get(self, shard: Path, name: str) -> torch.Tensor:
-        if shard not in self._open:
-            self._open[shard] = safe_open(str(shard), framework="pt")
-        try:
-            return self._open[shard].get_tensor(name)  # type: ignore[attr-defined]
-        except (SafetensorError, OSError) as exc:
-            raise LocusError(f"{shard}: cannot read tensor {name!r} ({exc}); truncated or corrupt?") from None
+        return self._read(shard, name, lambda f: f.get_tensor(name))
 
     def get_rows(self, shard: Path, name: str, rows: list[int], full_shape: tuple[int, ...]) -> torch.Tensor:
         """tensor[rows] of a [E, ...] tensor, reading only those rows from the file."""
-        if shard not in self._open:
-            self._open[shard] = safe_open(str(shard), framework="pt")
-        try:
-            view = self._open[shard].get_slice(name)  # type: ignore[attr-defined]
+        def rows_of(f) -> torch.Tensor:
+            view = f.get_slice(name)
             shape = tuple(view.get_shape())
             if shape != full_shape:
                 raise LocusError(f"{shard}: tensor {name!r} has shape {shape}, config.json implies {full_shape}")
             return torch.cat([view[e:e + 1] for e in rows])
+
+        return self._read(shard, name, rows_of)
+
+    def _read(self, shard: Path, name: str, read):
+        """read(the open shard), with safetensors' failures as one LocusError naming file and tensor."""
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(shard), framework="pt")
+        try:
+            return read(self._open[shard])
         except (SafetensorError, OSError) as exc:
             raise LocusError(f"{shard}: cannot read tensor {name!r} ({exc}); truncated or corrupt?") from None
 

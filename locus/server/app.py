@@ -171,9 +171,8 @@ def ep_stats_of(driver: EPDriver) -> dict:
     """GET /ep/stats: the exchange counters summed over ranks under replay's field names, and each
     rank's counters, step times and expert memory."""
     per_rank = []
-    moe_layers = max(1, len(driver.ctx.layers))
     for rank, (c, times) in enumerate(zip(driver.counters, driver.times)):
-        per_rank.append({"rank": rank, **asdict(c), "tokens": c.token_layers // moe_layers,
+        per_rank.append({"rank": rank, **asdict(c), "tokens": driver.rank_tokens(rank),
                          "inter_node": c.inter_node, "intra_node": c.intra_node,
                          "expert_bytes": driver.expert_bytes[rank], "steps": times.steps, "step_s": times.step_s,
                          "compute_s": times.compute_s, "exchange_s": times.exchange_s, "control_s": times.control_s})

@@ -71,10 +71,9 @@ def ep_metrics(driver, model_name: str):
                                labels=["model_name"])
     meta.add_metric([model_name], sum(c.metadata for c in counters))
     yield meta
-    moe_layers = max(1, len(driver.ctx.layers))
     rank_families = [
         ("locus_ep_rank_tokens", "Tokens this rank ran through the MoE layers (its requests' tokens).",
-         lambda r: counters[r].token_layers // moe_layers),
+         driver.rank_tokens),
         ("locus_ep_rank_expert_pairs", "(token, slot) pairs this rank's experts computed, summed over MoE layers: its expert load.",
          lambda r: counters[r].expert_pairs),
         ("locus_ep_rank_steps", "Iterations in which this rank ran a step.", lambda r: times[r].steps),

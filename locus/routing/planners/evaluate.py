@@ -24,6 +24,7 @@ import numpy as np
 
 from locus.files import write_text_atomic
 from locus.routing.replay.assignment import assign_balanced
+from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.simulation import simulate_grouper
@@ -162,7 +163,7 @@ def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path
         ],
     }
     paths = [out_dir / "results.json", out_dir / "results.md"]
-    write_text_atomic(paths[0], json.dumps(_finite(doc), indent=1) + "\n")
+    write_text_atomic(paths[0], json.dumps(json_safe(doc), indent=1) + "\n")
     write_text_atomic(paths[1], format_markdown(results, settings))
     return paths
 
@@ -170,12 +171,3 @@ def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path
 def _pct(x: float) -> str:
     return f"{100 * x:+.1f} %"
 
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

@@ -99,7 +99,7 @@ class ReplayReport:
 
     def to_dict(self) -> dict:
         """JSON-ready: NaN (a figure with nothing to measure) becomes null."""
-        return _json_safe(asdict(self))
+        return json_safe(asdict(self))
 
     def format_table(self) -> str:
         gib = 2.0**30
@@ -131,11 +131,12 @@ def _ratio(num, den) -> float:
     return float(num) / float(den) if den else math.nan
 
 
-def _json_safe(value):
+def json_safe(value):
+    """value with every non-finite float (inf, nan) as None, through dicts and lists: what JSON can hold."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
