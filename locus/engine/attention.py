@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         batch: ForwardBatch,
-        rope: torch.Tensor,  # [T, D/2] complex rotations
+        rope: torch.Tensor,  # [T, D/2, 2] (cos, sin) rotations
         cache: KVCache | None,
     ) -> torch.Tensor:
         T = x.shape[0]
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         """All sequences in one padded SDPA call. q [T, Hq, D]; keys/values [B, S, Hkv, D] -> [T, Hq, D]."""
         rows = batch.query_rows()  # [B, Q]
         q_pad = q[rows.clamp(min=0)]  # [B, Q, Hq, D]
-        key = ("attention_mask", self.chunk_size, k_pos.shape)
+        key = ("attention_mask", self.chunk_size)  # a batch reads the same key positions for a given chunk size
         if key not in batch.memo:  # the same for every layer of this kind
             mask = visible(batch.query_positions(), k_pos, self.chunk_size)  # [B, Q, S]
             # Padding queries see nothing; give them one key so softmax stays finite (their rows are dropped).
@@ -109,4 +109,4 @@ class Attention(nn.Module):
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, Hq, Q, D]
-        return o.transpose(1, 2)[rows >= 0].to(dtype)  # rows are in flat order: sequences are contiguous
+        return batch.unpad(o.transpose(1, 2)).to(dtype)  # [T, Hq, D]

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from locus.engine.block_manager import BlockManager
+from locus.engine.decode_graph import DecodeGraphs, default_buckets
 from locus.engine.detokenizer import IncrementalDetokenizer
 from locus.engine.expert_load import ExpertLoadCounter
 from locus.engine.grouping import GroupingPolicy
@@ -66,6 +67,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_micro_batches: int = 1
     count_expert_load: bool = True  # per-layer expert token counters (for /metrics); costs a bincount per layer
+    # Compiled decode steps (decode_graph.py): pure decode batches run a torch.compile'd forward padded
+    # to the smallest bucket that holds them; None = 1, 2, 4, ... up to max_num_seqs.
+    compile_decode: bool = False
+    compile_buckets: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -110,7 +115,15 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                                 config.num_micro_batches), grouping)
-        self.runner = ModelRunner(model, self.cache)
+        self.graphs: DecodeGraphs | None = None
+        self.compile_seconds = 0.0
+        if config.compile_decode:
+            buckets = [b for b in config.compile_buckets or default_buckets(config.max_num_seqs) if b <= config.max_num_seqs]
+            if not buckets:
+                raise LocusError(f"no compile bucket ({config.compile_buckets}) is at most max_num_seqs ({config.max_num_seqs})")
+            self.graphs = DecodeGraphs(model, self.cache, buckets)
+            self.compile_seconds = self.graphs.warm_up()
+        self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)  # structured outputs, compiled on first use
         self.requests: dict[str, Request] = {}

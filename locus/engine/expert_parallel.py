@@ -16,7 +16,9 @@ Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots p
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,18 +100,28 @@ class ExpertParallelMoE(nn.Module):
             self.down_proj = nn.Parameter(experts.down_proj.detach()[index].clone(), requires_grad=False)
         self.layer_index = layer_index  # row of the dispatch table
         self.context = context
+        self.handle = next(_handles)  # how the compiled graph's opaque op finds this layer
+        _LAYERS[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
-        ctx = self.context
         topk = route_llama4(self.router(x), self.top_k)
-        positions = ctx.positions
+        positions = self.context.positions
         if positions is None or positions.shape[0] != x.shape[0]:
             raise RuntimeError("EPContext.positions must hold the batch's token positions before the forward")
-        ids = topk.ids.cpu().numpy().astype(np.int32)[:, None, :]  # [T, 1, K]
-        keys = table_keys(ctx.table, ids, np.full(x.shape[0], ctx.groups.rank), [self.layer_index])
-        slots = torch.from_numpy(destination_slots(ctx.table, keys, positions.cpu().numpy())[:, 0, :].astype(np.int64))
-        routed = ctx.exchange.run(x, slots.to(x.device), topk.weights.to(x.dtype), self._compute)
+        if torch.compiler.is_compiling():  # the exchange is host work and collectives: one opaque op
+            routed = ep_routed_experts(x, topk.ids, topk.weights, positions, self.handle)
+        else:
+            routed = self.route_and_exchange(x, topk.ids, topk.weights, positions)
         return self.shared_expert(x) + routed, topk
+
+    def route_and_exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+        """The dispatch rule, then dispatch -> local experts -> combine: the routed output [T, H]."""
+        ctx = self.context
+        keys = table_keys(ctx.table, ids.cpu().numpy().astype(np.int32)[:, None, :],  # [T, 1, K]
+                          np.full(x.shape[0], ctx.groups.rank), [self.layer_index])
+        slots = torch.from_numpy(destination_slots(ctx.table, keys, positions.cpu().numpy())[:, 0, :].astype(np.int64))
+        return ctx.exchange.run(x, slots.to(x.device), weights.to(x.dtype), self._compute)
 
     def exchange_nothing(self) -> None:
         H = self.router.in_features
@@ -121,6 +133,32 @@ class ExpertParallelMoE(nn.Module):
     def _compute(self, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights, weight_on_input=True,
                          backend=self.moe_backend)
+
+
+# Layers by handle, for the custom op below (an op's arguments are tensors and scalars, not modules).
+# Held weakly: a model that is dropped takes its layers with it.
+_LAYERS: weakref.WeakValueDictionary[int, ExpertParallelMoE] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("locus::ep_routed_experts", mutates_args=())
+def ep_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                      handle: int) -> torch.Tensor:
+    """The routed output of layer `handle` inside a compiled decode graph (decode_graph.py). Rows at
+    position -1 are the graph's padding: they are not sent anywhere (so the exchange's bytes stay
+    those of the real tokens) and their routed output is zero."""
+    layer = _LAYERS[handle]
+    real = positions >= 0
+    if bool(real.all()):
+        return layer.route_and_exchange(x, ids, weights, positions)
+    out = torch.zeros_like(x)
+    out[real] = layer.route_and_exchange(x[real], ids[real], weights[real], positions[real])
+    return out
+
+
+@ep_routed_experts.register_fake
+def _(x, ids, weights, positions, handle) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups: Groups) -> EPContext:

@@ -77,6 +77,10 @@ class ForwardBatch:
             self.memo["query_rows"] = rows.to(self.device)
         return self.memo["query_rows"]
 
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] per-query values -> [T, ...] in flat row order (sequences are contiguous)."""
+        return padded[self.query_rows() >= 0]
+
     def query_positions(self) -> torch.Tensor:
         """[B, Q] absolute positions of the padded queries (-1 = padding)."""
         if "query_positions" not in self.memo:

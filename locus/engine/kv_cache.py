@@ -99,11 +99,16 @@ class ContiguousKVCache(FlatKVCache):
 
 
 class PagedKVCache(FlatKVCache):
-    """A pool of `num_blocks` blocks of `block_size` positions; `bind` gives each slot its block table."""
+    """A pool of `num_blocks` blocks of `block_size` positions; `bind` gives each slot its block table.
+
+    One more block, `scratch_block`, is never handed out: the compiled decode step (decode_graph.py)
+    pads its batch to a fixed size, and the padding rows write their keys/values there.
+    """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        super().__init__(config, num_blocks * block_size, dtype, device)
+        super().__init__(config, (num_blocks + 1) * block_size, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
         self.block_tables: dict[int, list[int]] = {}
 
     @staticmethod

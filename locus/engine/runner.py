@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from locus.engine.decode_graph import DecodeGraphs
 from locus.engine.forward_batch import ForwardBatch, SequenceSpan
 from locus.engine.grouping import ScheduledSeq
 from locus.engine.kv_cache import PagedKVCache
@@ -37,11 +38,20 @@ class RunResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama4ForCausalLM, cache: PagedKVCache):
+    def __init__(self, model: Llama4ForCausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
         self.model, self.cache = model, cache
+        self.graphs = graphs  # compiled decode steps (decode_graph.py); None = always eager
+
+    def can_run_compiled(self, items: list[ScheduledSeq]) -> bool:
+        """A pure decode micro-batch that fits a bucket and scores no prompt positions."""
+        return (self.graphs is not None and len(items) <= self.graphs.max_batch
+                and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens
+                        and item.seq.request.prompt_positions_scored is None for item in items))
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], record_routing: bool = False) -> RunResult:
+        if self.can_run_compiled(items):
+            return self._run_compiled(items, record_routing)
         spans, tokens, sample_rows, sampled = [], [], [], []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first row, count)
         row = 0
@@ -68,3 +78,17 @@ class ModelRunner:
         prompt_logits = [PromptLogits(seq, first, self.model.compute_logits(out.hidden[r0:r0 + count]))
                          for seq, first, r0, count in prompt_rows]
         return RunResult(sampled, logits, out.routing, batch, prompt_logits)
+
+    def _run_compiled(self, items: list[ScheduledSeq], record_routing: bool) -> RunResult:
+        seqs = [item.seq for item in items]
+        tokens = [seq.token_slice(seq.num_computed, seq.num_tokens) for seq in seqs]
+        spans = [SequenceSpan(seq.seq_id, seq.num_computed, 1) for seq in seqs]
+        out = self.graphs.run([t[0] for t in tokens], [seq.num_computed for seq in seqs],
+                              [seq.block_table for seq in seqs])
+        routing = None
+        if record_routing:
+            routing = {layer: TopK(out.expert_ids[:, i], out.expert_weights[:, i])
+                       for i, layer in enumerate(self.graphs.moe_layers)}
+        # The batch is what the routing subscribers read (row ranges); it is not run.
+        batch = ForwardBatch(torch.tensor([t[0] for t in tokens]), torch.tensor([s.start for s in spans]), spans)
+        return RunResult(seqs, out.logits, routing, batch, [])

@@ -28,7 +28,19 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Routed-expert output [T, H] for x [T, H]; see moe_reference for the math and shapes."""
+    """Routed-expert output [T, H] for x [T, H]; see moe_reference for the math and shapes.
+
+    Under torch.compile this is one opaque custom op (`locus::fused_moe`, moe_op.py): the rows per
+    expert are data-dependent, so the compiled graph calls the kernels instead of tracing them."""
+    if torch.compiler.is_compiling():
+        from locus.kernels.moe_op import fused_moe_op
+
+        return fused_moe_op(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
+    return run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
+
+
+def run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend) -> torch.Tensor:
+    """`fused_moe` run eagerly (what the custom op's implementation calls)."""
     backend = resolve_backend(backend, x.device)
     if backend == "torch":
         return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)

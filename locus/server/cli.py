@@ -43,9 +43,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="ranks per (virtual) node for --ep-ranks (default: all on one node)")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds any expert-parallel collective may take")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="run decode steps as torch.compile'd graphs, one per batch-size bucket, compiled at start-up "
+                        "(inductor's on-disk cache makes the next start fast); prefill stays eager. See docs/engine.md")
+    p.add_argument("--compile-buckets", default=None, metavar="B1,B2,...", type=bucket_list,
+                   help="decode batch sizes to compile (default: 1, 2, 4, ... up to --max-num-seqs); a batch pads "
+                        "to the smallest bucket that holds it, larger batches run eagerly")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
+
+
+def bucket_list(text: str) -> tuple[int, ...]:
+    from locus.engine.decode_graph import parse_buckets
+
+    try:
+        return tuple(parse_buckets(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cut_at_deadline(engine, graceful_timeout: float) -> None:
@@ -67,7 +82,9 @@ def engine_config_of(args: argparse.Namespace):
     return EngineConfig(
         block_size=args.block_size, kv_cache_memory=parse_memory(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        compile_decode=args.compile,
+        compile_buckets=args.compile_buckets)
 
 
 def run_rank(args: argparse.Namespace, setup) -> int:

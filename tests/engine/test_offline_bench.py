@@ -27,7 +27,16 @@ def test_offline_bench_against_transformers(tmp_path):
         assert 0 < row["prefill_seconds"] and row["prefill_seconds"] + row["decode_seconds"] == pytest.approx(row["seconds"])
 
 
-def test_profile_decode_prints_the_step_and_its_ops():
+def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path):
+    out = tmp_path / "decode.json"
     stdout = run("profile_decode.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "4", "--steps", "2",
-                 "--rows", "5")
-    assert "decode step median" in stdout and "aten::" in stdout
+                 "--profile", "--out", str(out))
+    assert "| **floor** |" in stdout and "| compiled step |" in stdout and "aten::" in stdout
+    result = json.loads(out.read_text())
+    parts = result["floor_parts_ms"]
+    assert set(parts) == {"lm_head_ms", "experts_ms", "dense_ms"} and all(v > 0 for v in parts.values())
+    assert result["floor_ms"] == pytest.approx(sum(parts.values()))
+    assert result["lm_head_forms_ms"] and parts["lm_head_ms"] == min(result["lm_head_forms_ms"].values())
+    for kind in ("eager", "compiled"):
+        assert result["step_over_floor"][kind] == pytest.approx(result["step_ms"][kind] / result["floor_ms"])
+    assert result["touched_expert_bytes"] > 0 and result["compile_s"] > 0

@@ -1,0 +1,33 @@
+"""`locus::fused_moe`: the fused-MoE call as a torch custom op, for compiled graphs.
+
+torch.compile cannot trace the expert computation into a static graph: how many rows each expert
+gets is known only at run time (the torch path sorts and counts them on the host, the Triton path
+sizes its grid from them). As a custom op the call is one opaque node: the graph around it (norms,
+attention, router, shared expert) compiles, and the op runs the same eager code as `fused_moe`.
+The fake implementation tells the compiler only the output's shape and dtype: x's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("locus::fused_moe", mutates_args=())
+def fused_moe_op(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weight_on_input: bool,
+    expert_map: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    from locus.kernels import run_fused_moe
+
+    return run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
+
+
+@fused_moe_op.register_fake
+def _(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend) -> torch.Tensor:
+    return torch.empty_like(x)
