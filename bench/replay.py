@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from locus.routing.dispatch_rule import DEFAULT_RULE, RULES
 from locus.routing.replay.assignment import assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
 from locus.routing.replay.simulator import count_expert_loads, replay
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random", action="store_true", help="random ids instead of the synth preset")
+    ap.add_argument("--dispatch", choices=RULES, default=DEFAULT_RULE,
+                    help=f"dispatch rule the plans run under (default {DEFAULT_RULE}; docs/replay.md)")
     ap.add_argument("--out", default="results/replay_bench.json")
     args = ap.parse_args()
 
@@ -94,6 +97,8 @@ def main() -> None:
             plans[name].provenance["plan_seconds"] = time.perf_counter() - t0
 
         rows = []
+        for plan in plans.values():
+            plan.dispatch = args.dispatch
         runs = [(name, plan, "trace") for name, plan in plans.items()] + [("eplb", plans["eplb"], "ranks")]
         for name, plan, order in runs:
             seconds, report = time_replay(reader, plan, assignment, args.batch_tokens, args.repeats, order)
@@ -101,6 +106,7 @@ def main() -> None:
             rows.append({
                 "plan": name,
                 "step_order": order,
+                "dispatch": args.dispatch,
                 "seconds": seconds,
                 "routings": routings,
                 "routings_per_s": routings / seconds,

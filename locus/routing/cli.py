@@ -46,6 +46,9 @@ def register(subparsers) -> None:
     p.add_argument("--inter-gbps", type=float, default=50.0, help="inter-node GB/s per GPU (default 50)")
     p.add_argument("--intra-gbps", type=float, default=450.0, help="intra-node GB/s per GPU (default 450)")
     p.add_argument("--latency-us", type=float, default=5.0, help="all-to-all latency in microseconds (default 5)")
+    p.add_argument("--dispatch", choices=("position", "node-aware"),
+                   help="dispatch rule to route by (default: the plan's `dispatch` field, else node-aware; "
+                   "docs/replay.md)")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     p.add_argument("--chakra", metavar="OUT_PREFIX",
                    help="also write Chakra execution traces for ASTRA-sim, one per rank: OUT_PREFIX.<rank>.et "
@@ -93,6 +96,8 @@ def run_replay(args: argparse.Namespace) -> int:
             shape = f"{plan.topology.nodes}x{plan.topology.gpus_per_node}"
             if args.topology.strip().lower() != shape:
                 raise LocusError(f"--topology {args.topology} contradicts the plan's {shape}")
+    if args.dispatch:
+        plan.dispatch = args.dispatch
     if args.save_plan:
         _write(args.save_plan, plan.save)
 

@@ -1,14 +1,19 @@
 """The dispatch rule: which rank serves a token's (layer, expert) pair. One rule for serving and replay,
-so simulated and measured traffic agree exactly.
+so simulated and measured traffic agree exactly. Two variants (docs/replay.md), named by the plan's
+`dispatch` field or by the caller:
 
 A token on rank s routed to expert e goes to
   1. the replica of e on rank s, if s holds e;
   2. else a replica on s's node;
   3. else a replica on another node.
-Within the first non-empty tier it takes the replica at index `position % count`, replicas sorted by
-rank (a rank holding e in two slots contributes two consecutive entries), `position` being the token's
-0-based position in its request. The tie-break spreads a request's tokens over replicas
-deterministically, with no shared state between ranks.
+`position` (DESIGN.md's rule): within the first non-empty tier it takes the replica at index
+`position % count`, replicas sorted by rank (a rank holding e in two slots contributes two consecutive
+entries), `position` being the token's 0-based position in its request. The tie-break spreads a
+request's tokens over replicas deterministically, with no shared state between ranks.
+`node-aware`: tiers 1 and 2 as above; in tier 3, the remote nodes are chosen for the token's K experts
+together so that it reaches as few remote nodes as it can (node_cover.py); an expert then takes the
+replica at `position % count` of its replicas on the nodes chosen for it. Where no node is saved (an
+expert held by one remote node only, a lone remote expert, top-1) it routes exactly as `position`.
 
 Lookup tables (built once per plan), shape legend: L MoE layers, R ranks, E experts, P = R * slots.
 Column 0 of every [L, R, E + 1] table stands for "no expert" (trace id -1), so a trace id e reads
@@ -20,6 +25,9 @@ column e + 1 and no masking is needed on the hot path.
     fixed         [L, R, E + 1]  int16  destination when the chosen tier has one replica; -1 when it has
                                         several; R (a rank that does not exist) for "no expert"
     start, count  [L, R, E + 1]  int32  the chosen tier's replicas: replica_ranks[start : start + count]
+    remote_mask   [L, R, E + 1]  uint    node-aware: the nodes holding e when s's node holds none, else 0
+    flexible      [L, R, E + 1]  bool    node-aware: remote tier with replicas on two or more nodes
+    node_start, node_count [L, N, E + 1] int32  the replicas of e on node n: one run of replica_ranks
 Each tier is one contiguous run of the rank-sorted replica list: rank s's own slots, or its node's
 (ranks are node-major, so a node is a contiguous rank range), or, when the node holds none, the
 whole list. So index i = position % count of the tier is entry start + i.
@@ -31,7 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from locus.routing.plan.placement import PlacementPlan, validate
+from locus.errors import LocusError
+from locus.routing.node_cover import cover_nodes, popcount, replica_in
+from locus.routing.plan.placement import DISPATCH_RULES, PlacementPlan, validate
+
+RULES = DISPATCH_RULES
+DEFAULT_RULE = "node-aware"  # measured: docs/replay.md, "The dispatch rule"
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,11 @@ class DispatchTable:
     start: np.ndarray
     count: np.ndarray
     has_choices: bool  # False when no tier anywhere holds two replicas: `fixed` alone answers
+    rule: str = "position"
+    remote_mask: np.ndarray | None = None  # node-aware tables (None under `position`)
+    flexible: np.ndarray | None = None
+    node_start: np.ndarray | None = None
+    node_count: np.ndarray | None = None
 
     @property
     def num_layers(self) -> int:
@@ -56,7 +74,17 @@ class DispatchTable:
         return self.num_ranks
 
 
-def build_dispatch_table(plan: PlacementPlan) -> DispatchTable:
+def resolve_rule(plan: PlacementPlan, rule: str | None = None) -> str:
+    """The rule to route `plan` by: the caller's, else the plan's `dispatch` field, else DEFAULT_RULE."""
+    rule = rule or plan.dispatch or DEFAULT_RULE
+    if rule not in RULES:
+        raise LocusError(f"unknown dispatch rule {rule!r}; choose one of {', '.join(RULES)}")
+    return rule
+
+
+def build_dispatch_table(plan: PlacementPlan, rule: str | None = None) -> DispatchTable:
+    """Lookup tables for `plan` under `rule` (default: the plan's own, see resolve_rule)."""
+    rule = resolve_rule(plan, rule)
     validate(plan)  # the tables assume every expert has a slot in every layer
     slots = np.asarray(plan.slots, dtype=np.int64)  # [L, R, S]
     L, R, S = slots.shape
@@ -96,6 +124,26 @@ def build_dispatch_table(plan: PlacementPlan) -> DispatchTable:
         out[:, :, 1:] = table
         return out
 
+    extra = {}
+    if rule == "node-aware":
+        N = R // G
+        if N > 64:
+            raise LocusError(f"the node-aware rule keeps node sets in 64-bit masks; {N} nodes are too many")
+        node_lo = np.arange(N) * G
+        n_start = expert_start[:, None, :] + below[:, node_lo]  # [L, N, E]
+        n_count = below[:, node_lo + G] - below[:, node_lo]
+        bit = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if N <= 8 * np.dtype(t).itemsize)
+        holds = (n_count > 0).astype(bit) << np.arange(N, dtype=bit)[None, :, None]
+        nodes_of = np.bitwise_or.reduce(holds, axis=1)  # [L, E] nodes holding e
+        remote = ~(local | near)  # [L, R, E]
+        mask = np.where(remote, nodes_of[:, None, :], bit(0))
+        flexible = remote & (popcount(nodes_of) >= 2)[:, None, :]
+        extra = dict(remote_mask=with_none_column(mask, 0, bit),
+                     flexible=with_none_column(flexible, False, bool),
+                     node_start=np.concatenate([np.zeros((L, N, 1), np.int32), n_start.astype(np.int32)], axis=2),
+                     node_count=np.concatenate([np.ones((L, N, 1), np.int32), n_count.astype(np.int32)], axis=2))
+        if not flexible.any():
+            extra = {}  # no expert is held on two remote nodes: both rules route alike, no tables needed
     return DispatchTable(
         num_ranks=R,
         num_experts=E,
@@ -106,6 +154,8 @@ def build_dispatch_table(plan: PlacementPlan) -> DispatchTable:
         start=with_none_column(start, 0, np.int32),
         count=with_none_column(count, 1, np.int32),
         has_choices=bool((count > 1).any()),
+        rule=rule,
+        **extra,
     )
 
 
@@ -125,17 +175,14 @@ def table_keys(table: DispatchTable, expert_ids: np.ndarray, src_rank: np.ndarra
 def destinations(table: DispatchTable, keys: np.ndarray, position: np.ndarray) -> np.ndarray:
     """Destination rank of every key from `table_keys`, same shape, int16; `table.none_rank` for no expert.
 
-    position [T]: each token's position in its request (keys' first axis is the token).
+    keys [T, L', K]; position [T]: each token's position in its request.
     """
     dest = table.fixed.ravel()[keys]
     if not table.has_choices:
         return dest
     pick = np.flatnonzero(dest < 0)
     if len(pick):
-        per_token = keys[0].size if keys.ndim > 1 else 1
-        k = keys.ravel()[pick]
-        i = np.asarray(position, dtype=np.int64)[pick // per_token] % table.count.ravel()[k]
-        dest.ravel()[pick] = table.replica_ranks[table.start.ravel()[k] + i]
+        dest.ravel()[pick] = table.replica_ranks[_entries(table, keys, position, pick)]
     return dest
 
 
@@ -144,12 +191,42 @@ def destination_slots(table: DispatchTable, keys: np.ndarray, position: np.ndarr
     (its rank is slot // slots_per_gpu), int32 of keys' shape, -1 for no expert. The expert-parallel
     runtime's entry to the rule: a rank may hold an expert in two slots, and the tie-break picks one.
 
-    position [T]: each token's position in its request (keys' first axis is the token).
+    keys [T, L', K]; position [T]: each token's position in its request.
     """
-    count = table.count.ravel()[keys]
-    i = np.asarray(position, dtype=np.int64).reshape(-1, *([1] * (keys.ndim - 1))) % count
-    slot = table.replica_slots[table.start.ravel()[keys] + i]
+    every = np.arange(keys.size)
+    slot = table.replica_slots[_entries(table, keys, position, every)].reshape(keys.shape)
     return np.where(keys % (table.num_experts + 1) == 0, -1, slot).astype(np.int32)
+
+
+def _entries(table: DispatchTable, keys: np.ndarray, position: np.ndarray, pick: np.ndarray) -> np.ndarray:
+    """Index into replica_ranks / replica_slots of the flat keys `pick` (sorted), [len(pick)] int64."""
+    T = keys.shape[0]
+    per_token = keys.size // T if T else 1
+    k = keys.ravel()[pick]
+    pos = np.asarray(position, dtype=np.int64)[pick // per_token]
+    entry = table.start.ravel()[k] + pos % table.count.ravel()[k]
+    if table.flexible is None:  # `position`, or nothing to choose
+        return entry
+    flex = np.flatnonzero(table.flexible.ravel()[k])
+    if len(flex) == 0:
+        return entry
+    # Whole token-layer rows: the node choice looks at all K experts of a token together.
+    K = keys.shape[-1]
+    row_of = pick[flex] // K  # sorted, as pick is
+    new = np.ones(len(row_of), dtype=bool)
+    new[1:] = row_of[1:] != row_of[:-1]
+    rows = row_of[new]  # [M] distinct rows of keys viewed as [T * L', K]
+    row_keys = keys.reshape(-1, K)[rows]  # [M, K]
+    row_pos = np.asarray(position, dtype=np.int64)[rows * K // per_token]
+    N = table.num_ranks // table.gpus_per_node
+    reach = cover_nodes(table.remote_mask.ravel()[row_keys], row_pos, N)
+    reach = reach[np.cumsum(new) - 1, pick[flex] % K]  # [F] nodes each flexible pair may use
+    E1, R = table.num_experts + 1, table.num_ranks
+    fk = k[flex]
+    node_key = ((fk // (R * E1)) * N)[:, None] * E1 + np.arange(N)[None, :] * E1 + (fk % E1)[:, None]  # [F, N]
+    node, i = replica_in(reach, table.node_count.ravel()[node_key], pos[flex])
+    entry[flex] = table.node_start.ravel()[node_key[np.arange(len(fk)), node]] + i
+    return entry
 
 
 def route(table: DispatchTable, expert_ids, src_rank, position, layers=None) -> np.ndarray:

@@ -36,6 +36,10 @@ def plan_for(case: str, moe_layers, preset: str = "tiny") -> PlacementPlan:
         return round_robin(E, moe_layers, Topology(1, 2, E // 2), model=preset)
     if case == "2x2-replicas":  # 1.5 slots per expert: half the experts twice, on both nodes
         return round_robin(E, moe_layers, Topology(2, 2, 3 * E // 8), model=preset)
+    if case == "3x1-node-aware":  # experts 0, 1 on nodes 0 and 2, 2, 3 on nodes 0 and 1: the node-aware
+        # rule (the default) picks, for a token on node 1 or 2, the remote node it needs anyway
+        slots = np.array([[[0, 1, 2, 3], [4, 5, 2, 3], [6, 7, 0, 1]]] * len(moe_layers))
+        return PlacementPlan("tiny", 8, tuple(moe_layers), Topology(3, 1, 4), slots, dispatch="node-aware")
     # 2x2 where rank 1 holds expert 5 in two slots and rank 3 a third copy
     slots = np.array([[[0, 1, 2], [5, 5, 3], [4, 6, 7], [0, 5, 1]]] * len(moe_layers))
     return PlacementPlan("tiny", 8, tuple(moe_layers), Topology(2, 2, 3), slots)
@@ -101,7 +105,7 @@ def expected_bytes(plan: PlacementPlan, results: list[dict]) -> tuple[int, int]:
     return 2 * inter * H_BYTES, 2 * intra * H_BYTES
 
 
-@pytest.mark.parametrize("case", ["1x2", "2x2-replicas", "2x2-double-slot"])
+@pytest.mark.parametrize("case", ["1x2", "2x2-replicas", "2x2-double-slot", "3x1-node-aware"])
 def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions(case, tmp_path):
     moe_layers = build_preset("tiny", seed=0).config.moe_layers
     plan = plan_for(case, moe_layers)
@@ -120,7 +124,9 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
     measured_inter = sum(r["bytes"].inter_node for r in results)
     measured_intra = sum(r["bytes"].intra_node for r in results)
     assert (measured_inter, measured_intra) == (inter, intra)
-    assert intra > 0 and (inter > 0) == (plan.topology.nodes > 1)
+    assert (intra > 0) == (plan.topology.gpus_per_node > 1) and (inter > 0) == (plan.topology.nodes > 1)
+    if plan.dispatch == "node-aware":  # the case exercises the choice: DESIGN.md's rule sends more
+        assert inter < expected_bytes(dataclasses.replace(plan, dispatch="position"), results)[0]
 
 
 def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out: str) -> None:

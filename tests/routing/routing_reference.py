@@ -24,6 +24,38 @@ def reference_destination(layer_slots, gpus_per_node: int, src: int, expert: int
     raise AssertionError(f"expert {expert} has no replica")
 
 
+def reference_node_aware(layer_slots, gpus_per_node: int, src: int, experts, position: int) -> list[int]:
+    """The node-aware rule for one token's experts (one layer), straight from docs/replay.md's wording:
+    own rank, else own node as under `position`; remote experts: forced nodes, then greedy cover while
+    a node serves two uncovered experts; the rest by `position` over all their replicas."""
+    G = gpus_per_node
+    node = src // G
+    out, remote = [], {}
+    for k, e in enumerate(experts):
+        replicas = sorted(r for r, held in enumerate(layer_slots) for x in held if x == e)
+        if e < 0:
+            out.append(-1)
+        elif src in replicas or any(r // G == node for r in replicas):
+            out.append(reference_destination(layer_slots, G, src, e, position))
+        else:
+            out.append(None)
+            remote[k] = sorted({r // G for r in replicas})
+    chosen = {ns[0] for ns in remote.values() if len(ns) == 1}
+    while True:
+        uncovered = [k for k, ns in remote.items() if len(ns) > 1 and not chosen & set(ns)]
+        count = {n: sum(n in remote[k] for k in uncovered) for n in range(len(layer_slots) // G)}
+        best = max(count.values())
+        if best < 2:  # no node would serve two uncovered experts: they route as under `position`
+            break
+        ties = [n for n in sorted(count) if count[n] == best]
+        chosen.add(ties[position % len(ties)])
+    for k, ns in remote.items():
+        reach = [n for n in ns if n in chosen] or ns
+        replicas = sorted(r for r, held in enumerate(layer_slots) for x in held if x == experts[k] and r // G in reach)
+        out[k] = replicas[position % len(replicas)]
+    return out
+
+
 def reference_steps(requests, ranks, num_ranks, batch_tokens, order):
     """The replay's steps, each a list of (src rank, position, row)."""
     rows = [(ranks[i], pos, row) for i, req in enumerate(requests) for pos, row in enumerate(req)]
@@ -38,8 +70,9 @@ def reference_steps(requests, ranks, num_ranks, batch_tokens, order):
 
 
 def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes, batch_tokens,
-                     inter_gbps, intra_gbps, latency_us, order="trace") -> dict:
-    """slots [L][R][S]; requests = list of per-request rows [n][L][K]; ranks[i] = request i's rank."""
+                     inter_gbps, intra_gbps, latency_us, order="trace", rule="position") -> dict:
+    """slots [L][R][S]; requests = list of per-request rows [n][L][K]; ranks[i] = request i's rank;
+    rule: the dispatch rule, "position" or "node-aware"."""
     L, R = len(slots), len(slots[0])
     G = gpus_per_node
     unit = 2 * hidden * dtype_bytes
@@ -58,10 +91,13 @@ def reference_replay(slots, gpus_per_node, requests, ranks, hidden, dtype_bytes,
             step_tokens[src] += 1
             for l in range(L):
                 nodes, peers, tier2_pairs = set(), set(), 0
-                for e in row[l]:
+                if rule == "node-aware":
+                    chosen = reference_node_aware(slots[l], G, src, row[l], pos)
+                else:
+                    chosen = [reference_destination(slots[l], G, src, e, pos) if e >= 0 else -1 for e in row[l]]
+                for e, d in zip(row[l], chosen):
                     if e < 0:
                         continue
-                    d = reference_destination(slots[l], G, src, e, pos)
                     out["pairs"] += 1
                     loads[l][d] += 1
                     step_loads[l][d] += 1

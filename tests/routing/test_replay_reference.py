@@ -52,7 +52,8 @@ def random_plan(rng, E, L, topology):
     [(Topology(2, 3, 3), 11, 3, 3, 16, 0), (Topology(3, 2, 2), 9, 2, 2, 7, 1), (Topology(1, 4, 3), 10, 4, 2, 64, 2),
      (Topology(4, 1, 4), 13, 3, 1, 5, 3)],
 )
-def test_random_replays_match_the_reference(tmp_path, monkeypatch, topology, E, K, L, batch_tokens, seed):
+@pytest.mark.parametrize("rule", ["position", "node-aware"])
+def test_random_replays_match_the_reference(tmp_path, monkeypatch, topology, E, K, L, batch_tokens, seed, rule):
     rng = np.random.default_rng(seed)
     reader, requests = random_trace(tmp_path / "trace", rng, E, K, L, num_requests=12)
     start, stop = 3, 12
@@ -63,9 +64,10 @@ def test_random_replays_match_the_reference(tmp_path, monkeypatch, topology, E, 
     plans = (random_plan(rng, E, L, topology), round_robin(E, reader.meta.moe_layers, topology),
              eplb(loads, reader.meta.moe_layers, topology))
     for plan, order in zip(plans + plans[:1], ("trace", "trace", "trace", "ranks")):
+        plan.dispatch = rule
         report = replay(reader, plan, topology, Assignment("rand", start, ranks), batch_tokens=batch_tokens,
                         links=links, step_order=order).to_dict()
         want = reference_replay(plan.slots.tolist(), topology.gpus_per_node, requests[start:stop], ranks.tolist(),
-                                8, 2, batch_tokens, 40.0, 300.0, 3.0, order=order)
+                                8, 2, batch_tokens, 40.0, 300.0, 3.0, order=order, rule=rule)
         for name in FIELDS:
             assert report[name] == pytest.approx(want[name], rel=1e-9), (plan.planner, order, name)

@@ -7,6 +7,9 @@ An expert held by several slots has replicas; every expert has at least one slot
 A rank may hold the same expert in two slots (EPLB can do that with a very hot expert); each slot
 counts as a replica for the dispatch rule's `position % count`.
 
+Optional `dispatch`: the dispatch rule the plan is meant to run under (`position` or `node-aware`,
+docs/replay.md); absent means the default rule (dispatch_rule.DEFAULT_RULE).
+
 The JSON layout is DESIGN.md's; `load_plan` and `validate` reject anything else with a message that
 names the layer, rank, slot or expert at fault.
 """
@@ -25,6 +28,7 @@ from locus.routing.plan.topology import Topology
 
 FORMAT = "locus-placement"
 VERSION = 1
+DISPATCH_RULES = ("position", "node-aware")  # dispatch_rule.RULES (that module imports this one)
 _REQUIRED = ("format", "version", "model", "num_experts", "moe_layers", "topology", "layers")
 
 
@@ -41,6 +45,7 @@ class PlacementPlan:
     slots: np.ndarray  # [L, R, S] expert ids
     grouping: dict | None = None
     provenance: dict = field(default_factory=dict)
+    dispatch: str | None = None  # dispatch rule; None: dispatch_rule.DEFAULT_RULE
 
     @property
     def planner(self) -> str:
@@ -58,6 +63,8 @@ class PlacementPlan:
                 {"layer": int(layer), "slots": self.slots[i].tolist()} for i, layer in enumerate(self.moe_layers)
             ],
         }
+        if self.dispatch is not None:
+            data["dispatch"] = self.dispatch
         if self.grouping is not None:
             data["grouping"] = self.grouping
         data["provenance"] = dict(self.provenance)
@@ -119,6 +126,9 @@ def plan_from_dict(data: object) -> PlacementPlan:
     for key in ("grouping", "provenance"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise PlanError(f"{key} must be an object")
+    dispatch = data.get("dispatch")
+    if dispatch is not None and dispatch not in DISPATCH_RULES:
+        raise PlanError(f"dispatch is {dispatch!r}; expected one of {', '.join(DISPATCH_RULES)}")
     slots = _parse_layers(data["layers"], moe_layers, topology)
     plan = PlacementPlan(
         model=data["model"],
@@ -128,6 +138,7 @@ def plan_from_dict(data: object) -> PlacementPlan:
         slots=slots,
         grouping=data.get("grouping"),
         provenance=dict(data.get("provenance") or {}),
+        dispatch=dispatch,
     )
     validate(plan)
     return plan

@@ -49,10 +49,12 @@ class ReplayReport:
     migrations: int = 0  # requests the grouper moved after prefill (their KV cache moved with them)
     migrated_kv_bytes: int = 0  # inter-node bytes of that KV cache: not in the dispatch figures above
     migrated_kv_bytes_per_token: float = 0.0
+    dispatch: str = "position"  # the dispatch rule routed by (dispatch_rule.RULES)
 
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
-                    step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0) -> "ReplayReport":
+                    step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0,
+                    dispatch: str = "position") -> "ReplayReport":
         layer_imb = max_over_mean(t.layer_loads.astype(np.float64), np.nan)  # [L] over ranks
         known = ~np.isnan(layer_imb)
         u = t.bytes_per_send
@@ -61,6 +63,7 @@ class ReplayReport:
         tokens = max(t.tokens, 1)
         return cls(
             model=model,
+            dispatch=dispatch,
             planner=planner,
             topology=f"{topology.nodes}x{topology.gpus_per_node}",
             slots_per_gpu=topology.slots_per_gpu,
@@ -107,6 +110,7 @@ class ReplayReport:
             ("model", self.model),
             ("plan", f"{self.planner} on {self.topology}, {self.slots_per_gpu} slots/GPU"),
             ("assignment", self.assignment),
+            ("dispatch rule", self.dispatch),
             ("requests", f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens, {self.steps} steps of {self.batch_tokens}, {self.step_order} order)"),
             ("routings", f"{self.routings:,}"),
             ("inter-node bytes (node-dedup)", f"{self.inter_node_bytes / gib:,.3f} GiB ({self.inter_node_bytes_per_token:,.0f} B/token)"),

@@ -176,4 +176,5 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         links=links,
         migrations=assignment.migrations,
         migrated_kv_bytes=assignment.migrated_kv_bytes,
+        dispatch=table.rule,
     )
