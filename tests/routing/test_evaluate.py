@@ -8,7 +8,7 @@ from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_mark
 
 from planner_fixtures import separable_trace, synth_trace
 
-VARIANTS = ["round_robin", "eplb", "locality placement only (balanced assignment)", "locality placement + grouper"]
+VARIANTS = ["round_robin", "eplb", "eplb, position rule", "locality placement only (balanced assignment)", "locality placement + grouper"]
 
 
 def test_evaluate_case_rows(tmp_path):
@@ -20,8 +20,11 @@ def test_evaluate_case_rows(tmp_path):
     grouped = rows["locality placement + grouper"]
     assert grouped.inter_node_bytes_per_token == 0.0 and grouped.reduction_vs_eplb == 1.0
     assert grouped.attention_imbalance <= 1.10
+    # in-sample ceiling: the separable trace keeps every pair on its node there too; eplb's own figure differs
+    assert grouped.in_sample_bytes_per_token == 0.0 and grouped.in_sample_reduction_vs_eplb == 1.0
+    assert rows["eplb"].in_sample_bytes_per_token > 0 and rows["eplb"].in_sample_reduction_vs_eplb == 0.0
     text = format_markdown([result], {"caps": Caps().to_dict(), "seed": 0, "batch_tokens": 4096})
-    assert "| locality placement + grouper | 0 | -100.0 % |" in text
+    assert "| locality placement + grouper | 0 | -100.0 % |" in text and "| 0 (-100.0 %) |" in text
 
 
 def test_evaluate_command_writes_json_and_markdown(tmp_path, capsys):
@@ -43,3 +46,20 @@ def test_evaluate_rejects_unknown_presets_and_bad_trace_specs(tmp_path, capsys):
     assert main(["plan", "evaluate", "--cases", "none", "--trace", "x=/nope", "--out", str(tmp_path / "r")]) == 2
     assert "is not NAME=DIR,NODESxGPUS,SLOTS" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_evaluate_rewrites_the_readme_table_between_its_markers(tmp_path, capsys):
+    from locus.routing.planners.eval_readme import BEGIN, END
+
+    trace = separable_trace(tmp_path / "sep")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    args = ["plan", "evaluate", "--cases", "none", "--trace", f"sep={trace},4x2,2", "--out", str(tmp_path / "r")]
+    assert main(args + ["--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{END}\nafter\n") and "old table" not in text
+    assert "| sep, 4x2, 2 slots/GPU | round_robin |" in text and "| locality placement + grouper | 0 | **-100.0%** |" in text
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    assert main(args + ["--readme", str(bare), "--out", str(tmp_path / "r2")]) != 0
+    assert "plan-eval:begin" in capsys.readouterr().err and not (tmp_path / "r2").exists()

@@ -23,9 +23,10 @@ def register_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", add_help=False, prefix_chars="+",
         help="make a placement plan from a trace (locus plan -h); compare planners (locus plan evaluate -h); "
+        "bytes against slots per GPU (locus plan sweep -h); "
         "convert plans to and from SGLang/vLLM/DeepSeek maps (locus plan export -h, locus plan import -h)",
         description="locus plan TRACE --topology NxG --slots S -o plan.json | locus plan evaluate | "
-        "locus plan export PLAN --to FORMAT -o OUT | locus plan import SRC --from FORMAT ... -o plan.json",
+        "locus plan sweep TRACE --topology NxG --slots LO:HI | locus plan export PLAN --to FORMAT -o OUT | locus plan import SRC --from FORMAT ... -o plan.json",
     )
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run_plan_command)
@@ -35,6 +36,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "evaluate":
         return run_evaluate(evaluate_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "sweep":
+        return run_sweep(sweep_parser().parse_args(argv[1:]))
     if argv and argv[0] == "export":
         return run_export(export_parser().parse_args(argv[1:]))
     if argv and argv[0] == "import":
@@ -46,6 +49,11 @@ def _caps_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cap", type=float, default=1.10, help="max/mean expert load per layer (default 1.10)")
     p.add_argument("--attention-cap", type=float, default=1.10, help="max/mean tokens per rank (default 1.10)")
     p.add_argument("--seed", type=int, default=0, help="seed (clustering of untagged requests; default 0)")
+
+
+def _dispatch_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dispatch", choices=("position", "node-aware"),
+                   help="dispatch rule the plans are made for and replayed under (default node-aware; docs/replay.md)")
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -67,6 +75,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
                    "(default: from the model name, see docs/planner.md)")
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    _dispatch_argument(p)
     return p
 
 
@@ -91,7 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
     requests = parse_request_range(args.requests, len(reader.requests))
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
-                          kv_bytes_per_token=args.kv_bytes_per_token)
+                          kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch)
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
@@ -121,15 +130,23 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    help="also evaluate an existing trace, e.g. engine=traces/rec,2x2,3 (repeatable)")
     p.add_argument("--out", default="results/plan_eval", help="directory for results.json and results.md")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
+    p.add_argument("--readme", metavar="FILE", help="also rewrite the planner table between the plan-eval markers of "
+                   "FILE (e.g. README.md)")
+    _dispatch_argument(p)
     _caps_arguments(p)
     return p
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
     from locus.routing.plan.caps import Caps
+    from locus.routing.dispatch_rule import DEFAULT_RULE
     from locus.routing.planners.evaluate import evaluate_case, format_markdown, write_results
 
     caps = Caps(args.expert_cap, args.attention_cap)
+    if args.readme:  # fail before the work, not after it
+        from locus.routing.planners.eval_readme import check_readme
+
+        check_readme(args.readme)
     if args.synth_requests < 4:
         raise LocusError(f"--synth-requests must be at least 4, got {args.synth_requests}")
     cases = [_parse_trace_case(spec) for spec in args.trace]
@@ -138,14 +155,67 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if not cases:
         raise LocusError("nothing to evaluate: give --cases or --trace")
     settings = {"caps": caps.to_dict(), "seed": args.seed, "batch_tokens": args.batch_tokens,
-                "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob)}
+                "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
+                "dispatch": args.dispatch or DEFAULT_RULE}
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for case in cases:
         log(f"{case.name}: {case.trace}")
-        results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log))
+        results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log,
+                                     dispatch=args.dispatch))
     paths = _write(args.out, lambda out: write_results(results, settings, out))
+    if args.readme:
+        from locus.routing.planners.eval_readme import readme_table, update_readme
+
+        update_readme(args.readme, readme_table(results, settings))
+        paths.append(Path(args.readme))
     print(format_markdown(results, settings))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="locus plan sweep",
+        description="The memory-for-traffic curve: for every slot count per GPU, plan eplb and locality on the first "
+        "half of the trace's requests and replay the second half (eplb balanced, locality with its grouper); print "
+        "inter-node bytes/token and imbalance, write sweep.json, sweep.md and sweep.png (with the `plots` extra).",
+    )
+    p.add_argument("trace", help="trace directory (locus-trace v1)")
+    p.add_argument("--topology", required=True, help="NODESxGPUS, e.g. 8x8")
+    p.add_argument("--slots", default="2:8", help="slot counts per GPU: LO:HI (both included) or a list, e.g. 5,6,9 "
+                   "(default 2:8; counts too small for one copy of every expert are skipped)")
+    p.add_argument("--out", default="results/plan_sweep", help="directory for sweep.json, sweep.md, sweep.png")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
+    _dispatch_argument(p)
+    _caps_arguments(p)
+    return p
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from locus.routing.dispatch_rule import DEFAULT_RULE
+    from locus.routing.plan.caps import Caps
+    from locus.routing.planners.sweep import format_sweep, parse_slot_range, sweep, write_sweep
+
+    slot_counts = parse_slot_range(args.slots)
+    reader = _open_trace(args.trace)
+    caps = Caps(args.expert_cap, args.attention_cap)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    rows, skipped = sweep(reader, args.topology, slot_counts, caps, seed=args.seed, dispatch=args.dispatch,
+                          batch_tokens=args.batch_tokens, log=log)
+    for slots, reason in skipped:
+        print(f"note: skipped {slots} slots/GPU: {reason}", file=sys.stderr)
+    if not rows:
+        raise LocusError(f"no slot count in {args.slots} holds every expert on {args.topology}")
+    rule = args.dispatch or DEFAULT_RULE
+    title = (f"{reader.meta.model} ({args.trace}), {args.topology}: planned on the first half, replayed the second; "
+             f"caps {caps.expert:.2f} / {caps.attention:.2f}, dispatch {rule}")
+    settings = {"trace": str(args.trace), "topology": args.topology, "caps": caps.to_dict(), "seed": args.seed,
+                "dispatch": rule, "batch_tokens": args.batch_tokens}
+    paths = _write(args.out, lambda out: write_sweep(rows, title, out, settings))
+    print(format_sweep(rows, title))
+    if not any(p.suffix == ".png" for p in paths):
+        print("note: no plot: install the `plots` extra (matplotlib) for sweep.png", file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -1,11 +1,14 @@
 """The planner comparison (`locus plan evaluate`): plan on the first half of a trace's requests, replay
 the second half, for round_robin, eplb and locality, and write the results as JSON and Markdown.
 
-Rows per case (same replayed requests, same replay, DESIGN.md's metrics):
+Rows per case (same replayed requests, same replay, DESIGN.md's metrics, the same dispatch rule):
   round_robin                      balanced assignment
   eplb [policy]                    balanced assignment (DeepSeek-V3 also with the hierarchical policy)
+  eplb, position rule              under the node-aware rule, EPLB also routed by DESIGN.md's rule
   locality placement only          the locality plan, balanced assignment
   locality placement + grouper     the locality plan, requests grouped online by the plan's grouper
+Every row also carries its in-sample figure: the same planner planned on the replayed half itself, so a
+reader sees how much of the gap is forecasting and how much is structure.
 The reduction column compares with the eplb row that sends the fewest inter-node bytes. KV cache the
 grouper migrates is reported in its own column and is not part of the dispatch bytes.
 """
@@ -59,6 +62,8 @@ class EvalRow:
     kv_migration_bytes_per_token: float = 0.0
     migrations: int = 0
     reduction_incl_migration: float = 0.0
+    in_sample_bytes_per_token: float = 0.0  # the same planner planned on the replayed requests themselves
+    in_sample_reduction_vs_eplb: float = 0.0  # against in-sample eplb
 
 
 @dataclass
@@ -72,7 +77,9 @@ class CaseResult:
     planning_summary: dict = field(default_factory=dict)
 
 
-def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print) -> CaseResult:
+def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
+                  dispatch: str | None = None) -> CaseResult:
+    """Every row routes by the same dispatch rule (`dispatch`, default dispatch_rule.DEFAULT_RULE)."""
     from locus.traces.reader import TraceReader
 
     reader = TraceReader(case.trace)
@@ -84,19 +91,56 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
     result = CaseResult(case, R, reader.num_tokens, plan_range, replay_range)
 
+    reports, result.planning_summary = _replays(reader, case, topology, plan_range, replay_range, balanced, caps, seed,
+                                                dispatch, batch_tokens, log)
+    # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).
+    ceiling, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, caps, seed, dispatch,
+                       batch_tokens, lambda text: log(text + " (in-sample)"))
+
+    def best_eplb(rows) -> float:
+        return min(r.inter_node_bytes_per_token for label, r, _ in rows if label.startswith("eplb"))
+
+    eplb_best, eplb_in = best_eplb(reports), best_eplb(ceiling)
+    for (label, r, seconds), (_, r_in, _) in zip(reports, ceiling):
+        total = r.inter_node_bytes_per_token + r.migrated_kv_bytes_per_token
+        result.rows.append(EvalRow(
+            case=case.name, variant=label, inter_node_bytes_per_token=r.inter_node_bytes_per_token,
+            reduction_vs_eplb=1 - r.inter_node_bytes_per_token / eplb_best, locality=r.locality,
+            expert_imbalance_mean=r.expert_imbalance_mean, expert_imbalance_worst=r.expert_imbalance_worst,
+            attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
+            kv_migration_bytes_per_token=r.migrated_kv_bytes_per_token, migrations=r.migrations,
+            reduction_incl_migration=1 - total / eplb_best,
+            in_sample_bytes_per_token=r_in.inter_node_bytes_per_token,
+            in_sample_reduction_vs_eplb=1 - r_in.inter_node_bytes_per_token / eplb_in,
+        ))
+    return result
+
+
+def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balanced, caps: Caps, seed: int,
+             dispatch, batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict]:
+    """(label, replay report, plan seconds) of every row, planned on plan_range, replayed on replay_range;
+    and the locality plan's planning summary."""
+    meta = reader.meta
     variants = [("round_robin", "round_robin", None), ("eplb", "eplb", None)]
     if case.expert_groups:
         variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
     reports = []
     for label, name, groups in variants:
-        planned = make_plan(name, reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, expert_groups=groups),
+        planned = make_plan(name, reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, expert_groups=groups,
+                                                                          dispatch=dispatch),
                             trace=case.trace)
         report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
         reports.append((label, report, planned.summary.plan_seconds))
         log(f"  {case.name}: {label}: {report.inter_node_bytes_per_token:,.0f} B/token")
+        if label == "eplb" and planned.plan.dispatch != "position":
+            # EPLB's balance assumes replicas share remote traffic evenly (DESIGN.md's rule): show it so too
+            planned.plan.dispatch = "position"
+            report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+            reports.append(("eplb, position rule", report, planned.summary.plan_seconds))
+            log(f"  {case.name}: eplb, position rule: {report.inter_node_bytes_per_token:,.0f} B/token")
 
-    planned = make_plan("locality", reader, topology, plan_range, PlanOptions(caps=caps, seed=seed), trace=case.trace)
-    result.planning_summary = planned.summary.to_dict()
+    planned = make_plan("locality", reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, dispatch=dispatch),
+                        trace=case.trace)
     report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
     reports.append(("locality placement only (balanced assignment)", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality, balanced: {report.inter_node_bytes_per_token:,.0f} B/token")
@@ -106,27 +150,18 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     reports.append(("locality placement + grouper", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality + grouper: {report.inter_node_bytes_per_token:,.0f} B/token, "
         f"{grouped.migrations} moves")
-
-    eplb_best = min(r.inter_node_bytes_per_token for label, r, _ in reports if label.startswith("eplb"))
-    for label, r, seconds in reports:
-        total = r.inter_node_bytes_per_token + r.migrated_kv_bytes_per_token
-        result.rows.append(EvalRow(
-            case=case.name, variant=label, inter_node_bytes_per_token=r.inter_node_bytes_per_token,
-            reduction_vs_eplb=1 - r.inter_node_bytes_per_token / eplb_best, locality=r.locality,
-            expert_imbalance_mean=r.expert_imbalance_mean, expert_imbalance_worst=r.expert_imbalance_worst,
-            attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
-            kv_migration_bytes_per_token=r.migrated_kv_bytes_per_token, migrations=r.migrations,
-            reduction_incl_migration=1 - total / eplb_best,
-        ))
-    return result
+    return reports, planned.summary.to_dict()
 
 
 def format_markdown(results: list[CaseResult], settings: dict) -> str:
     lines = ["# Planner evaluation (`locus plan evaluate`)", ""]
     lines.append(f"Plan on the first half of each trace's requests, replay the second half. Expert-load cap "
                  f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}, seed "
-                 f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens. Imbalances are whole-replay "
-                 f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes.")
+                 f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens, dispatch rule "
+                 f"`{settings.get('dispatch', 'position')}` for every row. Imbalances are whole-replay "
+                 f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes. "
+                 "In-sample: the same planner planned on the replayed half itself and replayed there (the ceiling "
+                 "a perfect forecast of the replayed traffic would reach; not a result).")
     lines.append("")
     for res in results:
         c = res.case
@@ -136,14 +171,15 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
                      f"{res.plan_range[0]}:{res.plan_range[1]}, replayed {res.replay_range[0]}:{res.replay_range[1]}.")
         lines.append("")
         lines.append("| plan | inter-node B/token | vs eplb | locality | expert imb. mean / worst | attention imb. "
-                     "| plan s | KV migration B/token | vs eplb incl. migration |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+                     "| plan s | KV migration B/token | vs eplb incl. migration | in-sample B/token (vs eplb) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in res.rows:
             lines.append(
                 f"| {r.variant} | {r.inter_node_bytes_per_token:,.0f} | {_pct(-r.reduction_vs_eplb)} | "
                 f"{100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
                 f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.kv_migration_bytes_per_token:,.0f} | "
-                f"{_pct(-r.reduction_incl_migration)} |")
+                f"{_pct(-r.reduction_incl_migration)} | {r.in_sample_bytes_per_token:,.0f} "
+                f"({_pct(-r.in_sample_reduction_vs_eplb)}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
