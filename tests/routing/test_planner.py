@@ -30,10 +30,12 @@ def skewed(tmp_path_factory):
     (2, Topology(2, 4, 6), 1.05),
     (3, Topology(4, 4, 3), 1.25),
 ])
-def test_constraints_hold_on_random_traces(tmp_path, seed, topology, cap):
+@pytest.mark.parametrize("budget", ["top", "marginal"])
+def test_constraints_hold_on_random_traces(tmp_path, seed, topology, cap, budget):
     reader = TraceReader(synth_trace(tmp_path / "t", requests=120, seed=seed, experts=32, top_k=1 + seed % 3,
                                      layers=(0, 1, 2, 3)))
-    result = make_plan("locality", reader, topology, (0, 60), PlanOptions(caps=Caps(expert=cap), seed=seed))
+    result = make_plan("locality", reader, topology, (0, 60), PlanOptions(caps=Caps(expert=cap), seed=seed,
+                                                                          replica_budget=budget))
     plan = result.plan
     validate(plan, num_experts=32, moe_layers=reader.meta.moe_layers)  # every expert in every layer
     assert plan.slots.shape == (4, topology.ranks, topology.slots_per_gpu)  # exact slot counts
@@ -123,3 +125,20 @@ def test_untagged_requests_are_clustered_by_signature(tmp_path):
     assert grouped.migrations > 0 and report.migrated_kv_bytes > 0
     # Prompts (half the tokens) run where admitted, a 1-in-4 guess; decode follows the signature.
     assert report.locality > 0.5
+
+
+def test_marginal_budget_places_every_expert_and_skips_copies_a_reached_node_holds():
+    from locus.routing.planners.replica_budget import select_by_marginal_gain
+
+    rng = np.random.default_rng(0)
+    demand = rng.gamma(0.5, 10.0, (4, 24))
+    for k in (1, 4):
+        x = select_by_marginal_gain(demand, 7, k)
+        assert (x.sum(1) == 7).all() and (x.sum(0) >= 1).all()
+    # Node 1 sends most of its pairs to node 0 (experts 0, 1 live there) and a few to node 2 (expert 3);
+    # its one spare slot: top-1 takes a copy of its favourite, expert 0 (10 pairs made local); top-8
+    # takes expert 3, since its tokens reach node 0 anyway and a local 0 would rarely save a crossing.
+    demand = np.array([[10.0, 9.0, 0, 0, 0], [10.0, 8.0, 0, 3.0, 2.0], [0, 0, 5.0, 6.0, 0]])
+    one, eight = select_by_marginal_gain(demand, 2, 1), select_by_marginal_gain(demand, 2, 8)
+    assert one[1].tolist() == [1, 0, 0, 0, 1] and eight[1].tolist() == [0, 0, 0, 1, 1]
+    assert (one.sum(0) >= 1).all() and (eight.sum(0) >= 1).all()

@@ -54,6 +54,10 @@ def _caps_arguments(p: argparse.ArgumentParser) -> None:
 def _dispatch_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", choices=("position", "node-aware"),
                    help="dispatch rule the plans are made for and replayed under (default node-aware; docs/replay.md)")
+    p.add_argument("--replica-budget", choices=("top", "marginal"), default="top",
+                   help="locality: top = each node holds its requests' most used experts (default); marginal = each "
+                   "expert once, then spare slots by expected node crossings saved under node-aware dispatch "
+                   "(docs/planner.md)")
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -100,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
     requests = parse_request_range(args.requests, len(reader.requests))
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
-                          kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch)
+                          kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
+                          replica_budget=args.replica_budget)
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
@@ -156,13 +161,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise LocusError("nothing to evaluate: give --cases or --trace")
     settings = {"caps": caps.to_dict(), "seed": args.seed, "batch_tokens": args.batch_tokens,
                 "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
-                "dispatch": args.dispatch or DEFAULT_RULE}
+                "dispatch": args.dispatch or DEFAULT_RULE, "replica_budget": args.replica_budget}
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for case in cases:
         log(f"{case.name}: {case.trace}")
         results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log,
-                                     dispatch=args.dispatch))
+                                     dispatch=args.dispatch, replica_budget=args.replica_budget))
     paths = _write(args.out, lambda out: write_results(results, settings, out))
     if args.readme:
         from locus.routing.planners.eval_readme import readme_table, update_readme
@@ -202,7 +207,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     caps = Caps(args.expert_cap, args.attention_cap)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows, skipped = sweep(reader, args.topology, slot_counts, caps, seed=args.seed, dispatch=args.dispatch,
-                          batch_tokens=args.batch_tokens, log=log)
+                          batch_tokens=args.batch_tokens, log=log, replica_budget=args.replica_budget)
     for slots, reason in skipped:
         print(f"note: skipped {slots} slots/GPU: {reason}", file=sys.stderr)
     if not rows:
@@ -211,7 +216,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     title = (f"{reader.meta.model} ({args.trace}), {args.topology}: planned on the first half, replayed the second; "
              f"caps {caps.expert:.2f} / {caps.attention:.2f}, dispatch {rule}")
     settings = {"trace": str(args.trace), "topology": args.topology, "caps": caps.to_dict(), "seed": args.seed,
-                "dispatch": rule, "batch_tokens": args.batch_tokens}
+                "dispatch": rule, "batch_tokens": args.batch_tokens, "replica_budget": args.replica_budget}
     paths = _write(args.out, lambda out: write_sweep(rows, title, out, settings))
     print(format_sweep(rows, title))
     if not any(p.suffix == ".png" for p in paths):

@@ -15,6 +15,7 @@ grouper migrates is reported in its own column and is not part of the dispatch b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -78,7 +79,7 @@ class CaseResult:
 
 
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
-                  dispatch: str | None = None) -> CaseResult:
+                  dispatch: str | None = None, replica_budget: str = "top") -> CaseResult:
     """Every row routes by the same dispatch rule (`dispatch`, default dispatch_rule.DEFAULT_RULE)."""
     from locus.traces.reader import TraceReader
 
@@ -91,11 +92,12 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
     result = CaseResult(case, R, reader.num_tokens, plan_range, replay_range)
 
-    reports, result.planning_summary = _replays(reader, case, topology, plan_range, replay_range, balanced, caps, seed,
-                                                dispatch, batch_tokens, log)
+    options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget)
+    reports, result.planning_summary = _replays(reader, case, topology, plan_range, replay_range, balanced, options,
+                                                batch_tokens, log)
     # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).
-    ceiling, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, caps, seed, dispatch,
-                       batch_tokens, lambda text: log(text + " (in-sample)"))
+    ceiling, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, options, batch_tokens,
+                          lambda text: log(text + " (in-sample)"))
 
     def best_eplb(rows) -> float:
         return min(r.inter_node_bytes_per_token for label, r, _ in rows if label.startswith("eplb"))
@@ -116,8 +118,8 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     return result
 
 
-def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balanced, caps: Caps, seed: int,
-             dispatch, batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict]:
+def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balanced, options: PlanOptions,
+             batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict]:
     """(label, replay report, plan seconds) of every row, planned on plan_range, replayed on replay_range;
     and the locality plan's planning summary."""
     meta = reader.meta
@@ -126,8 +128,7 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
         variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
     reports = []
     for label, name, groups in variants:
-        planned = make_plan(name, reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, expert_groups=groups,
-                                                                          dispatch=dispatch),
+        planned = make_plan(name, reader, topology, plan_range, dataclasses.replace(options, expert_groups=groups),
                             trace=case.trace)
         report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
         reports.append((label, report, planned.summary.plan_seconds))
@@ -139,8 +140,7 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
             reports.append(("eplb, position rule", report, planned.summary.plan_seconds))
             log(f"  {case.name}: eplb, position rule: {report.inter_node_bytes_per_token:,.0f} B/token")
 
-    planned = make_plan("locality", reader, topology, plan_range, PlanOptions(caps=caps, seed=seed, dispatch=dispatch),
-                        trace=case.trace)
+    planned = make_plan("locality", reader, topology, plan_range, options, trace=case.trace)
     report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
     reports.append(("locality placement only (balanced assignment)", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality, balanced: {report.inter_node_bytes_per_token:,.0f} B/token")

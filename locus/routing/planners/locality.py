@@ -2,7 +2,7 @@
 
     demand D[n, e] --select--> x[n, e] --balance nodes--> --pack GPUs--> slots [R, S] --enforce cap-->
 
-select / balance: replica_selection.py; pack: gpu_packing.py; the cap: slot_search.py, checked with
+select / balance: replica_selection.py (or, budget "marginal", replica_budget.py); pack: gpu_packing.py; the cap: slot_search.py, checked with
 expected_load.rank_loads (the dispatch rule's expected per-rank load). Balancing nodes first to a tighter
 limit than the cap leaves the GPU packing some room, so the cap search starts close. A layer the
 search cannot bring under the cap comes back with met_cap False, and the planner decides what to do
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from locus.routing.planners.gpu_packing import pack_replicas
+from locus.routing.planners.replica_budget import select_by_marginal_gain
 from locus.routing.planners.expected_load import node_replicas, rank_loads, replica_loads
 from locus.routing.planners.replica_selection import balance_nodes, select_replicas
 from locus.routing.planners.slot_search import enforce_cap
@@ -35,13 +36,17 @@ class LayerPlacement:
     met_cap: bool
 
 
-def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float) -> LayerPlacement:
+BUDGETS = ("top", "marginal")  # replica_selection.select_replicas; replica_budget.select_by_marginal_gain
+
+
+def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
+                top_k: int = 1) -> LayerPlacement:
     """demand [N, E] -> the layer's slots [N * gpus, slots_per_gpu] and its expected figures."""
     N, E = demand.shape
     C = gpus * slots_per_gpu
     total = float(demand.sum())
     mean_rank = total / (N * gpus)
-    x = select_replicas(demand, C)
+    x = select_by_marginal_gain(demand, C, top_k) if budget == "marginal" else select_replicas(demand, C)
     x = balance_nodes(demand, x, limit=(1 + NODE_HEADROOM * (cap - 1)) * total / N)
     slots, _ = pack_layer(demand, x, gpus, slots_per_gpu)
     slots = enforce_cap(demand, slots, gpus, target=cap * mean_rank * (1 - 1e-9))
@@ -65,6 +70,7 @@ def pack_layer(demand: np.ndarray, x: np.ndarray, gpus: int, slots_per_gpu: int)
     return slots, loads
 
 
-def place_layers(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float) -> list[LayerPlacement]:
+def place_layers(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
+                 top_k: int = 1) -> list[LayerPlacement]:
     """place_layer for every layer of demand [L, N, E]."""
-    return [place_layer(demand[l], gpus, slots_per_gpu, cap) for l in range(demand.shape[0])]
+    return [place_layer(demand[l], gpus, slots_per_gpu, cap, budget, top_k) for l in range(demand.shape[0])]

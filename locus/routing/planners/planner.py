@@ -38,7 +38,7 @@ from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.simulation import run_grouper, signature_chunks
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
 from locus.routing.planners.expected_load import rank_loads
-from locus.routing.planners.locality import place_layers
+from locus.routing.planners.locality import BUDGETS, place_layers
 from locus.routing.plan.placement import PlacementPlan, validate
 from locus.routing.replay.simulator import count_expert_loads
 from locus.routing.planners.summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
@@ -59,6 +59,7 @@ class PlanOptions:
     rounds: int = 2  # locality: placement <-> grouper rounds
     kv_bytes_per_token: int | None = None  # default: grouping_spec.kv_bytes_per_token
     dispatch: str | None = None  # the dispatch rule the plan names (default dispatch_rule.DEFAULT_RULE)
+    replica_budget: str = "top"  # locality: "top" (each node's most used experts) or "marginal" (replica_budget.py)
 
 
 @dataclass
@@ -181,7 +182,10 @@ def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: Grouping
 def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, list[int]]:
     """Slots [L, R, S] meeting the expert cap on `demand`; layers the search misses take EPLB's."""
     cap = options.caps.expert
-    placements = place_layers(demand, topology.gpus_per_node, topology.slots_per_gpu, cap)
+    if options.replica_budget not in BUDGETS:
+        raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
+    placements = place_layers(demand, topology.gpus_per_node, topology.slots_per_gpu, cap, options.replica_budget,
+                              meta.top_k)
     slots = np.stack([p.slots for p in placements])
     missed = [i for i, p in enumerate(placements) if not p.met_cap]
     fallback = []
