@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=5, help="256 experts / 64 GPUs + 1 spare (default 5)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replica-budget", choices=("top", "marginal"), default="top",
+                    help="the locality planner's replica budget (docs/planner.md)")
     ap.add_argument("--out", default="results/plan_eval/plan_time.json")
     args = ap.parse_args()
 
@@ -61,7 +63,8 @@ def main() -> None:
     runs = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        result = make_plan("locality", reader, topology, (0, stop), PlanOptions(seed=args.seed), trace=str(reader.path))
+        options = PlanOptions(seed=args.seed, replica_budget=args.replica_budget)
+        result = make_plan("locality", reader, topology, (0, stop), options, trace=str(reader.path))
         runs.append({"plan_seconds": result.summary.plan_seconds, "with_summary_seconds": time.perf_counter() - t0})
     best = min(runs, key=lambda r: r["plan_seconds"])
     s = result.summary

@@ -31,11 +31,11 @@ def readme_table(results, settings: dict) -> str:
                 continue
             name = f"{c.name}, {c.topology}, {c.slots} slots/GPU" if first else ""
             first = False
-            vs = "0" if r.variant == "eplb" else f"{-100 * r.reduction_vs_eplb:+.1f}%"
+            vs = _pct(r.reduction_vs_eplb)
             if r.variant.startswith("locality placement + grouper"):
                 vs = f"**{vs}**"
             lines.append(f"| {name} | {r.variant.replace(' (balanced assignment)', '')} | "
-                         f"{r.inter_node_bytes_per_token:,.0f} | {vs} | {-100 * r.in_sample_reduction_vs_eplb:+.1f}% | "
+                         f"{r.inter_node_bytes_per_token:,.0f} | {vs} | {_pct(r.in_sample_reduction_vs_eplb)} | "
                          f"{100 * r.locality:.1f}% | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
                          f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} s |")
     return "\n".join(lines) + "\n"
@@ -58,3 +58,9 @@ def update_readme(path: str | Path, table: str) -> None:
     head, rest = check_readme(path).split(BEGIN)
     _, tail = rest.split(END)
     write_text_atomic(path, f"{head}{BEGIN}\n{table}{END}{tail}")
+
+
+def _pct(reduction: float) -> str:
+    """A reduction as a signed percentage of more bytes ("-32.7%"); "0" when it rounds to zero."""
+    text = f"{-100 * reduction:+.1f}%"
+    return "0" if text in ("+0.0%", "-0.0%") else text

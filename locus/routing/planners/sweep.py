@@ -10,6 +10,7 @@ planner cannot meet the expert-load cap, are skipped with the reason (printed by
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -95,7 +96,8 @@ def format_sweep(rows: list[SweepRow], title: str) -> str:
     lines = [title, "", "| slots/GPU | planner | inter-node B/token | vs eplb | locality | expert imb. mean / worst "
              "| attention imb. |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.slots} | {r.planner} | {r.inter_node_bytes_per_token:,.0f} | {-100 * r.reduction_vs_eplb:+.1f} % "
+        vs = "0" if r.planner == "eplb" else f"{-100 * r.reduction_vs_eplb:+.1f} %"
+        lines.append(f"| {r.slots} | {r.planner} | {r.inter_node_bytes_per_token:,.0f} | {vs} "
                      f"| {100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} "
                      f"| {r.attention_imbalance:.3f} |")
     return "\n".join(lines) + "\n"
@@ -133,7 +135,7 @@ def plot_sweep(rows: list[SweepRow], title: str, path: Path) -> Path | None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=110)
