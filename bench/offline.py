@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="both engines load the checkpoint in this dtype")
     p.add_argument("--phases", action="store_true",
                    help="also time prefill alone (1 new token) to split each engine's time into prefill and decode")
+    p.add_argument("--compile", action="store_true",
+                   help="also run Locus with compiled decode steps (one bucket: the batch size), beside the eager run")
     p.add_argument("--out", default="results/offline.json")
     return p.parse_args(argv)
 
@@ -53,7 +55,8 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
     return best, result
 
 
-def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str):
+def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str,
+              compile_decode: bool = False):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
@@ -63,7 +66,9 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
     def once():
         # a fresh engine per repeat: no prefix cache carried over between timed runs
         llm = LLM(str(model_dir), dtype=dtype, device="cpu", moe_backend="torch",
-                  engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
+                  engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                                             compile_decode=compile_decode,
+                                             compile_buckets=(min(len(prompts), max_num_seqs),)))
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
@@ -105,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs, args.dtype)
         rows.append({"engine": "locus", "seconds": locus_s, "output_tokens_per_s": total_new / locus_s})
+        if args.compile:
+            compiled_s, compiled_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs,
+                                                    args.dtype, compile_decode=True)
+            rows.append({"engine": "locus-compiled", "seconds": compiled_s, "output_tokens_per_s": total_new / compiled_s,
+                         "identical_to_eager_share": sum(a == b for a, b in zip(compiled_tokens, locus_tokens)) / len(prompts)})
         agree = None
         if not args.skip_transformers:
             hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats, args.dtype)
@@ -113,25 +123,30 @@ def main(argv: list[str] | None = None) -> int:
         phases = {}
         if args.phases:
             phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs, args.dtype)[0]
+            if args.compile:  # one new token: the prefill alone, which stays eager
+                phases["locus-compiled"] = phases["locus"]
             if not args.skip_transformers:
                 phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats, args.dtype)[0]
             for r in rows:
                 r["prefill_seconds"] = phases[r["engine"]]
                 r["decode_seconds"] = r["seconds"] - phases[r["engine"]]
-    ratio = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"] if len(rows) > 1 else None
+    hf = next((r for r in rows if r["engine"] == "transformers"), None)
+    ratio = rows[0]["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
           f"{args.dtype}, CPU threads {torch.get_num_threads()}")
-    print(f"{'engine':<14}{'seconds':>10}{'out tok/s':>12}")
+    print(f"{'engine':<16}{'seconds':>10}{'out tok/s':>12}{' vs transformers' if hf else ''}")
     for r in rows:
-        print(f"{r['engine']:<14}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>12.1f}")
+        vs = f"{r['output_tokens_per_s'] / hf['output_tokens_per_s']:>8.2f}x" if hf else ""
+        print(f"{r['engine']:<16}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>12.1f}{vs}")
     if ratio is not None:
         print(f"locus / transformers throughput: {ratio:.2f}x   (greedy outputs identical for {agree:.0%} of prompts)")
     if args.phases:
         for r in rows:
-            print(f"{r['engine']:<14} prefill {r['prefill_seconds']:.3f} s, decode {r['decode_seconds']:.3f} s")
-        if len(rows) > 1:
-            print(f"speed-up: prefill {rows[1]['prefill_seconds'] / rows[0]['prefill_seconds']:.1f}x, "
-                  f"decode {rows[1]['decode_seconds'] / rows[0]['decode_seconds']:.2f}x")
+            print(f"{r['engine']:<16} prefill {r['prefill_seconds']:.3f} s, decode {r['decode_seconds']:.3f} s")
+        if hf:
+            for r in rows[:-1]:
+                print(f"speed-up of {r['engine']}: prefill {hf['prefill_seconds'] / r['prefill_seconds']:.1f}x, "
+                      f"decode {hf['decode_seconds'] / r['decode_seconds']:.2f}x")
     result = {
         "bench": "offline", "model": args.model or "small preset (seed 0)", "prompts": args.prompts,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "repeats": args.repeats, "rows": rows,

@@ -43,10 +43,10 @@ class ModelRunner:
         self.graphs = graphs  # compiled decode steps (decode_graph.py); None = always eager
 
     def can_run_compiled(self, items: list[ScheduledSeq]) -> bool:
-        """A pure decode micro-batch that fits a bucket and scores no prompt positions."""
+        """A pure decode micro-batch (each sequence's one new token is its last) that fits a bucket.
+        Such a step scores no prompt positions: every prompt token is already computed."""
         return (self.graphs is not None and len(items) <= self.graphs.max_batch
-                and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens
-                        and item.seq.request.prompt_positions_scored is None for item in items))
+                and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens for item in items))
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], record_routing: bool = False) -> RunResult:

@@ -15,15 +15,16 @@ def test_offline_bench_against_transformers(tmp_path):
     model = save_checkpoint(build_preset("tiny", seed=3), tmp_path / "tiny")
     out = tmp_path / "offline.json"
     stdout = run("offline.py", "--model", str(model), "--prompts", "3", "--prompt-len", "9", "--new-tokens", "5",
-                 "--repeats", "1", "--phases", "--out", str(out))
-    assert "locus / transformers throughput" in stdout and "speed-up: prefill" in stdout
+                 "--repeats", "1", "--phases", "--compile", "--out", str(out))
+    assert "locus / transformers throughput" in stdout and "speed-up of locus-compiled: prefill" in stdout
     result = json.loads(out.read_text())
     assert result["dtype"] == "float32"
-    locus, hf = result["rows"]
-    assert (locus["engine"], hf["engine"]) == ("locus", "transformers")
+    locus, compiled, hf = result["rows"]
+    assert (locus["engine"], compiled["engine"], hf["engine"]) == ("locus", "locus-compiled", "transformers")
     assert result["ratio_locus_over_transformers"] == locus["output_tokens_per_s"] / hf["output_tokens_per_s"]
     assert result["identical_greedy_share"] == 1.0  # float32: the same greedy tokens as transformers
-    for row in (locus, hf):
+    assert compiled["identical_to_eager_share"] == 1.0
+    for row in (locus, compiled, hf):
         assert 0 < row["prefill_seconds"] and row["prefill_seconds"] + row["decode_seconds"] == pytest.approx(row["seconds"])
 
 
