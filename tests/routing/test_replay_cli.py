@@ -82,3 +82,20 @@ def test_plan_file_contradicting_flags(trace, tmp_path, capsys):
     capsys.readouterr()
     assert main(["replay", str(trace), "--plan", str(plan), "--topology", "1x4"]) == 2
     assert "contradicts the plan's 2x2" in capsys.readouterr().err
+
+
+def test_dispatch_flag_chooses_the_rule_and_the_plan_records_it(trace, tmp_path, capsys):
+    """Top-2 on 4 nodes of 1 GPU, 6 slots each: EPLB's replicas sit on several nodes, so the node-aware
+    rule (default) reaches fewer remote nodes than DESIGN.md's `position` rule."""
+    figures = {}
+    for rule in ("position", "node-aware", None):
+        out, plan = tmp_path / f"{rule}.json", tmp_path / f"{rule}-plan.json"
+        args = ["replay", str(trace), "--plan", "eplb", "--topology", "4x1", "--slots", "6",
+                "--json", str(out), "--save-plan", str(plan)] + (["--dispatch", rule] if rule else [])
+        assert main(args) == 0
+        doc = json.loads(out.read_text())
+        figures[rule] = doc["inter_node_bytes"]
+        assert doc["dispatch"] == (rule or "node-aware")
+        assert json.loads(plan.read_text()).get("dispatch") == rule  # only an explicit choice is written
+    capsys.readouterr()
+    assert figures["node-aware"] < figures["position"] and figures[None] == figures["node-aware"]

@@ -9,6 +9,10 @@ of e on node n:
 At rank granularity the own-rank tier matters a little: a rank holding e keeps its own tokens, the
 node's other ranks spread theirs over the node's replicas. `rank_loads` models that exactly, with a
 node's tokens spread evenly over its ranks (the grouper fills a node's ranks least-loaded first).
+This is DESIGN.md's `position` rule. Under the `node-aware` rule (the default, docs/replay.md) a remote
+pair may instead join a node its token reaches anyway, so the remote share of an expert held on
+several nodes is no longer even: the model is then an approximation, close for plans that hold hot
+experts on every node (the default replica budget), looser for `--replica-budget marginal`.
 
 Shape legend: L MoE layers, N nodes, G GPUs per node, R = N * G ranks, S slots per GPU, E experts.
     demand [.., N, E] float   x [.., N, E] int   slots [L, R, S] expert ids
