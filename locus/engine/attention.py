@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         batch: ForwardBatch,
-        rope: torch.Tensor,  # [T, D/2, 2] (cos, sin) rotations
+        rope: torch.Tensor,  # [T, D/2] complex rotations (compiled: [T, D/2, 2] cos, sin)
         cache: KVCache | None,
     ) -> torch.Tensor:
         T = x.shape[0]

@@ -104,3 +104,15 @@ def test_growing_contexts_reuse_the_bucket_graphs(compiled):
                             [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)] * 2)
     assert [len(o.outputs[0].token_ids) for o in out] == [150, 150]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
+
+
+def test_rope_as_real_pairs_equals_the_complex_rotation():
+    """The compiled graph rotates with (cos, sin) pairs, eager code with complex numbers: same numbers."""
+    from locus.engine.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 16, generator=g)
+    angles = torch.arange(7).float()[:, None] * torch.rand(8, generator=g)[None, :]
+    complex_rot = torch.polar(torch.ones_like(angles), angles)
+    real_rot = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+    assert torch.allclose(apply_rope(x, complex_rot), apply_rope(x, real_rot), atol=1e-6)
