@@ -20,6 +20,7 @@ from locus.engine.tokenizer import ByteTokenizer
 from locus.routing.ep.exchange import make_groups
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
+from tests.engine.test_expert_parallel import end_rank
 
 NEW_TOKENS = 12
 
@@ -57,6 +58,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                     "compiled_steps": core.graphs.steps}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def test_compiled_decode_under_expert_parallelism_keeps_tokens_and_bytes(tmp_path):

@@ -5,7 +5,9 @@ counts add up to DESIGN.md's definitions, computed independently from the dispat
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -28,6 +30,16 @@ from locus.traces.merge import merge_traces
 from locus.traces.reader import TraceReader
 
 H_BYTES = 64 * 4  # the tiny preset's hidden size, float32
+
+
+def end_rank() -> None:
+    """A worker whose results are written leaves without interpreter finalisation, as the server's
+    ranks do (locus/server/cli.py): tearing down a gloo rank's C++ threads at exit can abort the
+    process ("terminate called without an active exception", about one case in 60 here), which
+    would fail a run that already succeeded. An exception never gets here: it still fails the rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def plan_for(case: str, moe_layers, preset: str = "tiny") -> PlacementPlan:
@@ -78,6 +90,7 @@ def worker(rank: int, world: int, case: str, port: int, out: str) -> None:
                     "bytes": first}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def free_port() -> int:
@@ -164,6 +177,7 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
                     "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def top_logprobs(lp) -> list[tuple[int, float]]:
