@@ -9,11 +9,11 @@ TORCH_VERSION ?= 2.13.0
 venv: $(STAMP)
 
 # torch goes in first and pinned: a bare `torch` requirement in an empty venv pulls CUDA wheels.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==$(TORCH_VERSION)
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,plots]'
 	touch $(STAMP)
 
 test: $(STAMP)
