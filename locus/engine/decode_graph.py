@@ -2,8 +2,9 @@
 
 Why: a decode step of a small batch is hundreds of small ops (docs/engine.md measured ~115 tensor
 allocations per step, most of the step's time above its floor). Eager PyTorch pays Python and
-dispatch for each. Inductor fuses the pointwise work between the matmuls and, with freezing on CPU,
-prepacks the weights; on CUDA `mode="reduce-overhead"` also captures each bucket as a CUDA graph.
+dispatch for each. Inductor fuses the pointwise work between the matmuls (on CPU with freezing: the
+weights are folded in as constants); on CUDA `mode="reduce-overhead"` also captures each bucket as a
+CUDA graph.
 vLLM does the same with its decode batch-size buckets.
 
 Static shapes, so that one graph serves every decode step of its bucket:
@@ -16,7 +17,7 @@ Static shapes, so that one graph serves every decode step of its bucket:
 - the routed experts stay one opaque custom op (`locus::fused_moe`, kernels/moe_op.py): how many rows
   each expert gets is data-dependent. Under expert parallelism the exchange is an opaque op too
   (expert_parallel.py), so the graph never holds a collective.
-Prefill, chunked prefill, mixed batches, prompt logprobs and batches larger than the largest bucket
+Prefill (whole or chunked), mixed prefill/decode batches and batches larger than the largest bucket
 run eagerly.
 
 Shape legend: B bucket (padded batch), n real sequences, W block-table width, bs block size,
@@ -124,8 +125,8 @@ class DecodeGraphs:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64, 2 * len(self.buckets))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         on_cuda = model.device.type == "cuda"
-        # CPU: freezing folds the weights into the graph as constants, which lets inductor prepack them
-        # for its GEMMs. CUDA: reduce-overhead captures each bucket's graph as a CUDA graph.
+        # CPU: freezing folds the weights into the graph as constants, so inductor may constant-fold and
+        # prepack around them. CUDA: reduce-overhead captures each bucket's graph as a CUDA graph.
         self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                        **({"mode": "reduce-overhead"} if on_cuda else {"options": {"freezing": True}}))
         self.compile_seconds: dict[int, float] = {}
