@@ -153,9 +153,15 @@ class DecodeGraphs:
         topks = [out.routing[layer] for layer in self.moe_layers]
         return logits, torch.stack([t.ids for t in topks], 1), torch.stack([t.weights for t in topks], 1)
 
-    @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> DecodeOutput:
         """Decode one token for each of n sequences: token_ids[i] at positions[i], KV in block_tables[i]."""
+        out = self._launch(token_ids, positions, block_tables)
+        self.steps += 1
+        return out
+
+    @torch.inference_mode()
+    def _launch(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> DecodeOutput:
+        """Pad the batch to its bucket and run that bucket's graph (compiling it on first use)."""
         n = len(token_ids)
         B = self.bucket(n)
         if B is None:
@@ -171,20 +177,15 @@ class DecodeGraphs:
         torch._dynamo.mark_dynamic(table_tensor, 1)
         logits, expert_ids, expert_weights = self._compiled(ids, pos, torch.tensor(rows, dtype=torch.long, device=dev),
                                                             table_tensor)
-        self.steps += 1
         return DecodeOutput(logits[:n], expert_ids[:n], expert_weights[:n])
 
-    def warm_up(self) -> float:
-        """Compile every bucket now (a dummy step each, padding rows only) and return the seconds it
-        took; inductor's on-disk cache makes the next start of the same model fast."""
-        total = 0.0
+    def warm_up(self) -> None:
+        """Compile every bucket now (a dummy step each, padding rows only); inductor's on-disk cache
+        makes the next start of the same model fast."""
         scratch = self.pool.scratch_block
         for B in self.buckets:
             start = time.perf_counter()
-            self.run([0] * B, [-1] * B, [[scratch]] * B)  # padding rows only
-            self.steps -= 1
+            self._launch([0] * B, [-1] * B, [[scratch]] * B)  # padding rows only
             self.compile_seconds[B] = time.perf_counter() - start
-            total += self.compile_seconds[B]
-        log.info("compiled decode buckets %s in %.1f s (%s)", self.buckets, total,
+        log.info("compiled decode buckets %s in %.1f s (%s)", self.buckets, sum(self.compile_seconds.values()),
                  ", ".join(f"{b}: {s:.1f} s" for b, s in self.compile_seconds.items()))
-        return total

@@ -116,13 +116,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                                 config.num_micro_batches), grouping)
         self.graphs: DecodeGraphs | None = None
-        self.compile_seconds = 0.0
         if config.compile_decode:
             buckets = [b for b in config.compile_buckets or default_buckets(config.max_num_seqs) if b <= config.max_num_seqs]
             if not buckets:
                 raise LocusError(f"no compile bucket ({config.compile_buckets}) is at most max_num_seqs ({config.max_num_seqs})")
             self.graphs = DecodeGraphs(model, self.cache, buckets)
-            self.compile_seconds = self.graphs.warm_up()
+            self.graphs.warm_up()
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)  # structured outputs, compiled on first use
@@ -140,6 +139,11 @@ class EngineCore:
         if config.count_expert_load and mc.moe_layers:
             self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
             self.routing.subscribe(self.expert_load)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds the compiled decode buckets took to compile at start-up (0 without --compile)."""
+        return sum(self.graphs.compile_seconds.values()) if self.graphs is not None else 0.0
 
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

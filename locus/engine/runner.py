@@ -81,14 +81,14 @@ class ModelRunner:
 
     def _run_compiled(self, items: list[ScheduledSeq], record_routing: bool) -> RunResult:
         seqs = [item.seq for item in items]
-        tokens = [seq.token_slice(seq.num_computed, seq.num_tokens) for seq in seqs]
-        spans = [SequenceSpan(seq.seq_id, seq.num_computed, 1) for seq in seqs]
-        out = self.graphs.run([t[0] for t in tokens], [seq.num_computed for seq in seqs],
-                              [seq.block_table for seq in seqs])
+        token_ids = [seq.token_slice(seq.num_computed, seq.num_tokens)[0] for seq in seqs]
+        positions = [seq.num_computed for seq in seqs]
+        out = self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs])
         routing = None
         if record_routing:
             routing = {layer: TopK(out.expert_ids[:, i], out.expert_weights[:, i])
                        for i, layer in enumerate(self.graphs.moe_layers)}
         # The batch is what the routing subscribers read (row ranges); it is not run.
-        batch = ForwardBatch(torch.tensor([t[0] for t in tokens]), torch.tensor([s.start for s in spans]), spans)
+        spans = [SequenceSpan(seq.seq_id, p, 1) for seq, p in zip(seqs, positions)]
+        batch = ForwardBatch(torch.tensor(token_ids), torch.tensor(positions), spans)
         return RunResult(seqs, out.logits, routing, batch, [])
