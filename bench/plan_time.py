@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.planners.planner import PlanOptions, load_model_for, make_plan
 from locus.routing.plan.topology import parse_topology
 from locus.traces.presets import preset_config
 from locus.traces.reader import TraceReader
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replica-budget", choices=("top", "marginal"), default="top",
                     help="the locality planner's replica budget (docs/planner.md)")
+    ap.add_argument("--load-model", choices=("dispatch", "even"),
+                    help="the locality planner's load model (default: dispatch with marginal, even with top)")
     ap.add_argument("--out", default="results/plan_eval/plan_time.json")
     args = ap.parse_args()
 
@@ -63,7 +65,7 @@ def main() -> None:
     runs = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        options = PlanOptions(seed=args.seed, replica_budget=args.replica_budget)
+        options = PlanOptions(seed=args.seed, replica_budget=args.replica_budget, load_model=args.load_model)
         result = make_plan("locality", reader, topology, (0, stop), options, trace=str(reader.path))
         runs.append({"plan_seconds": result.summary.plan_seconds, "with_summary_seconds": time.perf_counter() - t0})
     best = min(runs, key=lambda r: r["plan_seconds"])
@@ -88,6 +90,7 @@ def main() -> None:
         "bench": "plan_time", "planner": "locality", "trace": str(reader.path), "model": meta.model,
         "layers": len(meta.moe_layers), "experts": meta.num_experts, "top_k": meta.top_k,
         "requests": stop, "tokens": tokens, "topology": args.topology, "slots_per_gpu": args.slots,
+        "replica_budget": args.replica_budget, "load_model": load_model_for(options),
         "runs": runs, "plan_seconds": best["plan_seconds"], "target_seconds": 60.0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "summary": s.to_dict(),

@@ -58,6 +58,17 @@ def _dispatch_argument(p: argparse.ArgumentParser) -> None:
                    help="locality: top = each node holds its requests' most used experts (default); marginal = each "
                    "expert once, then spare slots by expected node crossings saved under node-aware dispatch "
                    "(docs/planner.md)")
+    p.add_argument("--load-model", choices=("dispatch", "even"),
+                   help="locality: the expected expert loads the cap search balances; dispatch = under the plan's "
+                   "dispatch rule (node-aware: measured by routing a sample of the planning requests with it); "
+                   "even = DESIGN.md's even spread over replicas. Default: dispatch with --replica-budget "
+                   "marginal, even with top (docs/planner.md)")
+
+
+def _load_model(args: argparse.Namespace) -> str:
+    from locus.routing.planners.planner import PlanOptions, load_model_for
+
+    return load_model_for(PlanOptions(replica_budget=args.replica_budget, load_model=args.load_model))
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -105,7 +116,7 @@ def run_plan(args: argparse.Namespace) -> int:
     requests = parse_request_range(args.requests, len(reader.requests))
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
                           kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
-                          replica_budget=args.replica_budget)
+                          replica_budget=args.replica_budget, load_model=args.load_model)
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
@@ -161,13 +172,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise LocusError("nothing to evaluate: give --cases or --trace")
     settings = {"caps": caps.to_dict(), "seed": args.seed, "batch_tokens": args.batch_tokens,
                 "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
-                "dispatch": args.dispatch or DEFAULT_RULE, "replica_budget": args.replica_budget}
+                "dispatch": args.dispatch or DEFAULT_RULE, "replica_budget": args.replica_budget,
+                "load_model": _load_model(args)}
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for case in cases:
         log(f"{case.name}: {case.trace}")
         results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log,
-                                     dispatch=args.dispatch, replica_budget=args.replica_budget))
+                                     dispatch=args.dispatch, replica_budget=args.replica_budget,
+                                     load_model=args.load_model))
     paths = _write(args.out, lambda out: write_results(results, settings, out))
     if args.readme:
         from locus.routing.planners.eval_readme import readme_table, update_readme
@@ -207,7 +220,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     caps = Caps(args.expert_cap, args.attention_cap)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows, skipped = sweep(reader, args.topology, slot_counts, caps, seed=args.seed, dispatch=args.dispatch,
-                          batch_tokens=args.batch_tokens, log=log, replica_budget=args.replica_budget)
+                          batch_tokens=args.batch_tokens, log=log, replica_budget=args.replica_budget,
+                          load_model=args.load_model)
     for slots, reason in skipped:
         print(f"note: skipped {slots} slots/GPU: {reason}", file=sys.stderr)
     if not rows:
@@ -216,7 +230,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     title = (f"{reader.meta.model} ({args.trace}), {args.topology}: planned on the first half, replayed the second; "
              f"caps {caps.expert:.2f} / {caps.attention:.2f}, dispatch {rule}")
     settings = {"trace": str(args.trace), "topology": args.topology, "caps": caps.to_dict(), "seed": args.seed,
-                "dispatch": rule, "batch_tokens": args.batch_tokens, "replica_budget": args.replica_budget}
+                "dispatch": rule, "batch_tokens": args.batch_tokens, "replica_budget": args.replica_budget,
+                "load_model": _load_model(args)}
     paths = _write(args.out, lambda out: write_sweep(rows, title, out, settings))
     print(format_sweep(rows, title))
     if not any(p.suffix == ".png" for p in paths):

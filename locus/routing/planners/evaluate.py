@@ -79,7 +79,7 @@ class CaseResult:
 
 
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
-                  dispatch: str | None = None, replica_budget: str = "top") -> CaseResult:
+                  dispatch: str | None = None, replica_budget: str = "top", load_model: str | None = None) -> CaseResult:
     """Every row routes by the same dispatch rule (`dispatch`, default dispatch_rule.DEFAULT_RULE)."""
     from locus.traces.reader import TraceReader
 
@@ -92,7 +92,8 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
     result = CaseResult(case, R, reader.num_tokens, plan_range, replay_range)
 
-    options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget)
+    options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
+                          load_model=load_model)
     reports, result.planning_summary = _replays(reader, case, topology, plan_range, replay_range, balanced, options,
                                                 batch_tokens, log)
     # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).

@@ -30,14 +30,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.dispatch_rule import resolve_rule
+from locus.routing.dispatch_rule import DEFAULT_RULE, resolve_rule
 from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.simulation import run_grouper, signature_chunks
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
+from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
 from locus.routing.planners.expected_load import rank_loads
+from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.planners.locality import BUDGETS, place_layers
 from locus.routing.plan.placement import PlacementPlan, validate
 from locus.routing.replay.simulator import count_expert_loads
@@ -49,6 +51,8 @@ from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
 PLANNERS = ("round_robin", "eplb", "locality")
+LOAD_MODELS = ("dispatch", "even")  # PlanOptions.load_model
+CALIBRATIONS = 4  # locality, node-aware: cap searches under a measured pull (_calibrate)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,10 @@ class PlanOptions:
     kv_bytes_per_token: int | None = None  # default: grouping_spec.kv_bytes_per_token
     dispatch: str | None = None  # the dispatch rule the plan names (default dispatch_rule.DEFAULT_RULE)
     replica_budget: str = "top"  # locality: "top" (each node's most used experts) or "marginal" (replica_budget.py)
+    # locality: the expected-load model the cap search balances. "dispatch": the plan's dispatch rule (under
+    # node-aware, remote pairs split as a routed sample of the planning requests shows, dispatch_pull.py);
+    # "even": DESIGN.md's even spread over replicas (exact under `position`). None: load_model_for(budget).
+    load_model: str | None = None
 
 
 @dataclass
@@ -82,8 +90,13 @@ def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
         raise LocusError(f"planning range {start}:{stop} holds no requests")
     t0 = time.perf_counter()
     if name == "locality":
+        if load_model_for(options) not in LOAD_MODELS:
+            raise LocusError(f"unknown load model {options.load_model!r}; choose one of {', '.join(LOAD_MODELS)}")
         signatures = _signatures(reader, start, stop)
-        result = _locality(meta, signatures, topology, options, t0)
+        sample = None
+        if _needs_pull(options, meta.top_k, topology):
+            sample = sample_routings(reader, start, stop)
+        result = _locality(meta, signatures, topology, options, t0, sample)
     else:
         result = _baseline(name, reader, meta, topology, (start, stop), options, t0)
     result.plan.dispatch = resolve_rule(result.plan, options.dispatch)
@@ -121,7 +134,25 @@ def _baseline(name, reader, meta, topology: Topology, requests, options: PlanOpt
     return PlanResult(plan, summary, assignment)
 
 
-def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float) -> PlanResult:
+def load_model_for(options: PlanOptions) -> str:
+    """The load model a locality plan is made with: the caller's, else "dispatch" for the marginal budget
+    (whose plans hold hot experts on few nodes, where the node-aware rule's uneven remote split decides the
+    balance) and "even" for the top budget (measured on the presets: the same replayed balance and bytes
+    either way, for half again the plan time; docs/planner.md)."""
+    if options.load_model is not None:
+        return options.load_model
+    return "dispatch" if options.replica_budget == "marginal" else "even"
+
+
+def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
+    """Whether the load model must measure the node-aware rule's remote split: the rules differ only with
+    top-k > 1 and three or more nodes (docs/replay.md)."""
+    rule = options.dispatch or DEFAULT_RULE
+    return load_model_for(options) == "dispatch" and rule == "node-aware" and top_k > 1 and topology.nodes > 2
+
+
+def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
+              sample: RoutingSample | None = None) -> PlanResult:
     N, G = topology.nodes, topology.gpus_per_node
     spec = _spec(meta, sig, topology, options)
     prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
@@ -130,21 +161,25 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
     for k in range(rounds):
         demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
         slots, fallback = _place(demand, meta, topology, options)
+        pull = None
+        if sample is not None:
+            slots, pull = _calibrate(slots, demand, meta, topology, options.caps.expert, fallback, sample,
+                                     prefill_node, decode_node)
         plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                              grouping=spec.to_dict(), provenance={"planner": "locality"})
         score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
         if best is None or score < best[0]:
-            best = (score, plan, demand, fallback, prefill_node, decode_node)
+            best = (score, plan, demand, fallback, prefill_node, decode_node, pull)
         if k + 1 < rounds:  # the grouper's online grouping under this plan is the next round's demand
             assignment = _simulate(plan, sig, meta)
             prefill_node, decode_node = assignment.ranks // G, _decode_ranks(assignment) // G
-    score, plan, demand, fallback, prefill_node, decode_node = best
+    score, plan, demand, fallback, prefill_node, decode_node, pull = best
     seconds = time.perf_counter() - t0
     # The figures are for the grouping this plan was placed for; the replay will show the online one.
     ranks = _ranks_for_nodes(sig, prefill_node, decode_node, topology)
     summary = _summary("locality", meta, plan, spec, sig, topology, ranks, prefill_node, decode_node,
                        "domain tag + grouper" if any(sig.domains) else "signature clusters + grouper",
-                       demand=demand, fallback=fallback, bytes_per_token=score)
+                       demand=demand, fallback=fallback, bytes_per_token=score, pull=pull)
     summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology)
     summary.plan_seconds = seconds
     plan.grouping["extra"] = {"planning_locality": round(summary.locality, 5)}
@@ -204,6 +239,41 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -
     return slots, fallback
 
 
+def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, cap: float, fallback: list[int],
+               sample: RoutingSample, prefill_node: np.ndarray, decode_node: np.ndarray):
+    """The cap under the node-aware rule: measure where the rule sends remote pairs with the current slots
+    (dispatch_pull.measure_pull, the rule itself on a sample of the planning requests), re-run the cap
+    search under that split on the layers it puts over the cap, and measure those layers again, up to
+    CALIBRATIONS times. Each layer keeps the slots with the lowest measured imbalance (the first ones met
+    the cap under the even spread). EPLB fallback layers are left as they are. Returns (slots [L, R, S],
+    the pull measured for the returned slots [L, N, E, N])."""
+    L = demand.shape[0]
+    G = topology.gpus_per_node
+    slots = slots.copy()
+    keep = np.array([meta.moe_layers[l] not in fallback for l in range(L)])
+    best_slots, best_imb = slots.copy(), np.full(L, np.inf)
+    best_pull = None
+    todo = np.arange(L)  # layers to measure
+    for k in range(CALIBRATIONS + 1):
+        plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots)
+        pull = measure_pull(plan, sample, prefill_node, decode_node, todo)  # [len(todo), N, E, N]
+        if best_pull is None:
+            best_pull = pull
+        imb = max_over_mean(rank_loads(slots[todo], demand[todo], pull))
+        better = imb < best_imb[todo]
+        best_slots[todo[better]], best_imb[todo[better]] = slots[todo[better]], imb[better]
+        best_pull[todo[better]] = pull[better]
+        over = todo[keep[todo] & (imb > cap)]
+        if k == CALIBRATIONS or len(over) == 0:
+            break
+        for i in np.flatnonzero(keep[todo] & (imb > cap)):  # from the current slots, under their own split
+            l = todo[i]
+            target = cap * float(demand[l].sum()) / topology.ranks * (1 - 1e-9)
+            slots[l] = enforce_cap(demand[l], slots[l], G, target, pull=pull[i])
+        todo = over
+    return best_slots, best_pull
+
+
 def _simulate(plan: PlacementPlan, sig: RequestSignatures, meta) -> Assignment:
     grouper = Grouper.from_plan(plan, moe_layers=meta.moe_layers)
     return run_grouper(grouper, sig.ids, sig.domains, sig.tokens, sig.prompt_tokens, signature_chunks(sig.prefill),
@@ -235,10 +305,10 @@ def _ranks_for_nodes(sig: RequestSignatures, prefill_node, decode_node, topology
 
 
 def _summary(name, meta, plan, spec, sig, topology, assignment, prefill_node, decode_node, grouping,
-             demand=None, fallback=(), bytes_per_token=None) -> PlanSummary:
+             demand=None, fallback=(), bytes_per_token=None, pull=None) -> PlanSummary:
     if demand is None:
         demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
-    locality, imb_mean, imb_worst = demand_figures(np.asarray(plan.slots), demand)
+    locality, imb_mean, imb_worst = demand_figures(np.asarray(plan.slots), demand, pull)
     if bytes_per_token is None:
         bytes_per_token = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
     attn = attention_imbalance(sig.tokens, assignment.ranks, _decode_ranks(assignment), sig.prompt_tokens,

@@ -9,7 +9,8 @@ slots:
            that had none, that node's demand for a turns local;
   shed     w replaces its replica of a (which keeps another copy) by a copy of any expert f.
 A move changes the replica counts of two experts only, so its effect on every rank's load is two
-experts' contributions recomputed (expected_load's rule, own-rank tier included), for all candidate moves
+experts' contributions recomputed (expected_load's rule, own-rank tier included, with the remote split
+`pull` when the caller measured one, dispatch_pull.py), for all candidate moves
 in one batch. The move taken removes the most overload (sum over ranks of load above the target) per
 local pair lost; moves that win local pairs score best. Deterministic: ties go to the first candidate.
 
@@ -41,11 +42,13 @@ def copies_per_rank(slots: np.ndarray, num_experts: int) -> np.ndarray:
     return np.bincount(keys.ravel(), minlength=R * num_experts).reshape(R, num_experts)
 
 
-def contributions(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarray:
-    """Load each expert puts on each rank, [B, R], from its node demand [B, N] and copies h_e [B, R].
+def contributions(demand_e: np.ndarray, h_e: np.ndarray, gpus: int, pull_e: np.ndarray | None = None) -> np.ndarray:
+    """Load each expert puts on each rank, [B, R], from its node demand [B, N], copies h_e [B, R] and
+    pull_e [B, N(source), N(holder)] (None: the even spread).
 
     Per node: ranks holding e keep their own share D / G; the node's other ranks spread theirs over the
-    node's copies; the demand of nodes without e spreads over all copies (expected_load.rank_loads).
+    node's copies; the demand of nodes without e goes to the copies as expected_load.remote_loads says
+    (expected_load.rank_loads).
     """
     B, R = h_e.shape
     N = R // gpus
@@ -53,10 +56,15 @@ def contributions(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarra
     x = h.sum(-1)  # [B, N]
     has = h > 0
     with_e = has.sum(-1)  # [B, N] ranks of the node holding e
-    rho = np.where(x > 0, 0.0, demand_e).sum(-1) / np.maximum(x.sum(-1), 1)  # [B]
+    remote = np.where(x > 0, 0.0, demand_e)  # [B, N]
+    if pull_e is None:
+        rho = np.broadcast_to((remote.sum(-1) / np.maximum(x.sum(-1), 1))[:, None], (B, N))  # [B, N] per copy
+    else:
+        denom = np.einsum("bnj,bj->bn", pull_e, x)
+        rho = np.einsum("bn,bnj->bj", remote / np.maximum(denom, 1e-300), pull_e)
     per_rank = demand_e / gpus
     spill = np.where(x > 0, per_rank * (gpus - with_e) / np.maximum(x, 1), 0.0)  # [B, N] per copy
-    load = has * per_rank[..., None] + h * (spill[..., None] + rho[:, None, None])
+    load = has * per_rank[..., None] + h * (spill + rho)[..., None]
     return load.reshape(B, R)
 
 
@@ -68,27 +76,29 @@ def local_pairs(demand_e: np.ndarray, h_e: np.ndarray, gpus: int) -> np.ndarray:
 
 
 def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
-                max_steps: int = MAX_STEPS, max_kicks: int = MAX_KICKS) -> np.ndarray:
+                max_steps: int = MAX_STEPS, max_kicks: int = MAX_KICKS, pull: np.ndarray | None = None) -> np.ndarray:
     """Slots [R, S] whose expected rank loads all lie at or under `target` if the search finds a way;
-    otherwise the slots with the least overload it saw."""
+    otherwise the slots with the least overload it saw. pull [N, E, N]: expected_load's remote split
+    (None: the even spread of the `position` rule)."""
     slots = slots.copy()
     R, S = slots.shape
     N, E = demand.shape
     eps = 1e-6 * max(float(demand.sum()) / R, 1e-12)
     dT = np.ascontiguousarray(demand.T)  # [E, N]
+    pT = None if pull is None else np.ascontiguousarray(pull.transpose(1, 0, 2))  # [E, N(source), N(holder)]
     best, best_excess, kicks = slots.copy(), np.inf, 0
     for _ in range(max_steps):
         h = copies_per_rank(slots, E)  # [R, E]
-        contrib = contributions(dT, np.ascontiguousarray(h.T), gpus)  # [E, R]
+        contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)  # [E, R]
         loads = contrib.sum(0)
         excess = np.maximum(loads - target, 0.0).sum()
         if excess < best_excess - eps:
             best, best_excess = slots.copy(), excess
         if excess <= eps:
             break
-        move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps)
+        move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT)
         if move is None:
-            if kicks >= max_kicks or not _kick(demand, slots, contrib, loads, gpus):
+            if kicks >= max_kicks or not _kick(demand, slots, contrib, loads, gpus, pull):
                 break
             kicks += 1
             continue
@@ -97,7 +107,8 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
     return best
 
 
-def _kick(demand: np.ndarray, slots: np.ndarray, contrib: np.ndarray, loads: np.ndarray, gpus: int) -> bool:
+def _kick(demand: np.ndarray, slots: np.ndarray, contrib: np.ndarray, loads: np.ndarray, gpus: int,
+          pull: np.ndarray | None = None) -> bool:
     """Split the worst rank's heaviest replica on its own node and repack that node (in place)."""
     R, S = slots.shape
     N, E = demand.shape
@@ -108,13 +119,13 @@ def _kick(demand: np.ndarray, slots: np.ndarray, contrib: np.ndarray, loads: np.
     if not split_replica(demand, x, node, heavy):
         return False
     experts = np.repeat(np.arange(E), x[node])  # [G * S]
-    gpu = pack_replicas(replica_loads(demand, x)[node, experts][None], gpus)[0]
+    gpu = pack_replicas(replica_loads(demand, x, pull)[node, experts][None], gpus)[0]
     order = np.lexsort((experts, gpu))
     slots[node * gpus : (node + 1) * gpus] = experts[order].reshape(gpus, S)
     return True
 
 
-def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps):
+def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None):
     R, S = slots.shape
     E = dT.shape[0]
     w = int(np.argmax(loads))
@@ -153,7 +164,7 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps):
             he[rows[m], lose[m]] -= 1
             m = get >= 0
             he[rows[m], get[m]] += 1
-            new_loads += contributions(dT[e], he, gpus)
+            new_loads += contributions(dT[e], he, gpus, None if pT is None else pT[e])
             gain_local = gain_local + local_pairs(dT[e], he, gpus) - local_pairs(dT[e], h[:, e].T, gpus)
         reduced = excess - np.maximum(new_loads - target, 0.0).sum(1)
         score = reduced / (np.maximum(-gain_local, 0.0) + eps)

@@ -101,13 +101,14 @@ def expected_bytes_per_token(plan, spec, signatures, prefill_node: np.ndarray, d
     return total / max(float(signatures.tokens.sum()), 1.0)
 
 
-def demand_figures(slots: np.ndarray, demand: np.ndarray) -> tuple[float, float, float]:
-    """(locality, mean imbalance, worst imbalance) of slots [L, R, S] for demand [L, N, E]."""
+def demand_figures(slots: np.ndarray, demand: np.ndarray, pull: np.ndarray | None = None) -> tuple[float, float, float]:
+    """(locality, mean imbalance, worst imbalance) of slots [L, R, S] for demand [L, N, E] (pull: the
+    remote split, expected_load.py; None: the even spread)."""
     L, N, E = demand.shape
     x = node_replicas(slots, N, E)
     total = float(demand.sum())
     locality = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
-    imb = max_over_mean(rank_loads(slots, demand))
+    imb = max_over_mean(rank_loads(slots, demand, pull))
     return locality, float(imb.mean()), float(imb.max())
 
 

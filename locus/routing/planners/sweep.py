@@ -58,7 +58,7 @@ def parse_slot_range(text: str) -> list[int]:
 
 def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: int = 0,
           dispatch: str | None = None, batch_tokens: int = 4096, log: Log = print,
-          replica_budget: str = "top") -> tuple[list[SweepRow], list[tuple[int, str]]]:
+          replica_budget: str = "top", load_model: str | None = None) -> tuple[list[SweepRow], list[tuple[int, str]]]:
     """Rows for every usable slot count, and the (slot count, reason) of those skipped."""
     meta = reader.meta
     R = len(reader.requests)
@@ -70,7 +70,8 @@ def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: 
             skipped.append((slots, f"too few for one copy of each of the {meta.num_experts} experts"))
             continue
         topology = parse_topology(topology_text, meta.num_experts, slots)
-        options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget)
+        options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
+                              load_model=load_model)
         tokens = [r.tokens for r in reader.requests[replay_range[0] : replay_range[1]]]
         balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
         eplb_plan = make_plan("eplb", reader, topology, plan_range, options).plan
