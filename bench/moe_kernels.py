@@ -9,8 +9,8 @@ For each expert shape, token count T and backend it prints the time of one `fuse
                and down read once: 3 * H * I * itemsize per distinct expert)
 and, on a GPU whose peaks are known, the share of peak compute and of peak HBM bandwidth. Decode
 batches are bandwidth-bound (watch GB/s), prefill batches compute-bound (watch TFLOP/s). Routing is
-uniform random top-K, so almost every expert is touched once T*K >> E. The max |triton - torch|
-column is a parity check on the very inputs timed.
+uniform random top-K, so almost every expert is touched once T*K >> E. The max|diff| column is a
+parity check on the very inputs timed: each backend against torch (the torch row: triton against torch).
 
 Without CUDA the Triton kernels run in Triton's interpreter (this script sets TRITON_INTERPRET=1), so
 CPU timings only show that the script works; only the small shapes at a few token counts run there.
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="small shapes only (runs on CPU too)")
     p.add_argument("--shapes", help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--tokens", help="comma-separated token counts (default: decode + prefill on CUDA)")
-    p.add_argument("--backends", default="triton,torch", help="comma-separated, from triton,torch")
+    p.add_argument("--backends", default="triton,torch", help="comma-separated, from triton,torch,cpu (cpu: the C decode kernel, CPU only)")
     p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default), float16, float32 (CPU default)")
     p.add_argument("--repeat", type=int, default=None, help="timed calls per row (default 20 on CUDA, 2 on CPU)")
     p.add_argument("--peak-tflops", type=float, help="override the device's peak TFLOP/s")
@@ -119,10 +119,10 @@ def measure_shape(name: str, shape: dict, tokens: list[int], backends: list[str]
             outputs[backend] = call()
             seconds = time_call(call, device, repeat)
             rows.append(make_row(name, shape, T, backend, seconds, ids, dtype, peaks))
-        if len(outputs) == 2:
-            diff = (outputs["triton"].float() - outputs["torch"].float()).abs().max().item()
-            for row in rows[-2:]:
-                row["max_abs_diff"] = diff
+        if "torch" in outputs and len(outputs) > 1:  # parity of each other backend with the reference
+            for row in rows[-len(backends):]:
+                other = outputs["triton" if row["backend"] == "torch" and "triton" in outputs else row["backend"]]
+                row["max_abs_diff"] = (other.float() - outputs["torch"].float()).abs().max().item()
         del x, gate_up, down, outputs
     return rows
 

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time prefill alone (1 new token) to split each engine's time into prefill and decode")
     p.add_argument("--compile", action="store_true",
                    help="also run Locus with compiled decode steps (one bucket: the batch size), beside the eager run")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="locus's expert kernels (auto: the C decode kernel where it builds, as `locus serve`)")
     p.add_argument("--out", default="results/offline.json")
     return p.parse_args(argv)
 
@@ -56,7 +58,7 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
 
 
 def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str,
-              compile_decode: bool = False):
+              compile_decode: bool = False, moe_backend: str = "auto"):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
@@ -65,7 +67,7 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
 
     def once():
         # a fresh engine per repeat: no prefix cache carried over between timed runs
-        llm = LLM(str(model_dir), dtype=dtype, device="cpu", moe_backend="torch",
+        llm = LLM(str(model_dir), dtype=dtype, device="cpu", moe_backend=moe_backend,
                   engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                                              compile_decode=compile_decode,
                                              compile_buckets=(min(len(prompts), max_num_seqs),)))
@@ -108,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)
         total_new = args.prompts * args.new_tokens
         rows = []
-        locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs, args.dtype)
+        locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs, args.dtype,
+                                          moe_backend=args.moe_backend)
         rows.append({"engine": "locus", "seconds": locus_s, "output_tokens_per_s": total_new / locus_s})
         if args.compile:
             compiled_s, compiled_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs,
-                                                    args.dtype, compile_decode=True)
+                                                    args.dtype, compile_decode=True, moe_backend=args.moe_backend)
             rows.append({"engine": "locus-compiled", "seconds": compiled_s, "output_tokens_per_s": total_new / compiled_s,
                          "identical_to_eager_share": sum(a == b for a, b in zip(compiled_tokens, locus_tokens)) / len(prompts)})
         agree = None
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             agree = sum(a == b for a, b in zip(locus_tokens, hf_tokens)) / len(prompts)
         phases = {}
         if args.phases:
-            phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs, args.dtype)[0]
+            phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs, args.dtype,
+                                        moe_backend=args.moe_backend)[0]
             if args.compile:  # one new token: the prefill alone, which stays eager
                 phases["locus-compiled"] = phases["locus"]
             if not args.skip_transformers:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"decode {hf['decode_seconds'] / r['decode_seconds']:.2f}x")
     result = {
         "bench": "offline", "model": args.model or "small preset (seed 0)", "prompts": args.prompts,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "repeats": args.repeats, "rows": rows,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "moe_backend": args.moe_backend, "repeats": args.repeats, "rows": rows,
         "ratio_locus_over_transformers": ratio, "identical_greedy_share": agree,
         "machine": {"threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
     }

@@ -15,7 +15,8 @@ The floor is what a decode step cannot avoid, each part measured here, now:
   of a large GEMM in the same dtype.
 Attention itself, routing, sampling, scheduling and Python count as zero.
 
-    python bench/profile_decode.py [--dtype float32|bfloat16] [--steps 30] [--profile] [--out FILE.json]
+    python bench/profile_decode.py [--dtype float32|bfloat16] [--moe-backend auto|torch|cpu] [--steps 30] [--profile]
+                                   [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="expert kernels (auto: the C decode kernel where it builds, as `locus serve`)")
     p.add_argument("--profile", action="store_true", help="also print a torch-profiler table of compiled steps")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from locus.engine.loader import load
     from locus.engine.sampling_params import SamplingParams
 
-    loaded = load(args.model, args.dtype, "cpu", "torch", 0)
+    loaded = load(args.model, args.dtype, "cpu", args.moe_backend, 0)
     model, B = loaded.model, args.prompts
     config = dict(max_num_seqs=max(B, 1), max_num_batched_tokens=max(4096, B * args.prompt_len))
     eager = EngineCore(model, loaded.tokenizer, EngineConfig(**config))
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
              "dense_ms": dense_flops(model, B) / peak / 1e6}
     floor_ms = sum(floor.values())
 
-    name = f"{args.model}, {args.dtype}, {B} sequences, {torch.get_num_threads()} threads"
+    name = f"{args.model}, {args.dtype}, {B} sequences, {torch.get_num_threads()} threads, MoE backend {args.moe_backend}"
     print(f"{name}: decode step median over {args.steps} alternating steps")
     print("| part | ms | note |\n|---|---|---|")
     print(f"| lm_head | {head['ms']:.2f} | best of " + ", ".join(f"{k} {v:.2f}" for k, v in head["forms_ms"].items()) + " |")

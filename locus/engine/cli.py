@@ -18,7 +18,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's, float32 for presets)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"],
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
                    help="expert kernels: auto = Triton on CUDA, torch reference on CPU; triton on CPU needs TRITON_INTERPRET=1 (slow)")
 
 

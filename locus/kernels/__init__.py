@@ -4,7 +4,9 @@
     "torch"   moe_reference.fused_moe_reference (any device)
     "triton"  moe_triton.fused_moe_triton: align (moe_align) -> grouped GEMMs (moe_gemm) -> slot sum,
               block sizes from moe_configs; needs CUDA, or TRITON_INTERPRET=1 on CPU (tests)
-    "auto"    triton for CUDA tensors, torch otherwise
+    "cpu"     moe_cpu.fused_moe_cpu: a C kernel built on first use for decode-sized batches (few rows
+              per expert), the reference's per-expert loop otherwise; CPU tensors
+    "auto"    triton for CUDA tensors; cpu for CPU tensors when its kernel builds, else torch
 The Triton modules are imported on first use, so importing this package never needs triton. On CPU,
 TRITON_INTERPRET=1 must be set before anything imports Triton at all (tests/conftest.py, bench scripts).
 """
@@ -15,7 +17,7 @@ import torch
 
 from locus.kernels.moe_reference import fused_moe_reference
 
-MOE_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def fused_moe(
@@ -44,15 +46,25 @@ def run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, exp
     backend = resolve_backend(backend, x.device)
     if backend == "torch":
         return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+    if backend == "cpu":
+        from locus.kernels.moe_cpu import fused_moe_cpu
+
+        return fused_moe_cpu(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
     from locus.kernels.moe_triton import fused_moe_triton
 
     return fused_moe_triton(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend ("torch" or "triton") that `backend` means for tensors on `device`."""
+    """The concrete backend ("torch", "triton" or "cpu") that `backend` means for tensors on `device`."""
     if backend not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose one of {MOE_BACKENDS}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        from locus.kernels.moe_cpu import available
+
+        return "cpu" if device.type == "cpu" and available() else "torch"
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu MoE backend runs on CPU tensors, not {device.type}")
     return backend

@@ -101,12 +101,16 @@ def test_empty_batch():
 
 
 def test_backend_choice():
-    assert MOE_BACKENDS == ("auto", "torch", "triton")
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    from locus.kernels.moe_cpu import available
+
+    assert MOE_BACKENDS == ("auto", "torch", "triton", "cpu")
+    assert resolve_backend("auto", torch.device("cpu")) == ("cpu" if available() else "torch")
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
     assert resolve_backend("triton", torch.device("cpu")) == "triton"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         resolve_backend("cutlass", torch.device("cpu"))
+    with pytest.raises(ValueError, match="cpu MoE backend runs on CPU tensors"):
+        resolve_backend("cpu", torch.device("cuda", 0))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU interpreter set-up")

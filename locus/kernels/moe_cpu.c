@@ -1,0 +1,128 @@
+/* Routed experts on the CPU for batches with few rows per expert (decode).
+ *
+ * Why not torch.bmm: a small-M GEMM in MKL/oneDNN packs the weight panel before multiplying, so at
+ * 2-8 rows per expert it reads each weight about twice and runs at a third of the memory stream
+ * rate. Here each expert's weights are read once, straight from the checkpoint layout, with every
+ * row of that expert multiplied against the weight vectors while they sit in registers.
+ *
+ * Shape legend: P rows (the (token, slot) pairs held here, sorted by expert), E experts, H hidden,
+ * I expert width. Rows of expert e are offsets[e] .. offsets[e+1]-1.
+ *     x       [P, H]   float32 (already scaled by the routing weight when it applies to the input)
+ *     gate_up expert e at gate_up + e*se; element (k, n) at k*sk + n   [E, H, 2I], gate = first I columns
+ *     h       [P, I]   float32, silu(x @ gate) * (x @ up)
+ *     down    expert e at down + e*se; element (j, n) at j*sk + n      [E, I, H]
+ *     y       [P, H]   float32, h @ down
+ * Weights are float32 or bfloat16 (widened to float32 in registers); accumulation is float32.
+ *
+ * Work is split over (expert, column block) items with OpenMP; the library links the libgomp that
+ * torch has loaded, so it shares torch's threads and thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RB 8    /* rows multiplied per pass over a weight block (more rows: more passes) */
+#define CB 512  /* output columns per work item: the accumulators RB x CB stay in L1 */
+#define KB 8    /* weight rows loaded together: KB sequential read streams per pass */
+#define VW 16   /* floats per vector (one AVX-512 register; narrower ISAs split it) */
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+static inline vf load_vec_f32(const float *p) { return *(const vf *)p; }
+static inline vf load_vec_bf16(const uint16_t *p) {
+    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16; /* bf16 is the top half of a float32 */
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float load_one_f32(const float *p) { return *p; }
+static inline float load_one_bf16(const uint16_t *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* acc[r][c] += sum_k a[r][k] * w[k][c] for r < nr, k < K, c < C; rows of a are lda apart, of w ldw
+ * apart, of acc ldc apart. Each block of KB x VW weights is loaded once and used by all nr rows. */
+#define DEFINE_ACCUMULATE(SUF, WT)                                                                   \
+    static void accumulate_##SUF(const float *a, long lda, int nr, const WT *w, long ldw, int K,     \
+                                 int C, float *acc, int ldc) {                                       \
+        int cv = C - C % VW, k0 = 0;                                                                 \
+        for (; k0 + KB <= K; k0 += KB) {                                                             \
+            const WT *wk = w + (long)k0 * ldw;                                                       \
+            for (int c = 0; c < cv; c += VW) {                                                       \
+                vf w0 = load_vec_##SUF(wk + c), w1 = load_vec_##SUF(wk + ldw + c),                   \
+                   w2 = load_vec_##SUF(wk + 2 * ldw + c), w3 = load_vec_##SUF(wk + 3 * ldw + c),     \
+                   w4 = load_vec_##SUF(wk + 4 * ldw + c), w5 = load_vec_##SUF(wk + 5 * ldw + c),     \
+                   w6 = load_vec_##SUF(wk + 6 * ldw + c), w7 = load_vec_##SUF(wk + 7 * ldw + c);     \
+                for (int r = 0; r < nr; r++) {                                                       \
+                    const float *x = a + r * lda + k0;                                               \
+                    vf *out = (vf *)(acc + r * ldc + c);                                             \
+                    vf s = *out; /* one chain of fused multiply-adds per row; rows are independent */ \
+                    s += x[0] * w0; s += x[1] * w1; s += x[2] * w2; s += x[3] * w3;                  \
+                    s += x[4] * w4; s += x[5] * w5; s += x[6] * w6; s += x[7] * w7;                  \
+                    *out = s;                                                                        \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (; k0 < K; k0++) { /* K % KB leftover weight rows */                                      \
+            const WT *wk = w + (long)k0 * ldw;                                                       \
+            for (int c = 0; c < cv; c += VW) {                                                       \
+                vf wv = load_vec_##SUF(wk + c);                                                      \
+                for (int r = 0; r < nr; r++) *(vf *)(acc + r * ldc + c) += a[r * lda + k0] * wv;     \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < nr; r++) /* C % VW leftover columns */                                   \
+            for (int k = 0; k < K; k++)                                                              \
+                for (int c = cv; c < C; c++)                                                         \
+                    acc[r * ldc + c] += a[r * lda + k] * load_one_##SUF(w + (long)k * ldw + c);     \
+    }
+
+DEFINE_ACCUMULATE(f32, float)
+DEFINE_ACCUMULATE(bf16, uint16_t)
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+#define DEFINE_STAGES(SUF, WT)                                                                       \
+    void locus_moe_gate_up_##SUF(const float *x, const WT *gate_up, long se, long sk,                \
+                                 const int64_t *offsets, int E, int H, int I, float *h, int threads) { \
+        int blocks = (I + CB - 1) / CB;                                                              \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                           \
+        for (long item = 0; item < (long)E * blocks; item++) {                                       \
+            int e = item / blocks, j0 = (item % blocks) * CB, C = I - j0 < CB ? I - j0 : CB;          \
+            float gate[RB * CB] __attribute__((aligned(64))), up[RB * CB] __attribute__((aligned(64))); \
+            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += RB) {                           \
+                int nr = offsets[e + 1] - p0 < RB ? offsets[e + 1] - p0 : RB;                        \
+                memset(gate, 0, sizeof gate);                                                        \
+                memset(up, 0, sizeof up);                                                            \
+                const WT *w = gate_up + e * se + j0;                                                 \
+                accumulate_##SUF(x + p0 * H, H, nr, w, sk, H, C, gate, CB);                          \
+                accumulate_##SUF(x + p0 * H, H, nr, w + I, sk, H, C, up, CB);                        \
+                for (int r = 0; r < nr; r++)                                                         \
+                    for (int c = 0; c < C; c++)                                                      \
+                        h[(p0 + r) * I + j0 + c] = silu(gate[r * CB + c]) * up[r * CB + c];          \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    void locus_moe_down_##SUF(const float *h, const WT *down, long se, long sk,                      \
+                              const int64_t *offsets, int E, int I, int H, float *y, int threads) {  \
+        int blocks = (H + CB - 1) / CB;                                                              \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                           \
+        for (long item = 0; item < (long)E * blocks; item++) {                                       \
+            int e = item / blocks, n0 = (item % blocks) * CB, C = H - n0 < CB ? H - n0 : CB;          \
+            float acc[RB * CB] __attribute__((aligned(64)));                                         \
+            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += RB) {                           \
+                int nr = offsets[e + 1] - p0 < RB ? offsets[e + 1] - p0 : RB;                        \
+                memset(acc, 0, sizeof acc);                                                          \
+                accumulate_##SUF(h + p0 * I, I, nr, down + e * se + n0, sk, I, C, acc, CB);          \
+                for (int r = 0; r < nr; r++)                                                         \
+                    memcpy(y + (p0 + r) * H + n0, acc + r * CB, C * sizeof(float));                  \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+DEFINE_STAGES(f32, float)
+DEFINE_STAGES(bf16, uint16_t)

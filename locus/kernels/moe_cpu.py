@@ -1,0 +1,140 @@
+"""The CPU routed-expert kernel (moe_cpu.c): built on first use with the system C compiler, called
+through ctypes.
+
+`fused_moe_cpu` has `fused_moe_reference`'s signature and results. It runs the C kernel when every
+expert holds at most CPU_MAX_ROWS[dtype] rows (decode: the kernel reads each touched expert's weights once,
+where a small-M `bmm` reads them about twice) and the weights are float32 or bfloat16 with unit
+column stride; otherwise (prefill, other dtypes) it is the reference's per-expert matmul loop.
+
+Build: `cc -O3 -march=native -fopenmp -shared` into LOCUS_KERNEL_CACHE (default
+~/.cache/locus/kernels), one library per source, compiler and CPU (the file name hashes them), written
+under a temporary name and renamed, so ranks starting together never load a half-written file. No
+compiler, or a failed build: one warning, and the `cpu` backend is not available (`"auto"` then
+means the torch reference on CPU).
+
+Shape legend as in moe_reference: T tokens, K slots, E experts held here, H hidden, I expert width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from locus.kernels.moe_reference import check_shapes, fused_moe_reference, sort_pairs, sum_slots
+
+log = logging.getLogger("locus.kernels")
+
+SOURCE = Path(__file__).with_name("moe_cpu.c")
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Above this many rows per expert the reference (MKL/oneDNN GEMMs) is as fast or faster: measured on
+# the `small` preset's expert shape (H 256, I 512), 1 and 2 threads (docs/kernels.md).
+CPU_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOCUS_KERNEL_CACHE") or Path.home() / ".cache" / "locus" / "kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the machine and its CPU feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, built if this machine has none yet; None if it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the cpu MoE backend is unavailable, using the torch reference")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_signature()]).encode())
+        target = cache_dir() / f"moe_cpu-{key.hexdigest()[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            try:
+                subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True,
+                               text=True, timeout=300)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("building the cpu MoE kernel failed (%s): using the torch reference", str(detail).strip()[:500])
+        return None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    for suffix in KERNEL_DTYPES.values():
+        for stage in ("gate_up", "down"):
+            fn = getattr(lib, f"locus_moe_{stage}_{suffix}")
+            fn.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32, i32, ptr, i32]
+            fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    return load_library() is not None
+
+
+def kernel_applies(gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> bool:
+    """The C kernel handles this call: CPU, a kernel dtype, unit column strides, few rows per expert."""
+    return (gate_up.device.type == "cpu" and gate_up.dtype in KERNEL_DTYPES and down.dtype == gate_up.dtype
+            and gate_up.stride(2) == 1 and down.stride(2) == 1 and max(counts, default=0) <= CPU_MAX_ROWS[gate_up.dtype]
+            and available())
+
+
+def fused_moe_cpu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weight_on_input: bool = True,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed-expert output [T, H] in x's dtype; the math of fused_moe_reference, accumulated in
+    float32 (the reference rounds g, u and silu(g)*u to the input dtype; this keeps them in float32)."""
+    T, H, K, E, I = check_shapes(x, gate_up, down, topk_ids, topk_weights)
+    pairs = sort_pairs(x, topk_ids, topk_weights, E, weight_on_input, expert_map)
+    if not kernel_applies(gate_up, down, pairs.counts):
+        return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+    held = slice(pairs.start, T * K)
+    rows = pairs.x[held].float().contiguous()  # [P_held, H]
+    offsets = torch.zeros(E + 1, dtype=torch.int64)
+    torch.cumsum(pairs.sizes, 0, out=offsets[1:])
+    h = torch.empty(rows.shape[0], I)  # [P_held, I] float32
+    y_held = torch.empty(rows.shape[0], H)  # [P_held, H] float32
+    lib, suffix, threads = load_library(), KERNEL_DTYPES[gate_up.dtype], torch.get_num_threads()
+    if rows.shape[0]:
+        getattr(lib, f"locus_moe_gate_up_{suffix}")(
+            rows.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1), offsets.data_ptr(),
+            E, H, I, h.data_ptr(), threads)
+        getattr(lib, f"locus_moe_down_{suffix}")(
+            h.data_ptr(), down.data_ptr(), down.stride(0), down.stride(1), offsets.data_ptr(),
+            E, I, H, y_held.data_ptr(), threads)
+    y_sorted = torch.zeros(T * K, H)
+    y_sorted[held] = y_held
+    if not weight_on_input:
+        y_sorted *= pairs.weights.float()
+    return sum_slots(y_sorted, pairs.order, T, K, x.dtype)
