@@ -108,6 +108,7 @@ class PagedDecodeView:
 @dataclass
 class DecodeOutput:
     logits: torch.Tensor  # [n, V] float32
+    argmax: torch.Tensor  # [n] int64, each row's argmax of logits (the greedy token), computed in the graph
     expert_ids: torch.Tensor  # [n, L, K] int64
     expert_weights: torch.Tensor  # [n, L, K] float32
 
@@ -141,17 +142,20 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_rows: torch.Tensor,
-                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = DecodeBatch(input_ids, positions)
         out = self.model(batch, PagedDecodeView(self.pool, write_rows, block_tables), record_routing=bool(self.moe_layers))
         # W @ h^T rather than h @ W^T: with a few rows against a [V, H] weight this form streams the
         # weight once at full width (bench/profile_decode.py times both; bfloat16 gains most).
         logits = (self.model.lm_head.weight @ out.hidden.T).T.float()
+        # The greedy token in the graph: inductor's vectorised reduction reads the logits once, where
+        # aten's argmax over these (transposed) logits costs about 1 ms a step at 32 rows.
+        argmax = logits.argmax(-1)
         if not self.moe_layers:
             empty = torch.empty(input_ids.shape[0], 0, 0, device=input_ids.device)
-            return logits, empty.long(), empty
+            return logits, argmax, empty.long(), empty
         topks = [out.routing[layer] for layer in self.moe_layers]
-        return logits, torch.stack([t.ids for t in topks], 1), torch.stack([t.weights for t in topks], 1)
+        return logits, argmax, torch.stack([t.ids for t in topks], 1), torch.stack([t.weights for t in topks], 1)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> DecodeOutput:
         """Decode one token for each of n sequences: token_ids[i] at positions[i], KV in block_tables[i]."""
@@ -175,9 +179,9 @@ class DecodeGraphs:
         pos = torch.tensor(positions + [-1] * (B - n), dtype=torch.long, device=dev)
         table_tensor = torch.tensor(tables, dtype=torch.long, device=dev)
         torch._dynamo.mark_dynamic(table_tensor, 1)
-        logits, expert_ids, expert_weights = self._compiled(ids, pos, torch.tensor(rows, dtype=torch.long, device=dev),
-                                                            table_tensor)
-        return DecodeOutput(logits[:n], expert_ids[:n], expert_weights[:n])
+        logits, argmax, expert_ids, expert_weights = self._compiled(
+            ids, pos, torch.tensor(rows, dtype=torch.long, device=dev), table_tensor)
+        return DecodeOutput(logits[:n], argmax[:n], expert_ids[:n], expert_weights[:n])
 
     def warm_up(self) -> None:
         """Compile every bucket now (a dummy step each, padding rows only); inductor's on-disk cache

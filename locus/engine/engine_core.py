@@ -232,7 +232,7 @@ class EngineCore:
                 self._score_prompt(scored)
             self.routing.publish(result, items)
             if result.sampled:
-                self._sample(result.sampled, result.logits, touched)
+                self._sample(result.sampled, result.logits, touched, result.argmax)
         outputs = []
         for request in touched.values():
             outputs.append(self._output(request))
@@ -240,16 +240,19 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, touched: OrderedDict) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, touched: OrderedDict,
+                argmax: torch.Tensor | None = None) -> None:
         rows, expanded = [], []
         for i, seq in enumerate(seqs):
             group = [seq] if seq.request.forked else [seq, *self._fork(seq)]
             rows += [i] * len(group)
             expanded += group
         if len(rows) != logits.shape[0]:  # n > 1 repeats rows; skip the [B, V] copy when not
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            index = torch.tensor(rows, device=logits.device)
+            logits = logits[index]
+            argmax = None if argmax is None else argmax[index]
         try:
-            sample = self.sampler.sample(logits, [s.sampling for s in expanded])
+            sample = self.sampler.sample(logits, [s.sampling for s in expanded], argmax)
             tokens, logprobs = sample.token_ids, sample.logprobs
         except Exception as exc:  # noqa: BLE001 - find the row(s) to blame, or re-raise
             tokens, logprobs = self._sample_rows(logits, expanded, exc)

@@ -35,6 +35,7 @@ class RunResult:
     routing: dict[int, TopK] | None  # layer -> top-k of every token of the batch (when recording)
     batch: ForwardBatch
     prompt_logits: list[PromptLogits]  # for requests that asked for prompt logprobs
+    argmax: torch.Tensor | None = None  # [len(sampled)] argmax of each logits row, when already computed
 
 
 class ModelRunner:
@@ -91,4 +92,4 @@ class ModelRunner:
         # The batch is what the routing subscribers read (row ranges); it is not run.
         spans = [SequenceSpan(seq.seq_id, p, 1) for seq, p in zip(seqs, positions)]
         batch = ForwardBatch(torch.tensor(token_ids), torch.tensor(positions), spans)
-        return RunResult(seqs, out.logits, routing, batch, [])
+        return RunResult(seqs, out.logits, routing, batch, [], out.argmax)

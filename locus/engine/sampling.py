@@ -73,11 +73,16 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> SampleOutput:
-        """logits [B, V] (row i belongs to states[i]) -> one token per row."""
+    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+               argmax: torch.Tensor | None = None) -> SampleOutput:
+        """logits [B, V] (row i belongs to states[i]) -> one token per row. argmax [B]: the logits'
+        argmax if the caller already has it (the compiled decode graph computes it); greedy rows take
+        it when no penalty, stop-token mask or grammar changed the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sequences")
-        logits = logits.float()
+        if argmax is not None and tuple(argmax.shape) != (len(states),):
+            raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(states)} sequences")
+        logits = raw = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_penalties(logits, states)
@@ -86,7 +91,7 @@ class Sampler:
         constrained = any(m is not None for m in matchers)
         if constrained:
             logits = apply_grammar_masks(logits, matchers)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax.clone() if argmax is not None and logits is raw else logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if rows:
             index = torch.tensor(rows, device=logits.device)

@@ -65,6 +65,7 @@ def test_each_decode_step_has_the_eager_logits_and_routing(compiled, monkeypatch
         fast = compiled_run(items, record_routing=True)
         assert fast.logits.shape == eager.logits.shape == (len(items), core.model.config.vocab_size)
         assert torch.allclose(fast.logits, eager.logits, atol=1e-5, rtol=0)
+        assert torch.equal(fast.argmax, fast.logits.argmax(-1))  # the graph's greedy token
         for layer, topk in eager.routing.items():
             assert torch.equal(fast.routing[layer].ids, topk.ids)
             assert torch.allclose(fast.routing[layer].weights, topk.weights, atol=1e-6)

@@ -93,6 +93,24 @@ def test_greedy_takes_the_argmax_and_uses_no_randomness():
     assert all(torch.equal(b, s.generator.get_state()) for b, s in zip(before, states))
 
 
+def test_a_given_argmax_serves_greedy_rows_only_while_the_logits_are_unchanged():
+    """The compiled decode graph hands the sampler its argmax. Greedy rows take it; when a penalty
+    or a stop-token mask changes the logits, the sampler takes its own argmax instead."""
+    logits = random_logits(3)
+    marker = torch.tensor([7, 8, 9])  # not the argmax: shows which one was used
+    plain = states_for([SamplingParams(temperature=0)] * 3)
+    assert Sampler().sample(logits, plain, marker).token_ids == [7, 8, 9]
+    penalised = states_for([SamplingParams(temperature=0), SamplingParams(temperature=0, presence_penalty=1.0),
+                            SamplingParams(temperature=0)])
+    for s in penalised:
+        s.output_ids = [1]
+    assert Sampler().sample(logits, penalised, marker).token_ids == apply_penalties(logits, penalised).argmax(-1).tolist()
+    masked = states_for([SamplingParams(temperature=0, min_tokens=1)] * 3)
+    assert Sampler(eos_token_ids=(0,)).sample(logits, masked, marker).token_ids != [7, 8, 9]
+    with pytest.raises(ValueError, match=r"argmax \(2,\) does not match 3 sequences"):
+        Sampler().sample(logits, plain, marker[:2])
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
 def test_top_k_one_is_greedy_at_any_temperature(temperature):
     logits = random_logits(8, seed=1)
