@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=None, help="timed calls per row (default 20 on CUDA, 2 on CPU)")
     p.add_argument("--peak-tflops", type=float, help="override the device's peak TFLOP/s")
     p.add_argument("--peak-gbps", type=float, help="override the device's peak GB/s")
+    p.add_argument("--cpu-max-rows", type=int, help="run the cpu backend's C kernel up to this many rows per expert "
+                   "(default: locus.kernels.moe_cpu.CPU_MAX_ROWS, above which it calls the torch reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -178,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     repeat = args.repeat or (20 if cuda else 2)
     backends = args.backends.split(",")
+    if args.cpu_max_rows is not None:
+        from locus.kernels import moe_cpu
+
+        moe_cpu.CPU_MAX_ROWS = dict.fromkeys(moe_cpu.CPU_MAX_ROWS, args.cpu_max_rows)
     name = torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
     peaks = device_peaks(name, args) if cuda else (None, None)
 

@@ -25,6 +25,10 @@
 #define CB 512  /* output columns per work item: the accumulators RB x CB stay in L1 */
 #define KB 8    /* weight rows loaded together: KB sequential read streams per pass */
 #define VW 16   /* floats per vector (one AVX-512 register; narrower ISAs split it) */
+/* Weight-row blocks read ahead by software prefetch. Each block is KB short runs (one per weight row,
+ * a row apart), too short for the hardware prefetcher to follow: without it the bfloat16 kernel ran at
+ * half the speed (bench/moe_kernels.py, docs/kernels.md). */
+#define PREFETCH 2
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
@@ -54,6 +58,8 @@ static inline float load_one_bf16(const uint16_t *p) {
         for (; k0 + KB <= K; k0 += KB) {                                                             \
             const WT *wk = w + (long)k0 * ldw;                                                       \
             for (int c = 0; c < cv; c += VW) {                                                       \
+                if (k0 + (PREFETCH + 1) * KB <= K) /* the rows PREFETCH blocks ahead, these columns */ \
+                    for (int q = 0; q < KB; q++) __builtin_prefetch(wk + (PREFETCH * KB + q) * ldw + c, 0, 3); \
                 vf w0 = load_vec_##SUF(wk + c), w1 = load_vec_##SUF(wk + ldw + c),                   \
                    w2 = load_vec_##SUF(wk + 2 * ldw + c), w3 = load_vec_##SUF(wk + 3 * ldw + c),     \
                    w4 = load_vec_##SUF(wk + 4 * ldw + c), w5 = load_vec_##SUF(wk + 5 * ldw + c),     \

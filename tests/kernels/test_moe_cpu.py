@@ -86,9 +86,10 @@ def test_large_batches_and_other_dtypes_use_the_reference(monkeypatch):
     calls = []
     real = moe_cpu.fused_moe_reference
     monkeypatch.setattr(moe_cpu, "fused_moe_reference", lambda *a: calls.append(a[0].dtype) or real(*a))
-    ids, weights = make_routing(64, 1, 2, "one_expert")  # 64 rows on one expert: over every limit
+    T = max(moe_cpu.CPU_MAX_ROWS.values()) + 1
+    ids, weights = make_routing(T, 1, 2, "one_expert")  # T rows on one expert: over every limit
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x, gate_up, down = make_experts(64, 2, 32, 64, dtype)
+        x, gate_up, down = make_experts(T, 2, 32, 64, dtype)
         assert_close(moe_cpu.fused_moe_cpu(x, gate_up, down, ids, weights),
                      fused_moe_reference(x, gate_up, down, ids, weights))
     ids, weights = make_routing(4, 1, 2)
