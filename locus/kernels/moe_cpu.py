@@ -30,15 +30,17 @@ from pathlib import Path
 
 import torch
 
-from locus.kernels.moe_reference import check_shapes, fused_moe_reference, sort_pairs, sum_slots
+from locus.kernels.moe_reference import check_shapes, multiply_sorted, sort_pairs, sum_slots
 
 log = logging.getLogger("locus.kernels")
 
 SOURCE = Path(__file__).with_name("moe_cpu.c")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# Above this many rows per expert the reference (MKL/oneDNN GEMMs) is as fast or faster: measured on
-# the `small` preset's expert shape (H 256, I 512), 1 and 2 threads (docs/kernels.md).
-CPU_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+# Above this many rows per expert the reference's GEMMs may be faster. bfloat16: oneDNN's bf16 GEMM
+# overtakes the kernel at 12-14 rows. float32: on the `small` expert shape the kernel still won at
+# 128 rows, but MKL's float32 GEMM gains more with size on larger shapes, so the limit stays at 64.
+# Measured with bench/moe_kernels.py --cpu-max-rows, 2 threads (docs/kernels.md).
+CPU_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 12}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -118,7 +120,7 @@ def fused_moe_cpu(
     T, H, K, E, I = check_shapes(x, gate_up, down, topk_ids, topk_weights)
     pairs = sort_pairs(x, topk_ids, topk_weights, E, weight_on_input, expert_map)
     if not kernel_applies(gate_up, down, pairs.counts):
-        return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+        return multiply_sorted(pairs, gate_up, down, T, K, weight_on_input, x.dtype)
     held = slice(pairs.start, T * K)
     rows = pairs.x[held].float().contiguous()  # [P_held, H]
     offsets = torch.zeros(E + 1, dtype=torch.int64)

@@ -114,9 +114,16 @@ def fused_moe_reference(
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     T, H, K, E, I = check_shapes(x, gate_up, down, topk_ids, topk_weights)
     pairs = sort_pairs(x, topk_ids, topk_weights, E, weight_on_input, expert_map)
+    return multiply_sorted(pairs, gate_up, down, T, K, weight_on_input, x.dtype, strategy)
+
+
+def multiply_sorted(pairs: SortedPairs, gate_up: torch.Tensor, down: torch.Tensor, T: int, K: int,
+                    weight_on_input: bool, dtype: torch.dtype, strategy: str = "auto") -> torch.Tensor:
+    """The reference's expert matmuls over pairs already sorted by sort_pairs: [T, H] in dtype."""
     counts, start, x_sorted = pairs.counts, pairs.start, pairs.x
+    E, H = gate_up.shape[0], x_sorted.shape[1]
     # Skipped pairs (id -1) sort first and their rows stay zero.
-    y_sorted = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
+    y_sorted = torch.zeros(T * K, H, dtype=x_sorted.dtype, device=x_sorted.device)
     if strategy == "auto":
         strategy = choose_strategy(counts)
     if strategy == "padded" and start < T * K:
@@ -124,8 +131,8 @@ def fused_moe_reference(
         held = slice(start, T * K)
         experts = pairs.experts[held]
         first_row = pairs.sizes.cumsum(0) - pairs.sizes  # [E] where each expert's rows begin within `held`
-        rank = torch.arange(T * K - start, device=x.device) - first_row[experts]
-        x_pad = x.new_zeros(E, max(counts), H)  # [E, M, H]
+        rank = torch.arange(T * K - start, device=x_sorted.device) - first_row[experts]
+        x_pad = x_sorted.new_zeros(E, max(counts), H)  # [E, M, H]
         x_pad[experts, rank] = x_sorted[held]
         gate, up = torch.bmm(x_pad, gate_up).chunk(2, dim=-1)  # [E, M, I] each
         y_sorted[held] = torch.bmm(F.silu(gate) * up, down)[experts, rank]
@@ -139,4 +146,4 @@ def fused_moe_reference(
             start += n
     if not weight_on_input:
         y_sorted = y_sorted * pairs.weights
-    return sum_slots(y_sorted, pairs.order, T, K, x.dtype)
+    return sum_slots(y_sorted, pairs.order, T, K, dtype)
