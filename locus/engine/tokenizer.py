@@ -64,11 +64,13 @@ class ByteTokenizer:
             if i < 256:
                 buf.append(i)
                 continue
-            out.append(buf.decode("utf-8", errors="replace"))
-            buf = bytearray()
+            if buf:  # (a run of special ids decodes no empty buffers: the detokenizer calls this per token)
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
             if not skip_special_tokens:
                 out.append(self._names.get(i, f"<|reserved_{i}|>"))
-        out.append(buf.decode("utf-8", errors="replace"))
+        if buf:
+            out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
     def token_bytes(self, token_id: int) -> bytes:
