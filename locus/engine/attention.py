@@ -43,9 +43,12 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     sequences, 8 query and 2 KV heads, 128 keys)."""
     B, Hq, D = q.shape
     Hkv = keys.shape[2]
-    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), keys.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, S]
+    # [B, Hkv, S, D] copies with D contiguous: the compiled graph gathers the paged rows into them
+    # with vector loads (a [B, Hkv, D, S] operand made it gather element by element).
+    keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values.transpose(1, 2)).view(B, Hq, D)
+    return torch.matmul(torch.softmax(scores, dim=-1), values).view(B, Hq, D)
 
 
 def temperature_scale(positions: torch.Tensor, attn_scale: float, floor_scale: float) -> torch.Tensor:

@@ -107,7 +107,7 @@ class PagedDecodeView:
 
 @dataclass
 class DecodeOutput:
-    logits: torch.Tensor  # [n, V] float32
+    logits: torch.Tensor  # [n, V] in the model's dtype (the sampler converts what it reads)
     argmax: torch.Tensor  # [n] int64, each row's argmax of logits (the greedy token), computed in the graph
     expert_ids: torch.Tensor  # [n, L, K] int64
     expert_weights: torch.Tensor  # [n, L, K] float32
@@ -147,9 +147,10 @@ class DecodeGraphs:
         out = self.model(batch, PagedDecodeView(self.pool, write_rows, block_tables), record_routing=bool(self.moe_layers))
         # W @ h^T rather than h @ W^T: with a few rows against a [V, H] weight this form streams the
         # weight once at full width (bench/profile_decode.py times both; bfloat16 gains most).
-        logits = (self.model.lm_head.weight @ out.hidden.T).T.float()
+        logits = (self.model.lm_head.weight @ out.hidden.T).T
         # The greedy token in the graph: inductor's vectorised reduction reads the logits once, where
-        # aten's argmax over these (transposed) logits costs about 1 ms a step at 32 rows.
+        # aten's argmax over these (transposed) logits costs about 1 ms a step at 32 rows. The logits
+        # leave the graph as they are (a view, no float32 copy): a greedy batch never reads them.
         argmax = logits.argmax(-1)
         if not self.moe_layers:
             empty = torch.empty(input_ids.shape[0], 0, 0, device=input_ids.device)

@@ -31,7 +31,7 @@ class PromptLogits:
 @dataclass
 class RunResult:
     sampled: list[Sequence]  # sequences that get a new token, in batch order
-    logits: torch.Tensor | None  # [len(sampled), vocab] float32
+    logits: torch.Tensor | None  # [len(sampled), vocab] float32 (compiled decode steps: the model's dtype)
     routing: dict[int, TopK] | None  # layer -> top-k of every token of the batch (when recording)
     batch: ForwardBatch
     prompt_logits: list[PromptLogits]  # for requests that asked for prompt logprobs

@@ -77,11 +77,16 @@ class Sampler:
                argmax: torch.Tensor | None = None) -> SampleOutput:
         """logits [B, V] (row i belongs to states[i]) -> one token per row. argmax [B]: the logits'
         argmax if the caller already has it (the compiled decode graph computes it); greedy rows take
-        it when no penalty, stop-token mask or grammar changed the logits."""
+        it when no penalty, stop-token mask or grammar changed the logits. A batch that only takes it
+        (greedy, no logprobs) never reads the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sequences")
         if argmax is not None and tuple(argmax.shape) != (len(states),):
             raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(states)} sequences")
+        if argmax is not None and not self.stop_tokens_masked(states) and all(
+                s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and s.grammar is None
+                for s in states):
+            return SampleOutput(argmax.tolist(), [None] * len(states))
         logits = raw = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -103,15 +108,21 @@ class Sampler:
                     raise RuntimeError(f"row {i}: the grammar rejected token {token_ids[i]} it allowed")
         return SampleOutput(token_ids, gather_logprobs(raw_logprobs, token_ids, states))
 
+    def banned_tokens(self, state: SequenceSamplingState) -> set[int]:
+        """The stop tokens this sequence may not sample yet (none once min_tokens are out)."""
+        if len(state.output_ids) >= state.params.min_tokens:
+            return set()
+        return set(state.params.stop_token_ids) | (set() if state.params.ignore_eos else set(self.eos_token_ids))
+
+    def stop_tokens_masked(self, states: list[SequenceSamplingState]) -> bool:
+        return any(self.banned_tokens(s) for s in states)
+
     def mask_stop_tokens(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """Forbid stop tokens (EOS unless ignore_eos, and stop_token_ids) until min_tokens are out."""
         rows, ids = [], []
         vocab = logits.shape[1]
         for i, s in enumerate(states):
-            if len(s.output_ids) >= s.params.min_tokens:
-                continue
-            banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids))
-            for t in sorted(banned):
+            for t in sorted(self.banned_tokens(s)):
                 if 0 <= t < vocab:
                     rows.append(i)
                     ids.append(t)

@@ -109,6 +109,14 @@ def test_a_given_argmax_serves_greedy_rows_only_while_the_logits_are_unchanged()
     assert Sampler(eos_token_ids=(0,)).sample(logits, masked, marker).token_ids != [7, 8, 9]
     with pytest.raises(ValueError, match=r"argmax \(2,\) does not match 3 sequences"):
         Sampler().sample(logits, plain, marker[:2])
+    # A batch that only takes the argmax does not read (or convert) the logits at all; one row that
+    # wants logprobs makes the sampler read them, in float32 whatever their dtype.
+    unread = torch.full((3, V), float("nan"), dtype=torch.bfloat16)
+    assert Sampler().sample(unread, plain, marker).token_ids == [7, 8, 9]
+    with_logprobs = states_for([SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+                                SamplingParams(temperature=0)])
+    out = Sampler().sample(logits.bfloat16(), with_logprobs, marker)
+    assert out.token_ids == [7, 8, 9] and out.logprobs[0] is None and len(out.logprobs[1].top) == 2
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
