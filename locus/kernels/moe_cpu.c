@@ -5,13 +5,22 @@
  * rate. Here each expert's weights are read once, straight from the checkpoint layout, with every
  * row of that expert multiplied against the weight vectors while they sit in registers.
  *
- * Shape legend: P rows (the (token, slot) pairs held here, sorted by expert), E experts, H hidden,
- * I expert width. Rows of expert e are offsets[e] .. offsets[e+1]-1.
- *     x       [P, H]   float32 (already scaled by the routing weight when it applies to the input)
+ * The whole routed-expert computation of a layer is two calls (moe_cpu.py): locus_moe_sort sorts the
+ * (token, slot) pairs by expert and reports the busiest expert's row count (the caller decides whether
+ * the kernel applies), then locus_moe_run_{f32,bf16} gathers the rows, runs both GEMMs and sums each
+ * token's slots. No tensor op runs between them.
+ *
+ * Shape legend: T tokens, K slots per token, P = T*K pairs, Ph the pairs held here, E experts held
+ * here, H hidden, I expert width. Rows of expert e are offsets[e] .. offsets[e+1]-1 of the sorted pairs.
+ *     x       [T, H]   the layer's input, float32 or bfloat16
+ *     ids     [P]      int64 expert id of each pair (global when an expert map is given; -1: skip)
+ *     weights [P]      float32 routing weight of each pair
  *     gate_up expert e at gate_up + e*se; element (k, n) at k*sk + n   [E, H, 2I], gate = first I columns
- *     h       [P, I]   float32, silu(x @ gate) * (x @ up)
  *     down    expert e at down + e*se; element (j, n) at j*sk + n      [E, I, H]
- *     y       [P, H]   float32, h @ down
+ *     rows    [Ph, H]  float32, the input row of each held pair (times its weight when it scales the input)
+ *     h       [Ph, I]  float32, silu(rows @ gate) * (rows @ up)
+ *     y       [Ph, H]  float32, h @ down
+ *     out     [T, H]   x's dtype, sum over each token's slots of y (times the weight when it scales the output)
  * Weights are float32 or bfloat16 (widened to float32 in registers); accumulation is float32.
  *
  * Work is split over (expert, column block) items with OpenMP; the library links the libgomp that
@@ -93,7 +102,7 @@ DEFINE_ACCUMULATE(bf16, uint16_t)
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 #define DEFINE_STAGES(SUF, WT)                                                                       \
-    void locus_moe_gate_up_##SUF(const float *x, const WT *gate_up, long se, long sk,                \
+    static void gate_up_##SUF(const float *x, const WT *gate_up, long se, long sk,                \
                                  const int64_t *offsets, int E, int H, int I, float *h, int threads) { \
         int blocks = (I + CB - 1) / CB;                                                              \
         _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                           \
@@ -113,7 +122,7 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
-    void locus_moe_down_##SUF(const float *h, const WT *down, long se, long sk,                      \
+    static void down_##SUF(const float *h, const WT *down, long se, long sk,                      \
                               const int64_t *offsets, int E, int I, int H, float *y, int threads) {  \
         int blocks = (H + CB - 1) / CB;                                                              \
         _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                           \
@@ -132,3 +141,88 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 DEFINE_STAGES(f32, float)
 DEFINE_STAGES(bf16, uint16_t)
+
+static inline float round_bf16(float f) { /* to the nearest bfloat16 (ties to even), as a float32 */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline void store_f32(float *p, float v) { *p = v; }
+static inline void store_bf16(uint16_t *p, float v) {
+    float r = round_bf16(v);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
+    *p = (uint16_t)(u >> 16);
+}
+static inline float keep_f32(float v) { return v; }
+
+/* First half of a layer: count the P pairs per local expert. iwork (int64, E+1 + 2P + E): offsets
+ * [E+1], order [P] (pair index of each sorted row), slot_row [P] (here: each pair's local expert,
+ * -1 if not held here), cursors [E]. Returns the largest row count of any expert, or -1 if an id (or
+ * its map entry) is out of range. */
+int64_t locus_moe_sort(const int64_t *ids, int64_t P, const int64_t *expert_map, int64_t map_size, int E,
+                       int64_t *iwork) {
+    int64_t *offsets = iwork, *slot_row = iwork + E + 1 + P, most = 0;
+    memset(offsets, 0, (E + 1) * sizeof *offsets);
+    for (int64_t p = 0; p < P; p++) {
+        int64_t e = ids[p];
+        if (e >= 0 && expert_map) e = e < map_size ? expert_map[e] : -2;
+        if (e < -1 || e >= E) return -1;
+        slot_row[p] = e;
+        if (e >= 0) offsets[e + 1]++;
+    }
+    for (int e = 0; e < E; e++) {
+        most = offsets[e + 1] > most ? offsets[e + 1] : most;
+        offsets[e + 1] += offsets[e];
+    }
+    return most;
+}
+
+/* Second half, on the iwork locus_moe_sort filled: place the pairs (stable counting sort), gather
+ * their rows, run both GEMMs, sum each token's slots into out. fwork (float32, Ph * (2H + I)): rows,
+ * h, y. */
+#define DEFINE_RUN(SUF, WT, ROUND_INPUT)                                                             \
+    void locus_moe_run_##SUF(const WT *x, const float *weights, int T, int K, int weight_on_input,  \
+                             const WT *gate_up, long gu_se, long gu_sk, const WT *down, long d_se,    \
+                             long d_sk, int E, int H, int I, int64_t *iwork, float *fwork, WT *out,   \
+                             int threads) {                                                          \
+        int64_t P = (int64_t)T * K, *offsets = iwork, *order = iwork + E + 1, *slot_row = order + P; \
+        int64_t *cursor = slot_row + P, held = offsets[E];                                           \
+        memcpy(cursor, offsets, E * sizeof *cursor);                                                 \
+        for (int64_t p = 0; p < P; p++) { /* stable: pairs keep their order within an expert */      \
+            int64_t e = slot_row[p];                                                                 \
+            slot_row[p] = e >= 0 ? cursor[e]++ : -1;                                                 \
+            if (e >= 0) order[slot_row[p]] = p;                                                      \
+        }                                                                                            \
+        float *rows = fwork, *h = rows + held * H, *y = h + held * I;                                \
+        _Pragma("omp parallel for num_threads(threads)")                                             \
+        for (int64_t r = 0; r < held; r++) {                                                         \
+            int64_t p = order[r];                                                                    \
+            const WT *src = x + (p / K) * H;                                                         \
+            float w = ROUND_INPUT(weights[p]), *dst = rows + r * H;                                  \
+            for (int c = 0; c < H; c++) {                                                            \
+                float v = load_one_##SUF(src + c);                                                   \
+                dst[c] = weight_on_input ? ROUND_INPUT(v * w) : v; /* as the reference, in x's dtype */ \
+            }                                                                                        \
+        }                                                                                            \
+        gate_up_##SUF(rows, gate_up, gu_se, gu_sk, offsets, E, H, I, h, threads);                    \
+        down_##SUF(h, down, d_se, d_sk, offsets, E, I, H, y, threads);                               \
+        _Pragma("omp parallel for num_threads(threads)")                                             \
+        for (int t = 0; t < T; t++) {                                                                \
+            float acc[H];                                                                            \
+            memset(acc, 0, sizeof acc);                                                              \
+            for (int k = 0; k < K; k++) {                                                            \
+                int64_t p = (int64_t)t * K + k, r = slot_row[p];                                     \
+                if (r < 0) continue;                                                                 \
+                float w = weight_on_input ? 1.0f : weights[p];                                       \
+                for (int c = 0; c < H; c++) acc[c] += y[r * H + c] * w;                              \
+            }                                                                                        \
+            for (int c = 0; c < H; c++) store_##SUF(out + (int64_t)t * H + c, acc[c]);                \
+        }                                                                                            \
+    }
+
+DEFINE_RUN(f32, float, keep_f32)
+DEFINE_RUN(bf16, uint16_t, round_bf16)
+

@@ -4,7 +4,8 @@ through ctypes.
 `fused_moe_cpu` has `fused_moe_reference`'s signature and results. It runs the C kernel when every
 expert holds at most CPU_MAX_ROWS[dtype] rows (decode: the kernel reads each touched expert's weights once,
 where a small-M `bmm` reads them about twice) and the weights are float32 or bfloat16 with unit
-column stride; otherwise (prefill, other dtypes) it is the reference's per-expert matmul loop.
+column stride; otherwise (prefill, other dtypes) it is the reference. The kernel does the whole layer
+(pair sort, row gather, both GEMMs, slot sum) in two library calls, no tensor op between them.
 
 Build: `cc -O3 -march=native -fopenmp -shared` into LOCUS_KERNEL_CACHE (default
 ~/.cache/locus/kernels), one library per source, compiler and CPU (the file name hashes them), written
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from locus.kernels.moe_reference import check_shapes, multiply_sorted, sort_pairs, sum_slots
+from locus.kernels.moe_reference import check_shapes, fused_moe_reference
 
 log = logging.getLogger("locus.kernels")
 
@@ -86,12 +87,13 @@ def load_library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("building the cpu MoE kernel failed (%s): using the torch reference", str(detail).strip()[:500])
         return None
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.locus_moe_sort.argtypes = [ptr, i64, ptr, i64, i32, ptr]
+    lib.locus_moe_sort.restype = i64
     for suffix in KERNEL_DTYPES.values():
-        for stage in ("gate_up", "down"):
-            fn = getattr(lib, f"locus_moe_{stage}_{suffix}")
-            fn.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32, i32, ptr, i32]
-            fn.restype = None
+        fn = getattr(lib, f"locus_moe_run_{suffix}")
+        fn.argtypes = [ptr, ptr, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32]
+        fn.restype = None
     return lib
 
 
@@ -99,11 +101,10 @@ def available() -> bool:
     return load_library() is not None
 
 
-def kernel_applies(gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> bool:
-    """The C kernel handles this call: CPU, a kernel dtype, unit column strides, few rows per expert."""
-    return (gate_up.device.type == "cpu" and gate_up.dtype in KERNEL_DTYPES and down.dtype == gate_up.dtype
-            and gate_up.stride(2) == 1 and down.stride(2) == 1 and max(counts, default=0) <= CPU_MAX_ROWS[gate_up.dtype]
-            and available())
+def kernel_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The C kernel can take this call (rows per expert aside): CPU, a kernel dtype, unit column strides."""
+    return (gate_up.device.type == "cpu" and gate_up.dtype in KERNEL_DTYPES and down.dtype == x.dtype == gate_up.dtype
+            and gate_up.stride(2) == 1 and down.stride(2) == 1 and available())
 
 
 def fused_moe_cpu(
@@ -116,27 +117,29 @@ def fused_moe_cpu(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [T, H] in x's dtype; the math of fused_moe_reference, accumulated in
-    float32 (the reference rounds g, u and silu(g)*u to the input dtype; this keeps them in float32)."""
+    float32 (the reference rounds g, u and silu(g)*u to the input dtype; this keeps them in float32).
+    Two library calls: the pair sort (which says whether the kernel applies), then everything else."""
     T, H, K, E, I = check_shapes(x, gate_up, down, topk_ids, topk_weights)
-    pairs = sort_pairs(x, topk_ids, topk_weights, E, weight_on_input, expert_map)
-    if not kernel_applies(gate_up, down, pairs.counts):
-        return multiply_sorted(pairs, gate_up, down, T, K, weight_on_input, x.dtype)
-    held = slice(pairs.start, T * K)
-    rows = pairs.x[held].float().contiguous()  # [P_held, H]
-    offsets = torch.zeros(E + 1, dtype=torch.int64)
-    torch.cumsum(pairs.sizes, 0, out=offsets[1:])
-    h = torch.empty(rows.shape[0], I)  # [P_held, I] float32
-    y_held = torch.empty(rows.shape[0], H)  # [P_held, H] float32
-    lib, suffix, threads = load_library(), KERNEL_DTYPES[gate_up.dtype], torch.get_num_threads()
-    if rows.shape[0]:
-        getattr(lib, f"locus_moe_gate_up_{suffix}")(
-            rows.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1), offsets.data_ptr(),
-            E, H, I, h.data_ptr(), threads)
-        getattr(lib, f"locus_moe_down_{suffix}")(
-            h.data_ptr(), down.data_ptr(), down.stride(0), down.stride(1), offsets.data_ptr(),
-            E, I, H, y_held.data_ptr(), threads)
-    y_sorted = torch.zeros(T * K, H)
-    y_sorted[held] = y_held
-    if not weight_on_input:
-        y_sorted *= pairs.weights.float()
-    return sum_slots(y_sorted, pairs.order, T, K, x.dtype)
+    if not kernel_applies(x, gate_up, down):
+        return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+    lib, P = load_library(), T * K
+    ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+    mapping = None if expert_map is None else expert_map.to(torch.int64).contiguous()
+    iwork = torch.empty(2 * E + 1 + 2 * P, dtype=torch.int64)  # offsets, order, slot rows, cursors
+    most = lib.locus_moe_sort(ids.data_ptr(), P, None if mapping is None else mapping.data_ptr(),
+                              0 if mapping is None else mapping.numel(), E, iwork.data_ptr())
+    if most < 0:
+        bound = f"the expert map's {mapping.numel()} entries" if mapping is not None else f"{E} experts"
+        raise ValueError(f"topk_ids hold an expert id outside {bound} (or the map sends one past {E} local experts)")
+    if most > CPU_MAX_ROWS[x.dtype]:
+        return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
+    held = int(iwork[E])
+    x = x.contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    fwork = torch.empty(held * (2 * H + I))  # rows, h, y (float32)
+    out = torch.empty(T, H, dtype=x.dtype)
+    getattr(lib, f"locus_moe_run_{KERNEL_DTYPES[x.dtype]}")(
+        x.data_ptr(), weights.data_ptr(), T, K, int(weight_on_input), gate_up.data_ptr(), gate_up.stride(0),
+        gate_up.stride(1), down.data_ptr(), down.stride(0), down.stride(1), E, H, I, iwork.data_ptr(),
+        fwork.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out

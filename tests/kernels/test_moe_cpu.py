@@ -52,7 +52,7 @@ def kernel_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("fused_moe_cpu fell back to the reference")
 
-    monkeypatch.setattr(moe_cpu, "multiply_sorted", refuse)
+    monkeypatch.setattr(moe_cpu, "fused_moe_reference", refuse)
     monkeypatch.setattr(moe_cpu, "CPU_MAX_ROWS", {dtype: 10**9 for dtype in moe_cpu.CPU_MAX_ROWS})
 
 
@@ -82,10 +82,19 @@ def test_nothing_held_here_gives_zeros(kernel_only):
     assert out.shape == (6, 32) and not out.any()
 
 
+def test_expert_ids_out_of_range_are_named(kernel_only):
+    x, gate_up, down = make_experts(3, 4, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="outside 4 experts"):
+        moe_cpu.fused_moe_cpu(x, gate_up, down, torch.tensor([[0], [4], [1]]), torch.ones(3, 1))
+    with pytest.raises(ValueError, match="outside the expert map's 4 entries"):
+        moe_cpu.fused_moe_cpu(x, gate_up[:2], down[:2], torch.tensor([[0], [7], [1]]), torch.ones(3, 1), True,
+                              torch.tensor([0, -1, 1, -1]))
+
+
 def test_large_batches_and_other_dtypes_use_the_reference(monkeypatch):
     calls = []
-    real = moe_cpu.multiply_sorted
-    monkeypatch.setattr(moe_cpu, "multiply_sorted", lambda *a: calls.append(a[-1]) or real(*a))
+    real = moe_cpu.fused_moe_reference
+    monkeypatch.setattr(moe_cpu, "fused_moe_reference", lambda *a: calls.append(a[0].dtype) or real(*a))
     T = max(moe_cpu.CPU_MAX_ROWS.values()) + 1
     ids, weights = make_routing(T, 1, 2, "one_expert")  # T rows on one expert: over every limit
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
