@@ -17,6 +17,7 @@ Attention itself, routing, sampling, scheduling and Python count as zero.
 
     python bench/profile_decode.py [--dtype float32|bfloat16] [--moe-backend auto|torch|cpu] [--steps 30] [--profile]
                                    [--out FILE.json]
+    python bench/profile_decode.py --device cuda --model scout-2l --dtype bfloat16   # a GPU: CUDA graphs
 """
 
 from __future__ import annotations
@@ -33,25 +34,33 @@ from offline import make_prompts  # the same prompts as bench/offline.py (bench/
 
 
 def best_ms(fn, repeats: int = 30) -> float:
-    """Median wall time of fn() in ms after a warm-up (the median of a few bursts resists noise)."""
+    """Median wall time of fn() in ms after a warm-up (the median of a few bursts resists noise); on a
+    GPU each call is waited for."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     for _ in range(3):
         fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
 def lm_head_ms(model, batch: int) -> dict:
-    h = torch.randn(batch, model.config.hidden_size, dtype=model.dtype)
+    dev = model.device
+    h = torch.randn(batch, model.config.hidden_size, dtype=model.dtype, device=dev)
     w = model.lm_head.weight.detach()
-    head = torch.compile(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype), options={"freezing": True})
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=dev)
+    # CPU: freezing folds (prepacks) the weight, as the compiled decode graph does; CUDA: plain inductor.
+    head = torch.compile(head, options={"freezing": True}) if dev.type == "cpu" else torch.compile(head)
     with torch.no_grad():
         head._orig_mod.weight.copy_(w)
         forms = {"F.linear": best_ms(lambda: F.linear(h, w)), "W @ h^T": best_ms(lambda: (w @ h.T).T),
-                 "inductor frozen": best_ms(lambda: head(h))}
+                 "inductor" + (" frozen" if dev.type == "cpu" else ""): best_ms(lambda: head(h))}
+    del head
     return {"ms": min(forms.values()), "forms_ms": forms}
 
 
@@ -63,9 +72,10 @@ def stream_gbps(model) -> float:
     return total / (best_ms(lambda: [w.sum() for w in words], repeats=15) / 1e3) / 1e9
 
 
-def peak_gflops(dtype: torch.dtype) -> float:
-    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-    return 2 * 1024 ** 3 / (best_ms(lambda: a @ b, repeats=10) / 1e3) / 1e9
+def peak_gflops(dtype: torch.dtype, device: torch.device) -> float:
+    n = 1024 if device.type == "cpu" else 8192  # a GPU needs a large GEMM to reach its peak
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n ** 3 / (best_ms(lambda: a @ b, repeats=10) / 1e3) / 1e9
 
 
 def moe_blocks(model) -> list:
@@ -98,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu"],
-                   help="expert kernels (auto: the C decode kernel where it builds, as `locus serve`)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the compiled steps are CUDA graphs there "
+                   "(mode reduce-overhead) and the experts run on the Triton kernels")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="expert kernels (auto: the C decode kernel on CPU, Triton on CUDA, as `locus serve`)")
     p.add_argument("--profile", action="store_true", help="also print a torch-profiler table of compiled steps")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -108,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     from locus.engine.loader import load
     from locus.engine.sampling_params import SamplingParams
 
-    loaded = load(args.model, args.dtype, "cpu", args.moe_backend, 0)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    loaded = load(args.model, args.dtype, str(device), args.moe_backend, 0)
     model, B = loaded.model, args.prompts
     config = dict(max_num_seqs=max(B, 1), max_num_batched_tokens=max(4096, B * args.prompt_len))
     eager = EngineCore(model, loaded.tokenizer, EngineConfig(**config))
@@ -132,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     items = eager.scheduler.schedule().micro_batches[0]  # one more eager decode step, for its routing
     routing = eager.runner.run(items, record_routing=True).routing
     head = lm_head_ms(model, B)
-    gbps, peak = stream_gbps(model), peak_gflops(model.dtype)
+    gbps, peak = stream_gbps(model), peak_gflops(model.dtype, device)
     expert_bytes = touched_expert_bytes(model, routing)
     floor = {"lm_head_ms": head["ms"], "experts_ms": expert_bytes / gbps / 1e6,
              "dense_ms": dense_flops(model, B) / peak / 1e6}
     floor_ms = sum(floor.values())
 
-    name = f"{args.model}, {args.dtype}, {B} sequences, {torch.get_num_threads()} threads, MoE backend {args.moe_backend}"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    name = f"{args.model}, {args.dtype}, {B} sequences, {where}, MoE backend {args.moe_backend}"
     print(f"{name}: decode step median over {args.steps} alternating steps")
     print("| part | ms | note |\n|---|---|---|")
     print(f"| lm_head | {head['ms']:.2f} | best of " + ", ".join(f"{k} {v:.2f}" for k, v in head["forms_ms"].items()) + " |")

@@ -4,6 +4,7 @@
 Llama-4 feature (chunked RoPE layers, a NoPE layer with temperature tuning, qk-norm, MoE and dense
 layers, top-2 routing, GQA). Its weights are random, so its text is gibberish: it exists to exercise
 the serving stack, not to answer questions. `small` is the benchmark shape of the engine issue.
+`scout-2l` is two layers of Llama-4 Scout's shapes, for measurements on a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ PRESETS: dict[str, ModelConfig] = {
         attention_chunk_size=8192, max_position_embeddings=16384, rope=RopeConfig(theta=500000.0),
         bos_token_id=ByteTokenizer.BOS, eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD,
         dtype="float32",
+    ),
+    # Llama-4 Scout's layer shapes (hidden 5120, 16 experts of width 8192, top-1, 40/8 heads, vocabulary
+    # 202048) with 2 layers: the "larger synthetic shape" for GPU measurements (~12.7 GB in bfloat16; its
+    # random weights are drawn on the host in float32 first, ~25 GB).
+    "scout-2l": ModelConfig(
+        num_hidden_layers=2, moe_layers=(0, 1), no_rope_layers=_layers(2), bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD, dtype="bfloat16",
     ),
 }
 
