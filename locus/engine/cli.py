@@ -6,7 +6,7 @@ import argparse
 import sys
 
 DEFAULT_MODEL_HELP = (
-    "checkpoint directory (HuggingFace Llama-4 format) or preset name (tiny, small). "
+    "checkpoint directory (HuggingFace Llama-4 format) or preset name (tiny, small, scout-2l). "
     "Default: the embedded 'tiny' preset, built in memory with seeded RANDOM weights (no download; "
     "its text is gibberish)"
 )
@@ -16,10 +16,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (generate, serve, bench)."""
     p.add_argument("--model", default=None, help=DEFAULT_MODEL_HELP)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: the checkpoint's, float32 for presets)")
+                   help="compute dtype (default: the checkpoint's, or the preset's: float32, bfloat16 for scout-2l)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
-                   help="expert kernels: auto = Triton on CUDA, torch reference on CPU; triton on CPU needs TRITON_INTERPRET=1 (slow)")
+                   help="expert kernels: auto = Triton on CUDA, the C decode kernel on CPU (the torch reference if it "
+                   "cannot be built); triton on CPU needs TRITON_INTERPRET=1 (slow)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=run_generate)
 
     init = subparsers.add_parser("init-model", help="write a seeded random checkpoint of a preset shape")
-    init.add_argument("--preset", required=True, choices=["tiny", "small"])
+    init.add_argument("--preset", required=True, choices=["tiny", "small", "scout-2l"])
     init.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

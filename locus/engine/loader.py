@@ -53,8 +53,8 @@ def load(model: str | None = None, dtype: str | torch.dtype | None = None, devic
         tok = load_tokenizer(path, m.config.vocab_size, m.config.eos_token_ids)
         return LoadedModel(m, tok, name=str(path).rstrip("/").split("/")[-1] or str(path), random_weights=False)
     if name in PRESETS:
-        m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype), device=device, moe_backend=moe_backend,
-                         expert_slices=expert_slices)
+        m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype or PRESETS[name].dtype), device=device,
+                         moe_backend=moe_backend, expert_slices=expert_slices)
         return LoadedModel(m, load_tokenizer(None, m.config.vocab_size), name=name, random_weights=True)
     raise _no_such_model(name)
 
