@@ -143,6 +143,7 @@ DEFINE_STAGES(f32, float)
 DEFINE_STAGES(bf16, uint16_t)
 
 static inline float round_bf16(float f) { /* to the nearest bfloat16 (ties to even), as a float32 */
+    if (f != f) return f; /* NaN stays NaN (the rounding carry could reach the sign bit) */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
