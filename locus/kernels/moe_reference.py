@@ -27,8 +27,6 @@ Shape legend: T tokens, K slots per token, E experts held here, H hidden, I expe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -44,19 +42,6 @@ def choose_strategy(counts: list[int]) -> str:
     return "padded" if busy and max(counts) <= PADDED_MAX_ROWS and 2 * busy >= len(counts) else "loop"
 
 
-@dataclass
-class SortedPairs:
-    """The T*K (token, slot) pairs sorted by local expert; pairs for no expert held here sort first.
-    Shape legend as above, P = T*K."""
-    order: torch.Tensor  # [P] pair index (t*K + k) of each sorted row
-    experts: torch.Tensor  # [P] local expert of each sorted row (-1: not held here)
-    sizes: torch.Tensor  # [E] rows per expert
-    counts: list[int]  # sizes, on the host
-    start: int  # rows before this one are skipped pairs
-    x: torch.Tensor  # [P, H] each row's input, times its weight when the weight scales the input
-    weights: torch.Tensor  # [P, 1] each row's routing weight, in x's dtype
-
-
 def check_shapes(x, gate_up, down, topk_ids, topk_weights) -> tuple[int, int, int, int, int]:
     """(T, H, K, E, I) of a fused-MoE call, or ValueError naming the mismatch."""
     T, H = x.shape
@@ -68,36 +53,6 @@ def check_shapes(x, gate_up, down, topk_ids, topk_weights) -> tuple[int, int, in
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={T}, K]")
     return T, H, K, E, I
-
-
-def sort_pairs(x, topk_ids, topk_weights, num_experts: int, weight_on_input: bool,
-               expert_map: torch.Tensor | None) -> SortedPairs:
-    """Sort the pairs by expert once, so each expert multiplies one contiguous slice of rows."""
-    T, K = topk_ids.shape
-    ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:  # global -> local; -1 = not held here (a -1 id stays -1)
-        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
-    weights = topk_weights.reshape(-1).to(x.dtype)
-    token_of_pair = torch.arange(T * K, device=x.device) // K
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    sizes = torch.bincount(sorted_ids[sorted_ids >= 0], minlength=num_experts)  # [E] rows per expert
-    counts = sizes.tolist()
-    x_sorted = x[token_of_pair[order]]  # [T*K, H]
-    w_sorted = weights[order, None]
-    if weight_on_input:
-        x_sorted = x_sorted * w_sorted
-    return SortedPairs(order, sorted_ids, sizes, counts, T * K - sum(counts), x_sorted, w_sorted)
-
-
-def sum_slots(y_sorted: torch.Tensor, order: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """Un-sort the rows' outputs [T*K, H] with one scatter (no per-expert index_add, slow on CPU for
-    small slices) and sum each token's K slots in float32: [T, H] in dtype."""
-    y = torch.empty_like(y_sorted)
-    y[order] = y_sorted
-    if K == 1:
-        return y.to(dtype)
-    return y.view(T, K, y.shape[1]).float().sum(dim=1).to(dtype)
 
 
 def fused_moe_reference(
@@ -113,26 +68,35 @@ def fused_moe_reference(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     T, H, K, E, I = check_shapes(x, gate_up, down, topk_ids, topk_weights)
-    pairs = sort_pairs(x, topk_ids, topk_weights, E, weight_on_input, expert_map)
-    return multiply_sorted(pairs, gate_up, down, T, K, weight_on_input, x.dtype, strategy)
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:  # global -> local; -1 = not held here (a -1 id stays -1)
+        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
+    weights = topk_weights.reshape(-1).to(x.dtype)
+    token_of_pair = torch.arange(T * K, device=x.device) // K
 
-
-def multiply_sorted(pairs: SortedPairs, gate_up: torch.Tensor, down: torch.Tensor, T: int, K: int,
-                    weight_on_input: bool, dtype: torch.dtype, strategy: str = "auto") -> torch.Tensor:
-    """The reference's expert matmuls over pairs already sorted by sort_pairs: [T, H] in dtype."""
-    counts, start, x_sorted = pairs.counts, pairs.start, pairs.x
-    E, H = gate_up.shape[0], x_sorted.shape[1]
-    # Skipped pairs (id -1) sort first and their rows stay zero.
-    y_sorted = torch.zeros(T * K, H, dtype=x_sorted.dtype, device=x_sorted.device)
+    # Sort the pairs by expert once, so each expert multiplies one contiguous slice; skipped pairs
+    # (id -1) sort first and stay zero. Results are un-sorted with one scatter and summed over K:
+    # no per-expert index_add (slow on CPU for small slices).
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    sizes = torch.bincount(sorted_ids[sorted_ids >= 0], minlength=E)  # [E] rows per expert
+    counts = sizes.tolist()
+    start = T * K - sum(counts)
+    rows = token_of_pair[order]
+    x_sorted = x[rows]  # [T*K, H]
+    w_sorted = weights[order, None]
+    if weight_on_input:
+        x_sorted = x_sorted * w_sorted
+    y_sorted = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
     if strategy == "auto":
         strategy = choose_strategy(counts)
     if strategy == "padded" and start < T * K:
-        # Row r of the sorted pairs goes to expert experts[r], at its rank among that expert's rows.
+        # Row r of the sorted pairs goes to expert sorted_ids[r], at its rank among that expert's rows.
         held = slice(start, T * K)
-        experts = pairs.experts[held]
-        first_row = pairs.sizes.cumsum(0) - pairs.sizes  # [E] where each expert's rows begin within `held`
-        rank = torch.arange(T * K - start, device=x_sorted.device) - first_row[experts]
-        x_pad = x_sorted.new_zeros(E, max(counts), H)  # [E, M, H]
+        experts = sorted_ids[held]
+        first_row = sizes.cumsum(0) - sizes  # [E] where each expert's rows begin within `held`
+        rank = torch.arange(T * K - start, device=x.device) - first_row[experts]
+        x_pad = x.new_zeros(E, max(counts), H)  # [E, M, H]
         x_pad[experts, rank] = x_sorted[held]
         gate, up = torch.bmm(x_pad, gate_up).chunk(2, dim=-1)  # [E, M, I] each
         y_sorted[held] = torch.bmm(F.silu(gate) * up, down)[experts, rank]
@@ -145,5 +109,9 @@ def multiply_sorted(pairs: SortedPairs, gate_up: torch.Tensor, down: torch.Tenso
             y_sorted[block] = (F.silu(gate) * up) @ down[e]
             start += n
     if not weight_on_input:
-        y_sorted = y_sorted * pairs.weights
-    return sum_slots(y_sorted, pairs.order, T, K, dtype)
+        y_sorted = y_sorted * w_sorted
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    if K == 1:
+        return y
+    return y.view(T, K, H).float().sum(dim=1).to(x.dtype)
