@@ -83,9 +83,9 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sequences")
         if argmax is not None and tuple(argmax.shape) != (len(states),):
             raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(states)} sequences")
-        if argmax is not None and not self.stop_tokens_masked(states) and all(
+        if argmax is not None and all(
                 s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and s.grammar is None
-                for s in states):
+                for s in states) and not self.stop_tokens_masked(states):
             return SampleOutput(argmax.tolist(), [None] * len(states))
         logits = raw = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in states)
