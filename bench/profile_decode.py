@@ -54,10 +54,12 @@ def lm_head_ms(model, batch: int) -> dict:
     h = torch.randn(batch, model.config.hidden_size, dtype=model.dtype, device=dev)
     w = model.lm_head.weight.detach()
     head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=dev)
-    # CPU: freezing folds (prepacks) the weight, as the compiled decode graph does; CUDA: plain inductor.
-    head = torch.compile(head, options={"freezing": True}) if dev.type == "cpu" else torch.compile(head)
-    with torch.no_grad():
+    # CPU: freezing folds and prepacks the weight (oneDNN). It must be the global config while the
+    # graph compiles: torch 2.13 does not apply torch.compile's options={"freezing": True}. CUDA: plain inductor.
+    head = torch.compile(head)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=dev.type == "cpu"):
         head._orig_mod.weight.copy_(w)
+        head(h)  # compiles here, under the patch
         forms = {"F.linear": best_ms(lambda: F.linear(h, w)), "W @ h^T": best_ms(lambda: (w @ h.T).T),
                  "inductor" + (" frozen" if dev.type == "cpu" else ""): best_ms(lambda: head(h))}
     del head

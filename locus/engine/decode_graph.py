@@ -2,9 +2,8 @@
 
 Why: a decode step of a small batch is hundreds of small ops (docs/engine.md measured ~115 tensor
 allocations per step, most of the step's time above its floor). Eager PyTorch pays Python and
-dispatch for each. Inductor fuses the pointwise work between the matmuls (on CPU with freezing: the
-weights are folded in as constants); on CUDA `mode="reduce-overhead"` also captures each bucket as a
-CUDA graph.
+dispatch for each. Inductor fuses the pointwise work between the matmuls (on CPU its wrapper is C++,
+not Python); on CUDA `mode="reduce-overhead"` also captures each bucket as a CUDA graph.
 vLLM does the same with its decode batch-size buckets.
 
 Static shapes, so that one graph serves every decode step of its bucket:
@@ -34,6 +33,8 @@ import torch
 
 from locus.engine.kv_cache import PagedKVCache
 from locus.engine.model import Llama4ForCausalLM
+from locus.kernels import argmax_cpu
+from locus.kernels.argmax_cpu import vocab_argmax
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,14 @@ class DecodeGraphs:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64, 2 * len(self.buckets))
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         on_cuda = model.device.type == "cuda"
-        # CPU: freezing folds the weights into the graph as constants, so inductor may constant-fold and
-        # prepack around them. CUDA: reduce-overhead captures each bucket's graph as a CUDA graph.
+        # CPU: a C++ wrapper calls the kernels (0.13-0.23 ms a step less than inductor's Python one,
+        # `small`, 32 sequences). Not freezing: in torch 2.13 `options={"freezing": True}` is silently
+        # not applied (only the global config is read), and applied for real it measured no faster
+        # while it would pack a copy of every dense weight per bucket (docs/engine.md).
+        # CUDA: reduce-overhead captures each bucket's graph as a CUDA graph.
         self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                       **({"mode": "reduce-overhead"} if on_cuda else {"options": {"freezing": True}}))
+                                       **({"mode": "reduce-overhead"} if on_cuda else {"options": {"cpp_wrapper": True}}))
+        self._c_argmax = not on_cuda and argmax_cpu.load_library() is not None
         self.compile_seconds: dict[int, float] = {}
         self.steps = 0  # decode steps run compiled (warm-up excluded)
 
@@ -147,11 +152,13 @@ class DecodeGraphs:
         out = self.model(batch, PagedDecodeView(self.pool, write_rows, block_tables), record_routing=bool(self.moe_layers))
         # W @ h^T rather than h @ W^T: with a few rows against a [V, H] weight this form streams the
         # weight once at full width (bench/profile_decode.py times both; bfloat16 gains most).
-        logits = (self.model.lm_head.weight @ out.hidden.T).T
-        # The greedy token in the graph: inductor's vectorised reduction reads the logits once, where
-        # aten's argmax over these (transposed) logits costs about 1 ms a step at 32 rows. The logits
-        # leave the graph as they are (a view, no float32 copy): a greedy batch never reads them.
-        argmax = logits.argmax(-1)
+        logits_vb = self.model.lm_head.weight @ out.hidden.T  # [V, B]
+        logits = logits_vb.T
+        # The greedy token in the graph, over the [V, B] logits: on CPU a C sweep (argmax_cpu.c, 0.1 ms
+        # at V = 32000, B = 32, where inductor's reduction takes 0.3 ms and aten's 0.5-1.7 ms); on CUDA
+        # inductor's reduction. The logits leave the graph as they are (a view, no float32 copy): a
+        # greedy batch never reads them.
+        argmax = vocab_argmax(logits_vb) if self._c_argmax else logits.argmax(-1)
         if not self.moe_layers:
             empty = torch.empty(input_ids.shape[0], 0, 0, device=input_ids.device)
             return logits, argmax, empty.long(), empty

@@ -30,33 +30,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_vectors.h"
+
 #define RB 8    /* rows multiplied per pass over a weight block (more rows: more passes) */
 #define CB 512  /* output columns per work item: the accumulators RB x CB stay in L1 */
 #define KB 8    /* weight rows loaded together: KB sequential read streams per pass */
-#define VW 16   /* floats per vector (one AVX-512 register; narrower ISAs split it) */
 /* Weight-row blocks read ahead by software prefetch. Each block is KB short runs (one per weight row,
  * a row apart), too short for the hardware prefetcher to follow: without it the bfloat16 kernel ran at
  * half the speed (bench/moe_kernels.py, docs/kernels.md). */
 #define PREFETCH 2
-
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-
-static inline vf load_vec_f32(const float *p) { return *(const vf *)p; }
-static inline vf load_vec_bf16(const uint16_t *p) {
-    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16; /* bf16 is the top half of a float32 */
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline float load_one_f32(const float *p) { return *p; }
-static inline float load_one_bf16(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* acc[r][c] += sum_k a[r][k] * w[k][c] for r < nr, k < K, c < C; rows of a are lda apart, of w ldw
  * apart, of acc ldc apart. Each block of KB x VW weights is loaded once and used by all nr rows. */

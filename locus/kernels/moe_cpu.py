@@ -7,11 +7,8 @@ where a small-M `bmm` reads them about twice) and the weights are float32 or bfl
 column stride; otherwise (prefill, other dtypes) it is the reference. The kernel does the whole layer
 (pair sort, row gather, both GEMMs, slot sum) in two library calls, no tensor op between them.
 
-Build: `cc -O3 -march=native -fopenmp -shared` into LOCUS_KERNEL_CACHE (default
-~/.cache/locus/kernels), one library per source, compiler and CPU (the file name hashes them), written
-under a temporary name and renamed, so ranks starting together never load a half-written file. No
-compiler, or a failed build: one warning, and the `cpu` backend is not available (`"auto"` then
-means the torch reference on CPU).
+Build: c_library.py (on first use, cached per machine). No compiler, or a failed build: one warning,
+and the `cpu` backend is not available (`"auto"` then means the torch reference on CPU).
 
 Shape legend as in moe_reference: T tokens, K slots, E experts held here, H hidden, I expert width.
 """
@@ -20,20 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from locus.kernels import c_library
 from locus.kernels.moe_reference import check_shapes, fused_moe_reference
-
-log = logging.getLogger("locus.kernels")
 
 SOURCE = Path(__file__).with_name("moe_cpu.c")
 KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -42,50 +31,13 @@ KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # 128 rows, but MKL's float32 GEMM gains more with size on larger shapes, so the limit stays at 64.
 # Measured with bench/moe_kernels.py --cpu-max-rows, 2 threads (docs/kernels.md).
 CPU_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 12}
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LOCUS_KERNEL_CACHE") or Path.home() / ".cache" / "locus" / "kernels")
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the machine and its CPU feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built if this machine has none yet; None if it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: the cpu MoE backend is unavailable, using the torch reference")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_signature()]).encode())
-        target = cache_dir() / f"moe_cpu-{key.hexdigest()[:16]}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-            try:
-                subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True,
-                               text=True, timeout=300)
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("building the cpu MoE kernel failed (%s): using the torch reference", str(detail).strip()[:500])
+    lib = c_library.build(SOURCE, "the cpu MoE kernel", "using the torch reference")
+    if lib is None:
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.locus_moe_sort.argtypes = [ptr, i64, ptr, i64, i32, ptr]
