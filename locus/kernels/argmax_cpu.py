@@ -3,8 +3,7 @@
 
 The compiled CPU decode step computes its logits as `W @ h^T`, [V, B], the lm_head form that reads
 the weight once. Taking each column's argmax there costs 0.3 ms in inductor's generated reduction and
-0.5-1.7 ms in aten at V = 32000, B = 32; the C sweep takes about 0.1 ms
-(`python bench/profile_decode.py --profile`, docs/engine.md). Same result as `logits.argmax(0)`: the
+0.5-1.7 ms in aten at V = 32000, B = 32; the C sweep takes about 0.1 ms (2 threads; docs/kernels.md). Same result as `logits.argmax(0)`: the
 first index of the maximum, a NaN above any number.
 
 Build: c_library.py. Without a compiler, other dtypes, or a layout whose columns are not adjacent,
