@@ -34,7 +34,6 @@ import torch
 from locus.engine.kv_cache import PagedKVCache
 from locus.engine.model import Llama4ForCausalLM
 from locus.kernels import argmax_cpu
-from locus.kernels.argmax_cpu import vocab_argmax
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class DecodeGraphs:
         # at V = 32000, B = 32, where inductor's reduction takes 0.3 ms and aten's 0.5-1.7 ms); on CUDA
         # inductor's reduction. The logits leave the graph as they are (a view, no float32 copy): a
         # greedy batch never reads them.
-        argmax = vocab_argmax(logits_vb) if self._c_argmax else logits.argmax(-1)
+        argmax = argmax_cpu.vocab_argmax(logits_vb) if self._c_argmax else logits.argmax(-1)
         if not self.moe_layers:
             empty = torch.empty(input_ids.shape[0], 0, 0, device=input_ids.device)
             return logits, argmax, empty.long(), empty

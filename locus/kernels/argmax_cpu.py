@@ -26,15 +26,10 @@ KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    lib = c_library.build(SOURCE, "the cpu argmax kernel", "using torch.argmax")
-    if lib is None:
-        return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for suffix in KERNEL_DTYPES.values():
-        fn = getattr(lib, f"locus_argmax_{suffix}")
-        fn.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        fn.restype = None
-    return lib
+    return c_library.build(SOURCE, "the cpu argmax kernel", "using torch.argmax",
+                           {f"locus_argmax_{suffix}": ([ptr, i64, i64, i64, ptr, i32], None)
+                            for suffix in KERNEL_DTYPES.values()})
 
 
 def kernel_applies(logits: torch.Tensor) -> bool:

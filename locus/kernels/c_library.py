@@ -40,9 +40,13 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def build(source: Path, what: str, fallback: str) -> ctypes.CDLL | None:
-    """The library compiled from source, built if this machine has none yet; None (after one warning
-    naming `what` and the `fallback`) if it cannot be built. Callers cache the result."""
+Signature = tuple[list, object]  # (argtypes, restype) of one exported function
+
+
+def build(source: Path, what: str, fallback: str, signatures: dict[str, Signature] | None = None) -> ctypes.CDLL | None:
+    """The library compiled from source, built if this machine has none yet, with each function in
+    `signatures` given its argtypes and restype; None (after one warning naming `what` and the
+    `fallback`) if it cannot be built. Callers cache the result."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: %s is unavailable, %s", what, fallback)
@@ -64,8 +68,12 @@ def build(source: Path, what: str, fallback: str) -> ctypes.CDLL | None:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        return ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("building %s failed (%s): %s", what, str(detail).strip()[:500], fallback)
         return None
+    for name, (argtypes, restype) in (signatures or {}).items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib

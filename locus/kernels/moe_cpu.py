@@ -36,17 +36,12 @@ CPU_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 12}
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built if this machine has none yet; None if it cannot be built."""
-    lib = c_library.build(SOURCE, "the cpu MoE kernel", "using the torch reference")
-    if lib is None:
-        return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.locus_moe_sort.argtypes = [ptr, i64, ptr, i64, i32, ptr]
-    lib.locus_moe_sort.restype = i64
-    for suffix in KERNEL_DTYPES.values():
-        fn = getattr(lib, f"locus_moe_run_{suffix}")
-        fn.argtypes = [ptr, ptr, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32]
-        fn.restype = None
-    return lib
+    run = [ptr, ptr, i32, i32, i32, ptr, i64, i64, ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32]
+    return c_library.build(SOURCE, "the cpu MoE kernel", "using the torch reference", {
+        "locus_moe_sort": ([ptr, i64, ptr, i64, i32, ptr], i64),
+        **{f"locus_moe_run_{suffix}": (run, None) for suffix in KERNEL_DTYPES.values()},
+    })
 
 
 def available() -> bool:
