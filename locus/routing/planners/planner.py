@@ -263,14 +263,14 @@ def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, 
         better = imb < best_imb[todo]
         best_slots[todo[better]], best_imb[todo[better]] = slots[todo[better]], imb[better]
         best_pull[todo[better]] = pull[better]
-        over = todo[keep[todo] & (imb > cap)]
-        if k == CALIBRATIONS or len(over) == 0:
+        over = keep[todo] & (imb > cap)
+        if k == CALIBRATIONS or not over.any():
             break
-        for i in np.flatnonzero(keep[todo] & (imb > cap)):  # from the current slots, under their own split
+        for i in np.flatnonzero(over):  # from the current slots, under their own split
             l = todo[i]
             target = cap * float(demand[l].sum()) / topology.ranks * (1 - 1e-9)
             slots[l] = enforce_cap(demand[l], slots[l], G, target, pull=pull[i])
-        todo = over
+        todo = todo[over]
     return best_slots, best_pull
 
 
