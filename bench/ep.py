@@ -73,7 +73,7 @@ def workload(count: int, offset: int) -> list[tuple[str, str]]:
 def record_planning_trace(model: str, path: Path, requests: int, output_len: int) -> None:
     """One process, no expert parallelism: the routing the planners plan from."""
     from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.loader import load
+    from locus.engine.checkpoint.loader import load
     from locus.engine.sampling import SamplingParams
 
     loaded = load(model, moe_backend="torch")

@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else None
         if model_dir is None:
-            from locus.engine.presets import build_preset
-            from locus.engine.weights import save_checkpoint
+            from locus.engine.checkpoint.presets import build_preset
+            from locus.engine.checkpoint.weights import save_checkpoint
 
             model_dir = save_checkpoint(build_preset("small", seed=0), Path(tmp) / "small")
-        from locus.engine.config import load_config
+        from locus.engine.model.config import load_config
 
         vocab = load_config(model_dir).vocab_size
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.loader import load
+    from locus.engine.checkpoint.loader import load
     from locus.engine.sampling_params import SamplingParams
 
     device = torch.device(args.device)

@@ -272,8 +272,8 @@ def launch_if_asked(args: argparse.Namespace, threads: int | None) -> tuple[str,
 
 def local_vocab(model: str) -> int:
     """The model's vocabulary size without building it (preset table or config.json)."""
-    from locus.engine.config import load_config
-    from locus.engine.presets import PRESETS
+    from locus.engine.model.config import load_config
+    from locus.engine.checkpoint.presets import PRESETS
 
     if model in PRESETS:
         return PRESETS[model].vocab_size

@@ -44,3 +44,19 @@ def test_no_layer_imports_a_higher_one():
             if bad:
                 violations.append(f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}")
     assert not violations, "\n".join(violations)
+
+
+def test_routing_holds_no_process_group_code():
+    """routing/ decides and costs where tokens go; moving them (torch.distributed) is the engine's
+    expert-parallel runtime (locus/engine/ep/)."""
+    offenders = []
+    for path in sorted((ROOT / "routing").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
+                offenders.append(str(path.relative_to(ROOT.parent)))
+    assert not offenders, f"process-group code under routing/: {offenders}"

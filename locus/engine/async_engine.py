@@ -79,7 +79,7 @@ class AsyncEngine:
                  on_finished: Callable[[RequestOutput], None] | None = None, driver=None):
         self.core = core
         # Expert parallelism (rank 0 of several): requests go to the driver, which assigns them to
-        # ranks, and each step is an iteration of every rank (locus/engine/ep_driver.py).
+        # ranks, and each step is an iteration of every rank (locus/engine/ep/driver.py).
         self.driver = driver
         self.max_waiting = max_waiting
         self.on_dead = on_dead  # called once, from the engine thread, after a fatal engine error

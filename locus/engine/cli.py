@@ -80,8 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_init_model(args: argparse.Namespace) -> int:
-    from locus.engine.presets import build_preset
-    from locus.engine.weights import resolve_dtype, save_checkpoint
+    from locus.engine.checkpoint.presets import build_preset
+    from locus.engine.checkpoint.weights import resolve_dtype, save_checkpoint
 
     model = build_preset(args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype))
     out = save_checkpoint(model, args.out, per_expert=args.per_expert)

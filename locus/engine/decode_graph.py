@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from locus.engine.kv_cache import PagedKVCache
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.model.kv_cache import PagedKVCache
+from locus.engine.model.model import Llama4ForCausalLM
 from locus.kernels import argmax_cpu
 
 log = logging.getLogger(__name__)

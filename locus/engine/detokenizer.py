@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from locus.engine.sampling import SamplingParams
-from locus.engine.tokenizer import Tokenizer
+from locus.engine.checkpoint.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, for context-dependent decoders
 INCOMPLETE = "\ufffd"  # what decoders produce for a character whose bytes have not all arrived

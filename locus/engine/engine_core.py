@@ -25,19 +25,19 @@ import torch
 from locus.engine.block_manager import BlockManager
 from locus.engine.decode_graph import DecodeGraphs, default_buckets
 from locus.engine.detokenizer import IncrementalDetokenizer
-from locus.engine.expert_load import ExpertLoadCounter
+from locus.engine.observers.expert_load import ExpertLoadCounter
 from locus.engine.grouping import GroupingPolicy
-from locus.engine.kv_cache import PagedKVCache
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.model.kv_cache import PagedKVCache
+from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.routing_tap import RoutingTap
+from locus.engine.observers.routing_tap import RoutingTap
 from locus.engine.runner import ModelRunner
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
 from locus.engine.structured_output import GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Sequence, SequenceStatus
-from locus.engine.tokenizer import Tokenizer
-from locus.engine.trace_recorder import RecordingSummary, TraceRecorder
+from locus.engine.checkpoint.tokenizer import Tokenizer
+from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
 
 GiB = 1 << 30

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from locus.engine.forward_batch import ForwardBatch
-from locus.engine.kv_cache import ContiguousKVCache
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.model.forward_batch import ForwardBatch
+from locus.engine.model.kv_cache import ContiguousKVCache
+from locus.engine.model.model import Llama4ForCausalLM
 
 
 @torch.inference_mode()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.loader import load
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.checkpoint.loader import load
+from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
-from locus.engine.tokenizer import Tokenizer
+from locus.engine.checkpoint.tokenizer import Tokenizer
 
 
 class LLM:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from locus.engine.decode_graph import DecodeGraphs
-from locus.engine.forward_batch import ForwardBatch, SequenceSpan
+from locus.engine.model.forward_batch import ForwardBatch, SequenceSpan
 from locus.engine.grouping import ScheduledSeq
-from locus.engine.kv_cache import PagedKVCache
-from locus.engine.model import Llama4ForCausalLM
+from locus.engine.model.kv_cache import PagedKVCache
+from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.sequence import Sequence
 from locus.routing.gate import TopK
 

@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.ep_driver import EPDriver
-from locus.engine.ep_launch import EPSetup, load_rank, rank_trace_path
-from locus.engine.loader import load
-from locus.engine.tokenizer import read_chat_template
+from locus.engine.ep.driver import EPDriver
+from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
+from locus.engine.checkpoint.loader import load
+from locus.engine.checkpoint.tokenizer import read_chat_template
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
@@ -157,7 +157,7 @@ def reject_lone_surrogates(body) -> None:
 
 def load_plan_grouping(path: str, model_config):
     """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
-    from locus.engine.plan_grouping import PlanGrouping
+    from locus.engine.observers.plan_grouping import PlanGrouping
     from locus.routing.plan.placement import load_plan, validate
 
     plan = load_plan(path)

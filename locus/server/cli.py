@@ -92,8 +92,8 @@ def run_rank(args: argparse.Namespace, setup) -> int:
     import torch.distributed as dist
 
     from locus.engine.engine_core import EngineCore
-    from locus.engine.ep_driver import serve_rank
-    from locus.engine.ep_launch import load_rank, rank_trace_path
+    from locus.engine.ep.driver import serve_rank
+    from locus.engine.ep.launch import load_rank, rank_trace_path
     from locus.server.app import served_name
 
     log = logging.getLogger("locus.engine")
@@ -133,7 +133,7 @@ def stop_children(children) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from locus.engine.ep_launch import SPAWNED, setup_from, spawn_local_ranks
+    from locus.engine.ep.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import ServerConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

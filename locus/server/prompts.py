@@ -14,7 +14,7 @@ import asyncio
 from typing import Any, Callable, TypeVar
 
 from locus.engine.sampling import InvalidParameter
-from locus.engine.tokenizer import Tokenizer
+from locus.engine.checkpoint.tokenizer import Tokenizer
 
 OFF_LOOP_CHARS = 32 * 1024  # texts above this many characters are tokenized in a worker thread
 

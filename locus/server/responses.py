@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling import InvalidParameter, TokenLogprob
-from locus.engine.tokenizer import Tokenizer
+from locus.engine.checkpoint.tokenizer import Tokenizer
 
 
 @dataclass

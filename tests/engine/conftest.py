@@ -2,8 +2,8 @@
 
 import pytest
 
-from locus.engine.presets import build_preset
-from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.presets import build_preset
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

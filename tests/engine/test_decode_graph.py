@@ -109,7 +109,7 @@ def test_growing_contexts_reuse_the_bucket_graphs(compiled):
 
 def test_rope_as_real_pairs_equals_the_complex_rotation():
     """The compiled graph rotates with (cos, sin) pairs, eager code with complex numbers: same numbers."""
-    from locus.engine.rope import apply_rope
+    from locus.engine.model.rope import apply_rope
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 16, generator=g)

@@ -7,7 +7,7 @@ import pytest
 
 from locus.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
 from locus.engine.sampling import SamplingParams
-from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer(512)
 PROMPT = BYTES.encode("Q: hi\nA:")

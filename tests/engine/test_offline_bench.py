@@ -7,8 +7,8 @@ import json
 import pytest
 from bench_scripts import run_bench as run
 
-from locus.engine.presets import build_preset
-from locus.engine.weights import save_checkpoint
+from locus.engine.checkpoint.presets import build_preset
+from locus.engine.checkpoint.weights import save_checkpoint
 
 
 def test_offline_bench_against_transformers(tmp_path):

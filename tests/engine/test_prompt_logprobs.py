@@ -10,9 +10,9 @@ import torch
 from locus.engine.engine_core import EngineConfig
 from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
-from locus.engine.tokenizer import ByteTokenizer
-from locus.engine.weights import load_model
-from tests.engine.hf_reference import hf_logits, make_hf_model, prompt_ids, save_hf_model
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.weights import load_model
+from tests.engine.model.hf_reference import hf_logits, make_hf_model, prompt_ids, save_hf_model
 
 pytest.importorskip("transformers")
 

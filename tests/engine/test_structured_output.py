@@ -11,10 +11,10 @@ import pytest
 
 from locus.engine.engine_core import EngineConfig
 from locus.engine.llm import LLM
-from locus.engine.presets import build_preset
+from locus.engine.checkpoint.presets import build_preset
 from locus.engine.sampling import InvalidParameter, SamplingParams
 from locus.engine.structured_output import StructuredOutput
-from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "ok", "count"],
           "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "ok": {"type": "boolean"},
@@ -81,7 +81,7 @@ def test_a_spec_that_does_not_compile_is_refused_at_admission(llm, so, needle):
 def test_a_byte_level_bpe_tokenizer_is_constrained_too(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from locus.engine.tokenizer import load_tokenizer
+    from locus.engine.checkpoint.tokenizer import load_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -95,8 +95,8 @@ def test_a_byte_level_bpe_tokenizer_is_constrained_too(tmp_path):
     assert model.config.vocab_size < tok.get_vocab_size()
     from dataclasses import replace
 
-    from locus.engine.model import Llama4ForCausalLM
-    from locus.engine.presets import init_random
+    from locus.engine.model.model import Llama4ForCausalLM
+    from locus.engine.checkpoint.presets import init_random
 
     config = replace(model.config, vocab_size=tok.get_vocab_size())
     model = Llama4ForCausalLM(config, "torch")

@@ -137,8 +137,8 @@ def domain_prompt(domain: str, i: int) -> str:
 def record_planning_trace(path: Path) -> None:
     """A single-process engine on `small` records the routing of a mixed-domain workload."""
     from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.presets import build_preset
-    from locus.engine.tokenizer import ByteTokenizer
+    from locus.engine.checkpoint.presets import build_preset
+    from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
     model = build_preset("small")
     tok = ByteTokenizer(model.config.vocab_size)

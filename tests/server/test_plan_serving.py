@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 
 from locus.engine.engine_core import EngineCore
-from locus.engine.presets import build_preset
+from locus.engine.checkpoint.presets import build_preset
 from locus.engine.sampling import SamplingParams
-from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.routing.plan.caps import Caps
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.routing.plan.topology import Topology

@@ -9,7 +9,7 @@ import pytest
 
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sequence import RequestMetrics
-from locus.engine.tokenizer import ByteTokenizer
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.server import responses
 
 TEXTS = ["", "a", 'quote " and backslash \\', "line\nbreak\ttab\x01\x1f", "h\u00e9llo \u2028 \U0001f600", "\x00", "</script>"]

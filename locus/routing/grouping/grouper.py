@@ -22,7 +22,7 @@ can take a request, it goes to the least-loaded rank (what a load-balancing fron
 anyway). Loads are the tokens charged to a rank: `num_tokens` at admission, the not-yet-computed part
 moving with a request.
 
-No engine imports here: the engine's adapter is locus/engine/plan_grouping.py.
+No engine imports here: the engine's adapter is locus/engine/observers/plan_grouping.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,63 @@
+"""Resolve `--model DIR|preset` into a ready model and its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from locus.engine.model.config import ModelConfig, load_config
+from locus.engine.ep.slices import ExpertSlices
+from locus.engine.model.model import Llama4ForCausalLM
+from locus.engine.checkpoint.presets import PRESETS, build_preset
+from locus.engine.checkpoint.tokenizer import Tokenizer, load_tokenizer
+from locus.engine.checkpoint.weights import load_model, resolve_dtype
+from locus.errors import LocusError
+
+DEFAULT_MODEL = "tiny"
+
+
+@dataclass
+class LoadedModel:
+    model: Llama4ForCausalLM
+    tokenizer: Tokenizer
+    name: str  # what /v1/models reports
+    random_weights: bool  # True for presets
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def config_of(model: str | None) -> ModelConfig:
+    """The config `load(model)` would build, without any weight."""
+    name = model or DEFAULT_MODEL
+    if Path(name).is_dir():
+        return load_config(Path(name))
+    if name in PRESETS:
+        return PRESETS[name]
+    raise _no_such_model(name)
+
+
+def load(model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
+         moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None) -> LoadedModel:
+    """A checkpoint directory, or a preset name (random weights); None = the embedded `tiny` preset.
+    expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py)."""
+    device = device or default_device()
+    name = model or DEFAULT_MODEL
+    path = Path(name)
+    if path.is_dir():
+        m = load_model(path, dtype=resolve_dtype(dtype) if dtype else None, device=device, moe_backend=moe_backend,
+                       expert_slices=expert_slices)
+        tok = load_tokenizer(path, m.config.vocab_size, m.config.eos_token_ids)
+        return LoadedModel(m, tok, name=str(path).rstrip("/").split("/")[-1] or str(path), random_weights=False)
+    if name in PRESETS:
+        m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype or PRESETS[name].dtype), device=device,
+                         moe_backend=moe_backend, expert_slices=expert_slices)
+        return LoadedModel(m, load_tokenizer(None, m.config.vocab_size), name=name, random_weights=True)
+    raise _no_such_model(name)
+
+
+def _no_such_model(name: str) -> LocusError:
+    return LocusError(f"--model {name!r}: no such checkpoint directory, and not a preset ({', '.join(PRESETS)})")

@@ -1,0 +1,123 @@
+"""Starting an expert-parallel server: which rank this process is, the process group, the plan.
+
+Two ways in, one code path:
+- `torchrun --nnodes N --nproc-per-node G ... -m locus.cli serve ...`: every process reads RANK,
+  WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets;
+- `locus serve --ep-ranks N [--gpus-per-node G]`: this process becomes rank 0 and starts ranks
+  1..N-1 as child processes of the same command, with the same environment torchrun would give.
+Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep/driver.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from locus.engine.model.config import ModelConfig
+from locus.engine.ep.layer import EPContext, apply_expert_parallel
+from locus.engine.ep.slices import expert_memory, slices_of
+from locus.engine.checkpoint.loader import LoadedModel, config_of, default_device, load
+from locus.errors import LocusError
+from locus.routing.planners.baselines import round_robin
+from locus.engine.ep.exchange import make_groups
+from locus.routing.plan.placement import PlacementPlan, load_plan
+from locus.routing.plan.topology import Topology
+
+log = logging.getLogger("locus.engine")
+SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
+
+
+@dataclass
+class EPSetup:
+    rank: int
+    world: int
+    gpus_per_node: int
+    timeout_s: float
+    plan_path: str | None
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.gpus_per_node
+
+
+def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None) -> EPSetup | None:
+    """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
+    None for a single-process server."""
+    env = os.environ
+    if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
+        world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        if world % local:
+            raise LocusError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
+        return EPSetup(int(env["RANK"]), world, local, timeout_s, plan_path)
+    if ep_ranks <= 1:
+        return None
+    g = gpus_per_node or ep_ranks
+    if ep_ranks % g:
+        raise LocusError(f"--ep-ranks {ep_ranks} is not a multiple of --gpus-per-node {g}")
+    return EPSetup(0, ep_ranks, g, timeout_s, plan_path)
+
+
+def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
+    """Rank 0 of `--ep-ranks`: start ranks 1..N-1 as this command's children (torchrun's env)."""
+    port = _free_port()
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(setup.world),
+            "LOCAL_WORLD_SIZE": str(setup.gpus_per_node), SPAWNED: "1"}
+    os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
+    children = []
+    for rank in range(1, setup.world):
+        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank % setup.gpus_per_node)}
+        children.append(subprocess.Popen([sys.executable, "-m", "locus.cli", *sys.argv[1:]], env=env,
+                                         stdin=subprocess.DEVNULL))
+    return children
+
+
+def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, device: str | None = None,
+              moe_backend: str = "auto", seed: int = 0) -> tuple[LoadedModel, EPContext]:
+    """This rank's model, holding only its slots' experts (read as slices: the others are never
+    loaded), joined to the process group, with the plan applied. Logs the expert memory held."""
+    config = config_of(model)
+    plan = plan_for(setup, config)
+    device = device or default_device()
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
+    timeout = timedelta(seconds=setup.timeout_s)
+    dist.init_process_group(backend, init_method="env://", rank=setup.rank, world_size=setup.world, timeout=timeout)
+    loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
+    topo = plan.topology
+    groups = make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu, timeout)
+    context = apply_expert_parallel(loaded.model, plan, groups)
+    context.memory = expert_memory(loaded.model)
+    log.info("rank %d of %d (node %d, local %d): %s", setup.rank, setup.world, groups.node, groups.local,
+             context.memory.describe())
+    return loaded, context
+
+
+def plan_for(setup: EPSetup, config: ModelConfig) -> PlacementPlan:
+    """The --plan (its topology must be the launch's), or round-robin over the launch's topology."""
+    if setup.plan_path is None:
+        slots = math.ceil(config.num_local_experts / setup.world)
+        return round_robin(config.num_local_experts, config.moe_layers, Topology(setup.nodes, setup.gpus_per_node, slots))
+    plan = load_plan(setup.plan_path)
+    topo = plan.topology
+    if (topo.nodes, topo.gpus_per_node) != (setup.nodes, setup.gpus_per_node):
+        raise LocusError(f"{setup.plan_path}: the plan is for {topo.nodes}x{topo.gpus_per_node} ranks, but this launch "
+                         f"has {setup.nodes}x{setup.gpus_per_node} (WORLD_SIZE / LOCAL_WORLD_SIZE, or --ep-ranks / --gpus-per-node)")
+    return plan
+
+
+def rank_trace_path(path: str, rank: int) -> str:
+    """Where rank `rank` records its own requests under `--record-trace PATH` (rank 0 merges them)."""
+    return f"{path.rstrip('/')}.rank{rank}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

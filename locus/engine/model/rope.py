@@ -1,0 +1,58 @@
+"""Rotary position embedding, Llama-4 flavour.
+
+Llama-4 rotates *adjacent pairs*: dims (2m, 2m+1) of a head form one complex number, rotated by
+angle pos * inv_freq[m] with inv_freq[m] = theta^(-2m/D). (Llama-2/3 in HF format rotate the two
+halves instead; mixing the two up is the classic Llama-4 port bug.) The `llama3` rule rescales the
+low frequencies for long context; `linear` divides all of them by `factor`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from locus.engine.model.config import RopeConfig
+
+
+def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[D/2] float32 inverse frequencies."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # llama3: wavelengths longer than the original context are stretched by `factor`, shorter than
+    # original/high_freq_factor kept, the band between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Unit rotations e^(i * pos * inv_freq) for absolute positions [T]: [T, D/2] complex64 eagerly;
+    under torch.compile [T, D/2, 2] float32 (cos, sin), the same numbers as real pairs, because
+    inductor generates no code for complex tensors. Eagerly the complex form is the faster one
+    (7x on a 2,048-token prefill)."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    if torch.compiler.is_compiling():
+        return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [T, heads, D]: each pair (2m, 2m+1) = (a, b) is the complex number
+    a + ib multiplied by its rotation, (a cos - b sin, a sin + b cos); computed in float32, cast back."""
+    if rotations.is_complex():
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, heads, D/2]
+        return torch.view_as_real(pairs * rotations[:, None, :]).flatten(-2).to(x.dtype)
+    pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    cos, sin = rotations[:, None, :, 0], rotations[:, None, :, 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)

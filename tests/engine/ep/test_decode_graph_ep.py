@@ -1,0 +1,77 @@
+"""The compiled decode path under expert parallelism: two gloo ranks, each running its own requests
+through compiled decode graphs whose exchange is the opaque `locus::ep_routed_experts` op. Greedy
+tokens equal the single-process eager model's, and the padding rows of a bucket are never exchanged
+(the exchange counts exactly the real tokens)."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.ep.layer import apply_expert_parallel
+from locus.engine.generate import generate_tokens
+from locus.engine.checkpoint.presets import PRESETS, build_preset
+from locus.engine.sampling import SamplingParams
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
+from locus.engine.ep.exchange import make_groups
+from locus.routing.planners.baselines import round_robin
+from locus.routing.plan.topology import Topology
+from tests.engine.ep.test_expert_parallel import end_rank
+
+NEW_TOKENS = 12
+
+
+def prompts_of(rank: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(200 + rank)
+    return [torch.randint(0, 256, (4 + 9 * i + rank,), generator=g).tolist() for i in range(2 + rank)]
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = build_preset("tiny", seed=0)
+        E = model.config.num_local_experts
+        plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
+        ctx = apply_expert_parallel(model, plan, make_groups(1, 2, E // 2))
+        # rank 0 runs 2 sequences, rank 1 three: both pad to the bucket of 4
+        core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+                          EngineConfig(block_size=16, num_kv_blocks=32, max_num_seqs=4, compile_decode=True,
+                                       compile_buckets=(4,)))
+        core.lockstep = ctx
+        before = ctx.exchange.counters.token_layers  # the warm-up exchanged padding only: nothing
+        prompts = prompts_of(rank)
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        final = {}
+        while ctx.any_rank(core.has_unfinished()):
+            for o in core.step():
+                if o.finished:
+                    final[o.request_id] = o.outputs[0].token_ids
+        computed = sum(len(p) + NEW_TOKENS - 1 for p in prompts)  # the last sampled token is never fed back
+        torch.save({"tokens": [final[str(i)] for i in range(len(prompts))], "before": before,
+                    "token_layers": ctx.exchange.counters.token_layers, "expected": computed * len(plan.moe_layers),
+                    "compiled_steps": core.graphs.steps}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def test_compiled_decode_under_expert_parallelism_keeps_tokens_and_bytes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    model = build_preset("tiny", seed=0)
+    assert PRESETS["tiny"].num_local_experts % 2 == 0
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["before"] == 0
+        assert got["compiled_steps"] >= NEW_TOKENS - 2
+        assert got["token_layers"] == got["expected"]
+        for prompt, tokens in zip(prompts_of(rank), got["tokens"]):
+            assert tokens == generate_tokens(model, prompt, NEW_TOKENS)
