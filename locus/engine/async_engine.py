@@ -211,25 +211,25 @@ class AsyncEngine:
                 self._deliver(request_id, out)
 
     def _drive_ranks(self) -> None:
-        """The loop of rank 0 of an expert-parallel server: every iteration is one of all ranks,
-        at least every half second (the other ranks wait for it in a collective)."""
+        """The loop of rank 0 of an expert-parallel server: every iteration is one of all ranks.
+        While nobody has work it blocks on the command queue, iterating only for a heartbeat well
+        inside --ep-timeout (the other ranks wait for it in a collective)."""
         driver = self.driver
         try:
             while not self._stopping.is_set():
                 adds = self._apply_commands(publish=False)
-                busy = driver.has_unfinished()
                 outputs = driver.step()
                 for request_id, message in driver.errors:
                     self._deliver(request_id, LocusError(message))
                 driver.errors.clear()
                 self._publish_stats(adds)  # the added requests are in the ranks' counts now
                 self._deliver_step(outputs)
-                if not busy:
-                    self._wake.wait(0.5)
+                if not driver.has_unfinished():
+                    self._wake.wait(driver.heartbeat_s)
                     self._wake.clear()
             driver.stop()
         except BaseException as exc:  # a rank died, a collective timed out, or a step failed
-            self._die(exc)
+            self._die(driver.explain(exc))
 
     def _die(self, exc: BaseException) -> None:
         self._error = exc

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -26,12 +26,12 @@ from locus.engine.block_manager import BlockManager
 from locus.engine.decode_graph import DecodeGraphs, default_buckets
 from locus.engine.detokenizer import IncrementalDetokenizer
 from locus.engine.observers.expert_load import ExpertLoadCounter
-from locus.engine.grouping import GroupingPolicy
+from locus.engine.grouping import GroupingPolicy, ScheduledSeq
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.observers.routing_tap import RoutingTap
-from locus.engine.runner import ModelRunner
+from locus.engine.runner import ModelRunner, RunResult
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
 from locus.engine.structured_output import GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
@@ -45,11 +45,9 @@ log = logging.getLogger("locus.engine")
 
 
 class Lockstep(Protocol):
-    def agree(self, forwards: int) -> int:
-        """The largest forward count any rank has this step (a collective)."""
-
-    def idle(self) -> None:
-        """One forward's exchanges with no tokens of this rank's own."""
+    def run_forwards(self, micro_batches: list[list[ScheduledSeq]], forward: Callable[[list[ScheduledSeq]], RunResult]) -> list[RunResult]:
+        """Run this rank's micro-batches as the step's forwards, in lockstep with the other ranks:
+        as many forwards as they run (idle ones where this rank has fewer), in the same order."""
 
 
 class RequestFailedError(LocusError):
@@ -132,8 +130,8 @@ class EngineCore:
         # recorder, a plan's grouper (subscribe with self.routing.subscribe).
         self.routing = RoutingTap(tuple(mc.moe_layers))
         self.recorder: TraceRecorder | None = None
-        # Expert parallelism (set by whoever applied it): agree on the step's forward count with
-        # the other ranks, and take part in their exchanges when this rank has fewer micro-batches.
+        # Expert parallelism (set by whoever applied it): run as many forwards as the other ranks,
+        # taking part in their exchanges when this rank has fewer micro-batches (ep/runtime.py).
         self.lockstep: Lockstep | None = None
         self.expert_load: ExpertLoadCounter | None = None
         if config.count_expert_load and mc.moe_layers:
@@ -209,22 +207,30 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def pending_tokens(self) -> int:
+        """Tokens the unfinished sequences still have to run through the model: an upper bound on
+        what the next step can schedule (expert parallelism sizes its fixed-capacity exchange by it)."""
+        return sum(seq.num_tokens - seq.num_computed for request in self.requests.values()
+                   for seq in request.seqs if not seq.is_finished)
+
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         micro_batches = batch.micro_batches if batch is not None else []
-        forwards = len(micro_batches)
-        if self.lockstep is not None:  # every rank runs as many forwards as the busiest one
-            forwards = self.lockstep.agree(forwards)
-            for _ in range(forwards - len(micro_batches)):
-                self.lockstep.idle()  # no tokens here, but this rank takes part in every exchange
-        if batch is None:
-            return []
-        for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
-            self.cache.copy_block(src, dst)
+        if batch is not None:
+            for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
+                self.cache.copy_block(src, dst)
+        record = self.routing.active
+
+        def forward(items: list[ScheduledSeq]) -> RunResult:
+            return self.runner.run(items, record_routing=record)
+
+        if self.lockstep is not None:  # every rank runs as many forwards as the others, in order
+            results = self.lockstep.run_forwards(micro_batches, forward)
+        else:
+            results = [forward(items) for items in micro_batches]
         touched: OrderedDict[str, Request] = OrderedDict()
-        for items in micro_batches:
-            result = self.runner.run(items, record_routing=self.routing.active)
+        for items, result in zip(micro_batches, results):
             for item in items:
                 item.seq.num_computed += item.num_tokens
                 self._register_full_blocks(item.seq)

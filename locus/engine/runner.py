@@ -70,8 +70,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sampled.append(seq)
-        self.cache.bind({item.seq.seq_id: item.seq.block_table for item in items})
         batch = ForwardBatch.from_spans(tokens, spans, device=self.model.device)
+        self.cache.bind(batch, {item.seq.seq_id: item.seq.block_table for item in items})
         out = self.model(batch, self.cache, record_routing=record_routing)
         logits = None
         if sample_rows:

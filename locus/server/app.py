@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.driver import EPDriver
-from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
+from locus.engine.ep.launch import EPSetup, rank_trace_path
+from locus.engine.ep.worker import build_worker
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.tokenizer import read_chat_template
 from locus.engine.sampling import InvalidParameter
@@ -81,27 +82,29 @@ class ServerState:
     def load(self) -> None:
         try:
             c = self.config
-            grouping, engine_config, ep = None, c.engine, None
+            grouping, driver = None, None
             if c.ep is not None:  # the plan places the experts over the ranks; this rank loads only its own
-                loaded, ep = load_rank(c.ep, c.model, c.dtype, c.device, c.moe_backend, c.seed)
+                worker, loaded = build_worker(c.ep, c.model, c.engine, dtype=c.dtype, device=c.device,
+                                              moe_backend=c.moe_backend, seed=c.seed, record_trace=c.record_trace,
+                                              model_name=self.model_name)
+                core = worker.core
+                driver = EPDriver(worker)
+                log.info("expert parallelism over %d ranks (%s exchange%s); requests assigned %s", driver.world,
+                         c.ep.mode, ", two overlapped micro-batches" if c.ep.overlap else "", driver.assignment)
+                self.ep_driver = driver
             else:
                 loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+                engine_config = c.engine
+                if c.plan:
+                    grouping = load_plan_grouping(c.plan, loaded.model.config)
+                    engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
+                core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
+                if c.record_trace:
+                    core.start_recording(c.record_trace, self.model_name)
             if c.chat_template is not None:
                 loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
-            if c.plan and c.ep is None:
-                grouping = load_plan_grouping(c.plan, loaded.model.config)
-                engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
-            core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
-            driver = None
-            if ep is not None:
-                core.lockstep = ep
-                driver = EPDriver(core, ep)
-                log.info("expert parallelism over %d ranks; requests assigned %s", driver.world, driver.assignment)
-                self.ep_driver = driver
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.routing.subscribe(grouping.observe)
-            if c.record_trace:  # under EP every rank records its own requests; rank 0 merges at shutdown
-                core.start_recording(rank_trace_path(c.record_trace, 0) if ep else c.record_trace, self.model_name)
             engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver)
             self.metrics = ServerMetrics(engine, self.model_name)
             engine.on_finished = self.metrics.observe_output
@@ -173,12 +176,17 @@ def ep_stats_of(driver: EPDriver) -> dict:
     per_rank = []
     for rank, (c, times) in enumerate(zip(driver.counters, driver.times)):
         per_rank.append({"rank": rank, **asdict(c), "tokens": driver.rank_tokens(rank),
-                         "inter_node": c.inter_node, "intra_node": c.intra_node,
+                         "inter_node": c.inter_node, "intra_node": c.intra_node, "wire": c.wire,
                          "expert_bytes": driver.expert_bytes[rank], "steps": times.steps, "step_s": times.step_s,
                          "compute_s": times.compute_s, "exchange_s": times.exchange_s, "control_s": times.control_s})
-    return {"ranks": len(per_rank), "assignment": driver.assignment,
+    runtime = driver.runtime
+    topo = runtime.placement.plan.topology
+    return {"ranks": len(per_rank), "assignment": driver.assignment, "exchange": runtime.mode,
+            "overlap": runtime.overlap, "epoch": runtime.placement.epoch,
+            "topology": {"nodes": topo.nodes, "gpus_per_node": topo.gpus_per_node, "slots_per_gpu": topo.slots_per_gpu},
             "inter_node_bytes": sum(r["inter_node"] for r in per_rank),
             "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
+            "wire_bytes": sum(r["wire"] for r in per_rank),
             "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank}
 
 

@@ -43,6 +43,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="ranks per (virtual) node for --ep-ranks (default: all on one node)")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds any expert-parallel collective may take")
+    p.add_argument("--ep-exchange", choices=("exact", "fixed"), default="exact",
+                   help="how a MoE layer's rows travel: 'exact' sends a small count all-to-all, then exactly the rows; "
+                        "'fixed' sends blocks sized by the step's largest token count (no count exchange, padding on "
+                        "the wire; DeepEP's low-latency layout). See docs/expert_parallel.md for which is faster where")
+    p.add_argument("--ep-max-tokens-per-rank", type=int, default=256, metavar="N",
+                   help="the fixed exchange's bound: a step where a rank may run more tokens uses the exact exchange")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="split each step into two micro-batches on two sets of process groups, so one's attention and "
+                        "experts run while the other's dispatch or combine is on the wire (two-batch overlap)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run decode steps as torch.compile'd graphs, one per batch-size bucket, compiled at start-up "
                         "(inductor's on-disk cache makes the next start fast); prefill stays eager. See docs/engine.md")
@@ -89,11 +98,7 @@ def engine_config_of(args: argparse.Namespace):
 
 def run_rank(args: argparse.Namespace, setup) -> int:
     """A rank other than 0: the same model and engine, no HTTP; iterate with rank 0 until it stops."""
-    import torch.distributed as dist
-
-    from locus.engine.engine_core import EngineCore
-    from locus.engine.ep.driver import serve_rank
-    from locus.engine.ep.launch import load_rank, rank_trace_path
+    from locus.engine.ep.worker import build_worker, report_failure
     from locus.server.app import served_name
 
     log = logging.getLogger("locus.engine")
@@ -101,22 +106,19 @@ def run_rank(args: argparse.Namespace, setup) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
-        loaded, ctx = load_rank(setup, args.model, args.dtype, args.device, args.moe_backend, args.seed)
-        core = EngineCore(loaded.model, loaded.tokenizer, engine_config_of(args))
-        core.lockstep = ctx
-        if args.record_trace:
-            core.start_recording(rank_trace_path(args.record_trace, setup.rank), served_name(args.model, args.served_model_name))
-        serve_rank(core, ctx)
-    except BaseException:  # noqa: BLE001 - a dead peer or a timed-out collective ends this rank too
+        worker, _ = build_worker(setup, args.model, engine_config_of(args), dtype=args.dtype, device=args.device,
+                                 moe_backend=args.moe_backend, seed=args.seed, record_trace=args.record_trace,
+                                 model_name=served_name(args.model, args.served_model_name))
+        worker.serve()
+    except BaseException as exc:  # noqa: BLE001 - a dead peer or a timed-out collective ends this rank too
         log.exception("rank %d stops", setup.rank)
+        report_failure(setup.rank, exc)
         code = 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+    # No destroy_process_group: it may wait on peers. Leaving closes this rank's connections, so every
+    # peer's next collective with it fails at once instead of at the timeout.
     logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
@@ -137,7 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from locus.server.app import ServerConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan)
+    setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
+                       args.ep_max_tokens_per_rank, args.ep_overlap)
     if setup is not None and setup.rank != 0:
         return run_rank(args, setup)
     children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []

@@ -44,7 +44,8 @@ class EngineCollector:
         yield counter("locus_generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("locus_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("locus_prefix_cache_hits", "Prompt blocks reused from the prefix cache.", s.prefix_cache_hits)
-        load = self.engine.core.expert_load
+        # under expert parallelism, every rank's load (each rank counts the tokens it routes)
+        load = self.engine.driver.expert_load if self.engine.driver is not None else self.engine.core.expert_load
         if load is not None:
             c = CounterMetricFamily("locus_expert_tokens", "(token, slot) pairs routed to each expert, per MoE layer.",
                                     labels=["model_name", "layer", "expert"])
@@ -71,6 +72,13 @@ def ep_metrics(driver, model_name: str):
                                labels=["model_name"])
     meta.add_metric([model_name], sum(c.metadata for c in counters))
     yield meta
+    wire = CounterMetricFamily("locus_ep_wire_bytes", "Bytes the expert-parallel exchanges really sent (padding, packed "
+                               "metadata and counts included; never payload), summed over ranks.",
+                               labels=["model_name", "tier", "direction"])
+    for tier in ("inter_node", "intra_node"):
+        for direction in ("dispatch", "combine"):
+            wire.add_metric([model_name, tier, direction], sum(getattr(c, f"wire_{tier}_{direction}") for c in counters))
+    yield wire
     rank_families = [
         ("locus_ep_rank_tokens", "Tokens this rank ran through the MoE layers (its requests' tokens).",
          driver.rank_tokens),

@@ -145,3 +145,19 @@ def test_replay_counts_prompt_rows_at_admission_and_decode_rows_after_the_move(t
     if order == "ranks":  # per-rank queues hold the same rows in the same order
         assert a.step_expert_imbalance_mean == b.step_expert_imbalance_mean and a.steps == b.steps
     assert a.migrations == 2 and a.migrated_kv_bytes == 50 and b.migrated_kv_bytes == 0
+
+
+def test_the_stream_cap_keeps_every_rank_within_one_sequence_of_the_others():
+    """Ranks that step in lockstep (expert parallelism) wait for the busiest: with balance_streams no
+    admission leaves a rank above ceil(live sequences / ranks), while the domain still picks the node
+    wherever that holds."""
+    g = Grouper(TOPOLOGY, spec(cap=10.0), balance_streams=True)  # a loose token cap: only the stream cap binds
+    ranks = [g.admit(f"c{i}", "code", 10 + i) for i in range(6)]  # code belongs on node 0 (ranks 0, 1)
+    assert ranks[:2] == [0, 1]  # node 0 while it has room
+    assert sorted(g.streams.tolist()) == [1, 1, 2, 2] and g.streams.max() - g.streams.min() <= 1
+    assert g.admit("n2", "code", 5, streams=2) in (2, 3)  # n = 2: two sequences, to a rank with room for both
+    assert g.streams.max() - g.streams.min() <= 2
+    g.finish("c0")
+    assert g.streams.sum() == 7
+    unbalanced = Grouper(TOPOLOGY, spec(cap=10.0))
+    assert [unbalanced.admit(f"c{i}", "code", 10) for i in range(6)] == [0, 1, 0, 1, 0, 1]  # all on node 0

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -122,6 +123,53 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server_with_no_process_le
     assert code != 0
     assert not alive(rank1)
     assert children_of(proc.pid) == []
+
+
+def test_a_raised_error_on_another_rank_reaches_every_stream_at_once():
+    """A rank whose step raises (a bug in its forward, injected by faulty_serve) says why in the
+    rendezvous store and leaves; rank 0's next collective with it fails at once, not at --ep-timeout,
+    every open stream ends with an error object, and rank 0's log names the rank and its error."""
+    from tests.server.faulty_serve import FAULT
+
+    with running_server("--model", "tiny", "--ep-ranks", "2", "--ep-timeout", "60", module="tests.server.faulty_serve") as proc:
+        (rank1,) = children_of(proc.pid)
+        long = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=proc.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=long) as r:  # rank 0 (balanced: the first request)
+                lines = r.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                sent = time.monotonic()
+                fault = http.post("/v1/completions", json={"prompt": FAULT.decode(), "max_tokens": 4})  # rank 1
+                rest = [line for line in lines if line]
+                ended = time.monotonic()
+        error = json.loads(rest[-1].removeprefix("data: "))["error"]
+        assert ended - sent < 2.0, f"the open stream learned of the failure after {ended - sent:.1f} s"
+        assert error["type"] == "service_unavailable"
+        assert fault.status_code >= 500 and "error" in fault.json()
+        code = proc.wait(30)
+        log = proc.stdout.read()
+    assert code != 0
+    assert "rank 1 failed: RuntimeError: injected fault" in log
+    assert not alive(rank1)
+    assert children_of(proc.pid) == []
+
+
+def test_expert_load_in_metrics_is_every_ranks():
+    """/metrics' locus_expert_tokens sums the (token, slot) pairs every rank routed, not rank 0's:
+    K pairs per token and MoE layer, for the tokens /ep/stats says the ranks ran."""
+    from locus.engine.checkpoint.presets import PRESETS
+
+    config = PRESETS["tiny"]
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2") as proc:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(6) as pool:  # in flight together: the balanced assignment spreads them
+            list(pool.map(lambda i: client.completions.create(model="tiny", prompt=f"prompt {i} " * (i + 1),
+                                                              max_tokens=12, temperature=0), range(6)))
+        stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+        metrics = httpx.get(f"{proc.base_url}/metrics").text
+    pairs = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("locus_expert_tokens_total{"))
+    assert sum(1 for r in stats["per_rank"] if r["tokens"] > 0) >= 3
+    assert pairs == stats["tokens"] * config.num_experts_per_tok * len(config.moe_layers)
 
 
 # Three task families with disjoint prompt alphabets: the random router of a preset then sends each

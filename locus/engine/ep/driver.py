@@ -1,202 +1,168 @@
-"""One engine loop for every rank of an expert-parallel server (nano-vllm's ModelRunner-per-rank,
-with the control plane on a gloo group).
-
-Every rank repeats the same iteration, so the collectives always line up:
-    1. rank 0 broadcasts the commands it took since the last iteration (requests assigned to a rank,
-       aborts, stop); each rank applies the ones addressed to it;
-    2. the ranks agree whether any of them has work; if so, every rank runs `EngineCore.step()` (in
-       lockstep: see EPContext.agree/idle);
-    3. every rank sends rank 0 its outputs, its engine counters, its exchange counters and times.
-Rank 0 runs this inside AsyncEngine's thread (`EPDriver` is its `driver`); the other ranks run
-`serve_rank` until rank 0 says stop. Rank 0 iterates at least every half second while idle, so a
-waiting rank's collective never hits the timeout.
+"""Rank 0's side of an expert-parallel server: AsyncEngine hands it adds and aborts, and calls `step`
+from its thread; each step is one lockstep iteration of every rank (worker.py).
 
 Requests are assigned to a rank at admission and stay there (their KV cache lives there):
 - `balanced` (no plan, or a plan without a grouping): the rank with the fewest tokens in flight
-  (prompt plus n * max_tokens of its unfinished requests), ties to the lowest rank;
+  (prompt plus n * max_tokens of its unfinished requests; a request without max_tokens is charged
+  what it may really run to, the context limit), ties to the lowest rank;
 - `grouper` (a plan with a grouping): the plan's micro-batch grouper admits it, by domain tag to the
   domain's nodes in the plan's proportions, then the least-loaded rank of the node within the
   attention cap (locus/routing/grouping/grouper.py). It does not move a request after its prefill:
   that would move its KV cache between ranks.
 
-Time, per rank, over the iterations that ran a step (`StepTimes`): the step's wall time, the part in
-control collectives (commands, agreement, forward counts, reports), the part in the MoE exchanges
-(less the local expert compute); compute is the rest. A report carries the totals as of the previous
-iteration's gather.
+Per rank, rank 0 keeps what the last report said: engine counters, exchange counters, step times,
+expert memory; and the expert load of every rank, summed (what /metrics shows).
 """
 
 from __future__ import annotations
 
-import logging
+import threading
 import time
-from dataclasses import dataclass, field
 
-import torch.distributed as dist
+import numpy as np
 
-from locus.engine.engine_core import EngineCore, EngineStats
-from locus.engine.ep.layer import EPContext, StepTimes
+from locus.engine.engine_core import EngineStats
+from locus.engine.ep.counters import ExchangeCounters, StepTimes
+from locus.engine.ep.messages import Add, Commands, unpack_output
+from locus.engine.ep.worker import RankWorker, failure_cause
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
-from locus.errors import LocusError
-from locus.engine.ep.exchange import ExchangeCounters
+from locus.engine.sequence import RequestMetrics
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.plan.grouping_spec import spec_of
 
-log = logging.getLogger("locus.engine")
 
+class SummedExpertLoad:
+    """Every rank's expert load, summed: rank 0's own counter plus the increments the others report."""
 
-@dataclass
-class RankReport:
-    """What one rank sends rank 0 after an iteration."""
+    def __init__(self, own, world: int):
+        self.own = own
+        self.moe_layers, self.num_experts = own.moe_layers, own.num_experts
+        self._others = np.zeros((len(self.moe_layers), self.num_experts), dtype=np.int64)
+        self._lock = threading.Lock()
 
-    outputs: list[RequestOutput]
-    errors: list[tuple[str, str]]  # (request id, message) of adds this rank refused
-    stats: EngineStats
-    counters: ExchangeCounters
-    times: StepTimes
-    expert_bytes: int  # this rank's expert weights (its slots only)
+    def add(self, index: np.ndarray, count: np.ndarray) -> None:
+        with self._lock:
+            np.add.at(self._others.reshape(-1), index, count)
 
+    def totals(self) -> np.ndarray:
+        with self._lock:
+            return self.own.totals() + self._others
 
-@dataclass
-class _Commands:
-    adds: dict[int, list[tuple]] = field(default_factory=dict)  # rank -> (request id, prompt ids, params, domain)
-    aborts: dict[int, list[str]] = field(default_factory=dict)
-    stop: bool = False
-
-
-def apply_commands(core: EngineCore, rank: int, commands: _Commands, errors: list[tuple[str, str]]) -> list[RequestOutput]:
-    outputs = []
-    for request_id, prompt_ids, params, domain in commands.adds.get(rank, ()):
-        try:
-            core.add_request(request_id, prompt_ids, params, domain)
-        except LocusError as exc:
-            errors.append((request_id, str(exc)))
-    for request_id in commands.aborts.get(rank, ()):
-        out = core.abort(request_id)
-        if out is not None:
-            outputs.append(out)
-    return outputs
-
-
-def iterate(core: EngineCore, ctx: EPContext, commands: _Commands | None) -> list[RankReport | None] | None:
-    """One iteration on any rank (see the module doc); rank 0 passes its commands and gets every
-    rank's report, the others pass None and get a list of Nones. None: rank 0 said stop."""
-    rank, control = ctx.groups.rank, ctx.groups.control
-    start = time.perf_counter()
-    box = [commands]
-    dist.broadcast_object_list(box, src=0, group=control)
-    commands = box[0]
-    if commands.stop:
-        return None
-    control_s = time.perf_counter() - start
-    errors: list[tuple[str, str]] = []
-    outputs = apply_commands(core, rank, commands, errors)
-    agreed = ctx.agree_s
-    stepped = ctx.any_rank(core.has_unfinished())
-    if stepped:
-        outputs += core.step()
-    control_s += ctx.agree_s - agreed
-    times = ctx.times
-    if stepped:
-        times.steps += 1
-        times.step_s += time.perf_counter() - start
-        times.control_s += control_s
-    times.exchange_s = ctx.exchange.counters.exchange_s
-    held = ctx.memory.held_bytes if ctx.memory is not None else 0
-    report = RankReport(outputs, errors, core.stats(), ctx.exchange.counters, times, held)
-    world = dist.get_world_size(control)
-    gathered = [None] * world if rank == 0 else None
-    gather_start = time.perf_counter()
-    dist.gather_object(report, gathered, dst=0, group=control)
-    if stepped:
-        waited = time.perf_counter() - gather_start
-        times.step_s += waited
-        times.control_s += waited
-    return gathered if rank == 0 else [None] * world
-
-
-def serve_rank(core: EngineCore, ctx: EPContext) -> None:
-    """A non-zero rank: iterate until rank 0 says stop (or a collective fails, which raises); then
-    write its part of a recorded trace and tell rank 0 it is done."""
-    while iterate(core, ctx, None) is not None:
-        pass
-    if core.recorder is not None:
-        core.dump_recording()
-    dist.barrier(group=ctx.groups.control)
+    def snapshot(self) -> dict[int, list[int]]:
+        totals = self.totals()
+        return {layer: totals[i].tolist() for i, layer in enumerate(self.moe_layers)}
 
 
 class EPDriver:
-    """Rank 0's side: AsyncEngine hands it adds and aborts, and calls `step` from its thread."""
-
-    def __init__(self, core: EngineCore, ctx: EPContext):
-        self.core, self.ctx = core, ctx
-        plan = ctx.plan
+    def __init__(self, worker: RankWorker):
+        self.worker = worker
+        self.core, self.runtime = worker.core, worker.runtime
+        plan = self.runtime.placement.plan
         # the plan's grouper when it has one (no cost model: it never moves a request); else balanced
-        self.grouper = Grouper(plan.topology, spec_of(plan)) if plan is not None and plan.grouping else None
-        self.world = dist.get_world_size(ctx.groups.control)
-        self._pending = _Commands()
+        # (with the stream cap: ranks step in lockstep, so one rank with an extra sequence slows all)
+        self.grouper = Grouper(plan.topology, spec_of(plan), balance_streams=True) if plan.grouping else None
+        self.world = worker.world
+        self._pending: dict[int, Commands] = {}
         self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
+        self._prompt: dict[str, list[int]] = {}
+        self._metrics: dict[str, RequestMetrics] = {}
         self._in_flight = [0] * self.world  # tokens charged to each rank
         self._charge: dict[str, int] = {}
         self.stats: list[EngineStats | None] = [None] * self.world
         self.counters: list[ExchangeCounters] = [ExchangeCounters() for _ in range(self.world)]
         self.times: list[StepTimes] = [StepTimes() for _ in range(self.world)]
         self.expert_bytes: list[int] = [0] * self.world
+        self.expert_bytes[0] = worker.expert_bytes
+        self.expert_load = SummedExpertLoad(self.core.expert_load, self.world) if self.core.expert_load is not None else None
         self.errors: list[tuple[str, str]] = []  # refused adds, for AsyncEngine to deliver
+        self.last_stepped = False  # the last iteration ran a step: the others have reports to send
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How long rank 0 may stay idle: well inside the collective timeout the others wait under."""
+        return min(5.0, self.runtime.groups.timeout.total_seconds() / 4)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """The error to fail the server with: the failed rank's own reason when it wrote one."""
+        cause = failure_cause()
+        if cause is None:
+            return exc
+        return RuntimeError(f"{cause} (rank 0: {type(exc).__name__}: {exc})")
 
     @property
     def assignment(self) -> str:
         return "balanced" if self.grouper is None else "grouper"
 
+    def charge_of(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The tokens a request may run to: its prompt plus n times its output bound."""
+        bound = params.max_tokens
+        if bound is None:  # what the engine will let it generate (EngineCore.add_request)
+            bound = max(0, min(self.core.max_model_len, self.core.pool_tokens) - len(prompt_ids))
+        return len(prompt_ids) + bound * params.n
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> int:
-        charge = len(prompt_ids) + (params.max_tokens or 0) * params.n
+        charge = self.charge_of(prompt_ids, params)
         if self.grouper is not None:
-            rank = self.grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids))
+            rank = self.grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n)
         else:
             rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
         self._owner[request_id], self._charge[request_id] = rank, charge
+        self._prompt[request_id] = list(prompt_ids)
+        self._metrics[request_id] = RequestMetrics()
         self._in_flight[rank] += charge
-        self._pending.adds.setdefault(rank, []).append((request_id, prompt_ids, params, domain))
+        self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
         return rank
 
     def abort(self, request_id: str) -> None:
         rank = self._owner.get(request_id)
         if rank is not None:
-            self._pending.aborts.setdefault(rank, []).append(request_id)
+            self._pending.setdefault(rank, Commands()).aborts.append(request_id)
 
     def requests(self) -> list[str]:
         """The unfinished requests, on any rank."""
         return list(self._owner)
 
     def has_unfinished(self) -> bool:
-        return bool(self._owner) or bool(self._pending.adds)
+        return bool(self._owner) or bool(self._pending) or self.last_stepped
 
     def step(self) -> list[RequestOutput]:
-        """One iteration of every rank; the outputs of all of them."""
-        commands, self._pending = self._pending, _Commands()
-        reports = iterate(self.core, self.ctx, commands)
-        outputs = []
-        for rank, report in enumerate(reports):
+        """One iteration of every rank; the outputs of all of them (the others': their previous step's)."""
+        commands, self._pending = self._pending, {}
+        it = self.worker.iterate(commands)
+        self.last_stepped = it.stepped
+        now = time.monotonic()
+        outputs = list(it.outputs)
+        self.stats[0], self.times[0] = self.core.stats(), self.worker.times
+        self.counters[0] = self.runtime.counters()
+        self._refused(it.errors)
+        for rank, report in sorted(it.reports.items()):
             self.stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
             self.expert_bytes[rank] = report.expert_bytes
-            for request_id, message in report.errors:
-                self._release(request_id)
-                self.errors.append((request_id, message))
-            for out in report.outputs:
-                if out.finished:
-                    self._release(out.request_id)
-                outputs.append(out)
+            if report.load is not None and self.expert_load is not None:
+                self.expert_load.add(*report.load)
+            self._refused(report.errors)
+            for packed in report.outputs:
+                request_id = packed[0]
+                if request_id not in self._owner:
+                    continue
+                outputs.append(unpack_output(packed, self._prompt[request_id], self._metrics[request_id], now))
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
         return outputs
 
     def stop(self) -> None:
-        """Tell every other rank to leave its loop (a last broadcast), and wait until each has
-        finished its own shutdown work (writing its part of a recorded trace)."""
-        dist.broadcast_object_list([_Commands(stop=True)], src=0, group=self.ctx.groups.control)
-        dist.barrier(group=self.ctx.groups.control)
+        """Tell every other rank to leave its loop (the stop flag of a last iteration), and wait until
+        each has finished its own shutdown work (writing its part of a recorded trace)."""
+        import torch.distributed as dist
+
+        self.worker.iterate(stop=True)
+        dist.barrier(group=self.worker.control.group)
 
     def rank_tokens(self, rank: int) -> int:
         """Tokens `rank` ran through the MoE layers (its exchange counts each token once per layer)."""
-        return self.counters[rank].token_layers // max(1, len(self.ctx.layers))
+        return self.counters[rank].token_layers // max(1, len(self.runtime.layers))
 
     def total_stats(self) -> EngineStats:
         """Counters summed over ranks (a rank not heard from yet counts as empty)."""
@@ -206,8 +172,15 @@ class EPDriver:
         summed["kv_usage"] = 1.0 - summed["num_free_blocks"] / max(1, summed["num_blocks"])
         return EngineStats(**summed)
 
+    def _refused(self, errors: list[tuple[str, str]]) -> None:
+        for request_id, message in errors:
+            self._release(request_id)
+            self.errors.append((request_id, message))
+
     def _release(self, request_id: str) -> None:
         rank = self._owner.pop(request_id, None)
+        self._prompt.pop(request_id, None)
+        self._metrics.pop(request_id, None)
         if rank is not None:
             self._in_flight[rank] -= self._charge.pop(request_id, 0)
             if self.grouper is not None:

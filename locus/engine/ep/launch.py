@@ -5,7 +5,7 @@ Two ways in, one code path:
   WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets;
 - `locus serve --ep-ranks N [--gpus-per-node G]`: this process becomes rank 0 and starts ranks
   1..N-1 as child processes of the same command, with the same environment torchrun would give.
-Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep/driver.py).
+Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep/worker.py).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from locus.engine.model.config import ModelConfig
-from locus.engine.ep.layer import EPContext, apply_expert_parallel
-from locus.engine.ep.slices import expert_memory, slices_of
 from locus.engine.checkpoint.loader import LoadedModel, config_of, default_device, load
+from locus.engine.ep.groups import make_groups
+from locus.engine.ep.layer import apply_expert_parallel
+from locus.engine.ep.runtime import MODES, EPRuntime
+from locus.engine.ep.slices import expert_memory, slices_of
+from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
-from locus.routing.planners.baselines import round_robin
-from locus.engine.ep.exchange import make_groups
 from locus.routing.plan.placement import PlacementPlan, load_plan
 from locus.routing.plan.topology import Topology
+from locus.routing.planners.baselines import round_robin
 
 log = logging.getLogger("locus.engine")
 SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
@@ -42,27 +43,38 @@ class EPSetup:
     gpus_per_node: int
     timeout_s: float
     plan_path: str | None
+    mode: str = "exact"  # the MoE exchange's transport (runtime.MODES)
+    max_tokens_per_rank: int = 256  # the fixed-capacity transport's bound (larger steps go exact)
+    overlap: bool = False  # two micro-batches a step, on two lanes (runtime.py)
 
     @property
     def nodes(self) -> int:
         return self.world // self.gpus_per_node
 
 
-def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None) -> EPSetup | None:
+def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None,
+               mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False) -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
+    if mode not in MODES:
+        raise LocusError(f"--ep-exchange {mode!r}: choose one of {', '.join(MODES)}")
+    if max_tokens_per_rank < 1:
+        raise LocusError(f"--ep-max-tokens-per-rank must be at least 1, not {max_tokens_per_rank}")
+    if timeout_s <= 0:
+        raise LocusError(f"--ep-timeout must be positive, not {timeout_s}")
+    options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap)
     env = os.environ
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
         if world % local:
             raise LocusError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
-        return EPSetup(int(env["RANK"]), world, local, timeout_s, plan_path)
+        return EPSetup(int(env["RANK"]), world, local, timeout_s, plan_path, **options)
     if ep_ranks <= 1:
         return None
     g = gpus_per_node or ep_ranks
     if ep_ranks % g:
         raise LocusError(f"--ep-ranks {ep_ranks} is not a multiple of --gpus-per-node {g}")
-    return EPSetup(0, ep_ranks, g, timeout_s, plan_path)
+    return EPSetup(0, ep_ranks, g, timeout_s, plan_path, **options)
 
 
 def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
@@ -74,13 +86,24 @@ def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
     children = []
     for rank in range(1, setup.world):
         env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank % setup.gpus_per_node)}
-        children.append(subprocess.Popen([sys.executable, "-m", "locus.cli", *sys.argv[1:]], env=env,
+        children.append(subprocess.Popen([sys.executable, *_this_command(), *sys.argv[1:]], env=env,
                                          stdin=subprocess.DEVNULL))
     return children
 
 
+def _this_command() -> list[str]:
+    """How this process was started, for its sibling ranks: `-m locus.cli` when it was that module
+    (run as a script, its folder would shadow top-level modules), else the same script (the `locus`
+    entry point, or a wrapper such as a test's fault-injecting one)."""
+    script = sys.argv[0]
+    cli = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cli.py")
+    if not script or not os.path.isfile(script) or os.path.abspath(script) == cli:
+        return ["-m", "locus.cli"]
+    return [script]
+
+
 def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, device: str | None = None,
-              moe_backend: str = "auto", seed: int = 0) -> tuple[LoadedModel, EPContext]:
+              moe_backend: str = "auto", seed: int = 0) -> tuple[LoadedModel, EPRuntime]:
     """This rank's model, holding only its slots' experts (read as slices: the others are never
     loaded), joined to the process group, with the plan applied. Logs the expert memory held."""
     config = config_of(model)
@@ -91,12 +114,12 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     dist.init_process_group(backend, init_method="env://", rank=setup.rank, world_size=setup.world, timeout=timeout)
     loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
     topo = plan.topology
-    groups = make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu, timeout)
-    context = apply_expert_parallel(loaded.model, plan, groups)
-    context.memory = expert_memory(loaded.model)
+    groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, timeout)
+    runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank)
+    runtime.memory = expert_memory(loaded.model)
     log.info("rank %d of %d (node %d, local %d): %s", setup.rank, setup.world, groups.node, groups.local,
-             context.memory.describe())
-    return loaded, context
+             runtime.memory.describe())
+    return loaded, runtime
 
 
 def plan_for(setup: EPSetup, config: ModelConfig) -> PlacementPlan:

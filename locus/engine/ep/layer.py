@@ -3,13 +3,13 @@ tensor parallelism): each MoE block's expert call becomes route -> dispatch rule
 dispatch -> local fused MoE over local slots -> combine. The model's code does not change, and a
 model without `apply_expert_parallel` runs exactly as before.
 
-Rank r keeps only the experts of `plan.layers[l].slots[r]`, stacked in slot order as
+Rank r keeps only the experts of its slots in the placement, stacked in slot order as
 [S, H, 2I] / [S, I, H] (a rank may hold one expert in two slots). Attention, norms, the router, the
-shared expert and the dense layers stay whole on every rank (data-parallel attention).
+shared expert and the dense layers stay whole on every rank (data-parallel attention). A layer reads
+the runtime's placement when it is called, never a copy of it.
 
 The dispatch rule's tie-break needs each token's position in its request: a forward pre-hook on
-the model takes them from the batch. The context is also the engine's `Lockstep`: ranks agree on
-each step's forward count, and a rank with fewer micro-batches runs empty exchanges (`idle`).
+the model takes them from the batch, once per forward, for the lane running it.
 
 Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots per rank.
 """
@@ -17,97 +17,47 @@ Shape legend: T tokens, K experts per token, H hidden, I expert width, S slots p
 from __future__ import annotations
 
 import itertools
-import time
 import weakref
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from locus.engine.ep.slices import ExpertMemory, slices_of
+from locus.engine.ep.groups import Groups
+from locus.engine.ep.placement import ExpertPlacement
+from locus.engine.ep.runtime import EPRuntime
+from locus.engine.ep.slices import slices_of
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.model.moe import MoEBlock
 from locus.kernels import fused_moe
-from locus.routing.dispatch_rule import DispatchTable, build_dispatch_table, destination_slots, table_keys
-from locus.engine.ep.exchange import Groups, TwoTierExchange
 from locus.routing.gate import TopK, route_llama4
 from locus.routing.plan.placement import PlacementPlan, validate
 
 
-@dataclass
-class StepTimes:
-    """Seconds one rank spent in the iterations where it ran a step."""
-
-    steps: int = 0
-    step_s: float = 0.0  # wall time of those iterations, commands to report
-    control_s: float = 0.0  # in control collectives (gloo): commands, work agreement, forward counts, reports
-    exchange_s: float = 0.0  # in the MoE exchanges, less the local expert compute
-
-    @property
-    def compute_s(self) -> float:
-        return max(self.step_s - self.control_s - self.exchange_s, 0.0)
-
-
-@dataclass
-class EPContext:
-    """What every expert-parallel layer of one model shares."""
-
-    groups: Groups
-    table: DispatchTable
-    exchange: TwoTierExchange
-    positions: torch.Tensor | None = None  # [T] each token's position in its request
-    layers: list["ExpertParallelMoE"] = field(default_factory=list)  # in forward order
-    plan: PlacementPlan | None = None
-    memory: ExpertMemory | None = None  # what this rank's expert weights take (set at start-up)
-    times: StepTimes = field(default_factory=StepTimes)  # filled by the driver (ep_driver.iterate)
-    agree_s: float = 0.0  # wall time in agree() (control collectives)
-
-    def idle(self) -> None:
-        """A forward with no tokens: every MoE layer's exchange, in order, with empty tensors (the
-        other ranks' tokens may still come here to be computed)."""
-        for layer in self.layers:
-            layer.exchange_nothing()
-
-    def agree(self, forwards: int) -> int:
-        """The largest number of forwards any rank runs this step (gloo all-reduce)."""
-        start = time.perf_counter()
-        count = torch.tensor([forwards], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.control)
-        self.agree_s += time.perf_counter() - start
-        return int(count.item())
-
-    def any_rank(self, flag: bool) -> bool:
-        """True if `flag` holds on any rank (gloo all-reduce)."""
-        return self.agree(int(flag)) > 0
-
-
 class ExpertParallelMoE(nn.Module):
-    def __init__(self, block: MoEBlock, layer_index: int, slot_experts: list[int], context: EPContext):
+    def __init__(self, block: MoEBlock, row: int, slot_experts: list[int], runtime: EPRuntime):
         super().__init__()
         self.top_k, self.moe_backend = block.top_k, block.moe_backend
         self.router, self.shared_expert = block.router, block.shared_expert
         experts = block.experts
-        if experts.expert_ids is not None:  # loaded as this rank's slice (expert_slices.py): take it as is
+        if experts.expert_ids is not None:  # loaded as this rank's slice (slices.py): take it as is
             if list(experts.expert_ids) != list(slot_experts):
-                raise ValueError(f"MoE row {layer_index}: the model holds experts {experts.expert_ids}, "
+                raise ValueError(f"MoE row {row}: the model holds experts {experts.expert_ids}, "
                                  f"the plan gives this rank {slot_experts}")
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         else:  # a whole model: keep the local slots' experts, in slot order; the full tensors are dropped
             index = torch.tensor(slot_experts, dtype=torch.long)
             self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
             self.down_proj = nn.Parameter(experts.down_proj.detach()[index].clone(), requires_grad=False)
-        self.layer_index = layer_index  # row of the dispatch table
-        self.context = context
+        self.row = row  # this layer's row of the placement (its index in moe_layers)
+        self.runtime = runtime
         self.handle = next(_handles)  # how the compiled graph's opaque op finds this layer
         _LAYERS[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
         topk = route_llama4(self.router(x), self.top_k)
-        positions = self.context.positions
+        positions = self.runtime.positions
         if positions is None or positions.shape[0] != x.shape[0]:
-            raise RuntimeError("EPContext.positions must hold the batch's token positions before the forward")
+            raise RuntimeError("the EP runtime must hold the batch's token positions before the forward")
         if torch.compiler.is_compiling():  # the exchange is host work and collectives: one opaque op
             routed = ep_routed_experts(x, topk.ids, topk.weights, positions, self.handle)
         else:
@@ -117,18 +67,19 @@ class ExpertParallelMoE(nn.Module):
     def route_and_exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            positions: torch.Tensor) -> torch.Tensor:
         """The dispatch rule, then dispatch -> local experts -> combine: the routed output [T, H]."""
-        ctx = self.context
-        keys = table_keys(ctx.table, ids.cpu().numpy().astype(np.int32)[:, None, :],  # [T, 1, K]
-                          np.full(x.shape[0], ctx.groups.rank), [self.layer_index])
-        slots = torch.from_numpy(destination_slots(ctx.table, keys, positions.cpu().numpy())[:, 0, :].astype(np.int64))
-        return ctx.exchange.run(x, slots.to(x.device), weights.to(x.dtype), self._compute)
+        runtime = self.runtime
+        placement = runtime.placement
+        slots = placement.route(self.row, ids, positions)
+        return runtime.lane().run(x, slots, weights.to(x.dtype), placement.slots_per_gpu, self._compute,
+                                  runtime.capacity)
 
     def exchange_nothing(self) -> None:
         H = self.router.in_features
         dtype, device = self.router.weight.dtype, self.router.weight.device
-        self.context.exchange.run(torch.empty(0, H, dtype=dtype, device=device),
-                                  torch.empty(0, self.top_k, dtype=torch.long, device=device),
-                                  torch.empty(0, self.top_k, dtype=dtype, device=device), self._compute)
+        self.runtime.lane().run(torch.empty(0, H, dtype=dtype, device=device),
+                                torch.empty(0, self.top_k, dtype=torch.long, device=device),
+                                torch.empty(0, self.top_k, dtype=dtype, device=device),
+                                self.runtime.placement.slots_per_gpu, self._compute, self.runtime.capacity)
 
     def _compute(self, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights, weight_on_input=True,
@@ -161,26 +112,28 @@ def _(x, ids, weights, positions, handle) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups: Groups) -> EPContext:
-    """Swap every MoE block of `model` for its expert-parallel form on this rank; returns the context
-    whose `positions` the caller sets before each forward and whose exchange counts the bytes."""
+def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups: Groups, mode: str = "exact",
+                          max_tokens_per_rank: int = 256, epoch: int = 0) -> EPRuntime:
+    """Swap every MoE block of `model` for its expert-parallel form on this rank; returns the runtime
+    whose placement the layers read and whose exchanges count the bytes."""
     config = model.config
     validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
     topo = plan.topology
-    if (topo.nodes, topo.gpus_per_node, topo.slots_per_gpu) != (groups.nodes, groups.gpus_per_node, groups.slots_per_gpu):
-        raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} ({topo.slots_per_gpu} slots) is not "
-                         f"the process groups' {groups.nodes}x{groups.gpus_per_node} ({groups.slots_per_gpu} slots)")
-    context = EPContext(groups, build_dispatch_table(plan), TwoTierExchange(groups), plan=plan)
+    if (topo.nodes, topo.gpus_per_node) != (groups.nodes, groups.gpus_per_node):
+        raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} is not the process groups' "
+                         f"{groups.nodes}x{groups.gpus_per_node}")
+    placement = ExpertPlacement.build(plan, groups.rank, epoch, model.device)
+    runtime = EPRuntime(groups, placement, mode, max_tokens_per_rank, model.device)
     row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
     slices = slices_of(plan, groups.rank)  # what the loaders kept, if they sliced
     for layer in sorted(row_of):  # forward order, which idle() follows
         decoder = model.model.layers[layer]
-        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slices[layer], context)
-        context.layers.append(decoder.feed_forward)
+        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slices[layer], runtime)
+        runtime.layers.append(decoder.feed_forward)
 
     def take_positions(module, args, kwargs):  # the dispatch rule's tie-break needs them
         batch = args[0] if args else kwargs["batch"]
-        context.positions = batch.positions
+        runtime.positions = batch.positions
 
     model.register_forward_pre_hook(take_positions, with_kwargs=True)
-    return context
+    return runtime

@@ -109,27 +109,28 @@ class PagedKVCache(FlatKVCache):
         super().__init__(config, (num_blocks + 1) * block_size, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
-        self.block_tables: dict[int, list[int]] = {}
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
-    def bind(self, block_tables: dict[int, list[int]]) -> None:
-        """Set the block tables the next forward uses (slot -> block ids in position order)."""
-        self.block_tables = block_tables
+    def bind(self, batch: ForwardBatch, block_tables: dict[int, list[int]]) -> None:
+        """Give `batch` the block tables of its sequences (slot -> block ids in position order), as a
+        [B, max blocks] padded tensor kept in the batch itself: two batches may run at once (expert
+        parallelism's overlapped micro-batches), so the cache holds no per-forward state."""
+        tables = [block_tables[s.slot] for s in batch.spans]
+        for s, table in zip(batch.spans, tables):
+            if len(table) * self.block_size < s.end:
+                raise ValueError(f"sequence slot {s.slot} reaches position {s.end} but holds {len(table)} blocks")
+        width = max((len(t) for t in tables), default=1)
+        batch.memo[("block_tables", id(self))] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                             dtype=torch.long, device=batch.device)
 
     def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        key = ("block_tables", id(self))
-        if key not in batch.memo:  # [B, max blocks] padded block tables, built once per forward
-            tables = [self.block_tables[s.slot] for s in batch.spans]
-            for s, table in zip(batch.spans, tables):
-                if len(table) * self.block_size < s.end:
-                    raise ValueError(f"sequence slot {s.slot} reaches position {s.end} but holds {len(table)} blocks")
-            width = max(len(t) for t in tables)
-            batch.memo[key] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=batch.device)
-        tables = batch.memo[key]
+        tables = batch.memo.get(("block_tables", id(self)))
+        if tables is None:
+            raise RuntimeError("PagedKVCache.bind(batch, ...) must give the batch its block tables before the forward")
         return tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -26,6 +26,11 @@ class ExpertLoadCounter:
         with self._lock:
             self._counts += counts
 
+    def totals(self) -> np.ndarray:
+        """[L, E] a copy of the counts so far."""
+        with self._lock:
+            return self._counts.copy()
+
     def snapshot(self) -> dict[int, list[int]]:
         """layer index -> tokens routed to each expert so far."""
         with self._lock:

@@ -22,6 +22,11 @@ can take a request, it goes to the least-loaded rank (what a load-balancing fron
 anyway). Loads are the tokens charged to a rank: `num_tokens` at admission, the not-yet-computed part
 moving with a request.
 
+Stream cap (`balance_streams`, what expert-parallel serving uses). Ranks step in lockstep, so a decode
+step lasts as long as the rank with the most sequences takes: one stream above the others costs every
+rank. With the cap, an admission may also never leave a rank with more live sequences than
+ceil(total / ranks); the domain still picks the node and rank wherever that holds.
+
 No engine imports here: the engine's adapter is locus/engine/observers/plan_grouping.py.
 """
 
@@ -44,6 +49,7 @@ class _Live:
     prompt_tokens: int
     charges: dict[int, float] = field(default_factory=dict)  # rank -> tokens charged there
     observed: bool = False
+    streams: int = 1
 
 
 @dataclass
@@ -57,13 +63,15 @@ class GrouperStats:
 
 class Grouper:
     def __init__(self, topology: Topology, spec: GroupingSpec, cost: NodeCostModel | None = None,
-                 attention_cap: float | None = None):
+                 attention_cap: float | None = None, balance_streams: bool = False):
         self.topology, self.spec, self.cost = topology, spec, cost
+        self.balance_streams = balance_streams
         self.cap = float(spec.caps.attention if attention_cap is None else attention_cap)
         if self.cap < 1.0:
             raise LocusError(f"attention cap must be >= 1.0, got {self.cap}")
         self.R, self.G, self.N = topology.ranks, topology.gpus_per_node, topology.nodes
         self.loads = np.zeros(self.R, dtype=np.float64)  # tokens charged per rank
+        self.streams = np.zeros(self.R, dtype=np.int64)  # live sequences per rank
         self.domain_weights = {d: np.asarray(w, dtype=np.float64) / sum(w) for d, w in spec.domain_nodes.items()}
         self.domain_tokens = {d: np.zeros(self.N) for d in spec.domain_nodes}
         self.live: dict[str, _Live] = {}
@@ -77,7 +85,7 @@ class Grouper:
 
     # --- the three calls -------------------------------------------------------------------------
     def admit(self, request_id: str, domain: str | None = None, num_tokens: float = 1,
-              prompt_tokens: int | None = None) -> int:
+              prompt_tokens: int | None = None, streams: int = 1) -> int:
         if request_id in self.live:
             raise LocusError(f"grouper: request {request_id!r} is already admitted")
         w = float(max(num_tokens, 0))
@@ -88,18 +96,22 @@ class Grouper:
             done = self.domain_tokens[domain]
             deficit = weights * (done.sum() + w) - done
             for node in sorted(np.flatnonzero(weights > 0), key=lambda n: (-deficit[n], n)):
-                rank = self._fits(int(node), w, admission=True)
+                rank = self._fits(int(node), w, admission=True, streams=streams)
                 if rank is not None:
                     break
             if rank is None:
                 self.stats.overflowed += 1
         if rank is None:
-            rank = int(np.argmin(self.loads))
+            if self.balance_streams:  # the fewest live sequences, then the fewest tokens
+                rank = int(np.lexsort((self.loads, self.streams))[0])
+            else:
+                rank = int(np.argmin(self.loads))
         if weights is not None:
             self.domain_tokens[domain][rank // self.G] += w
         self.loads[rank] += w
+        self.streams[rank] += streams
         prompt = int(w if prompt_tokens is None else prompt_tokens)
-        self.live[request_id] = _Live(rank, prompt, {rank: w})
+        self.live[request_id] = _Live(rank, prompt, {rank: w}, streams=streams)
         self.stats.admitted += 1
         return rank
 
@@ -130,6 +142,8 @@ class Grouper:
                 continue
             self.loads[req.rank] -= moving
             req.charges[req.rank] -= moving
+            self.streams[req.rank] -= req.streams
+            self.streams[rank] += req.streams
             self.loads[rank] += moving
             req.charges[rank] = req.charges.get(rank, 0.0) + moving
             req.rank = rank
@@ -144,6 +158,7 @@ class Grouper:
             return
         for rank, tokens in req.charges.items():
             self.loads[rank] = max(self.loads[rank] - tokens, 0.0)
+        self.streams[req.rank] -= req.streams
 
     # --- queries ---------------------------------------------------------------------------------
     def rank_of(self, request_id: str) -> int:
@@ -161,7 +176,7 @@ class Grouper:
         except KeyError:
             raise LocusError(f"grouper: request {request_id!r} was never admitted (or has finished)") from None
 
-    def _fits(self, node: int, w: float, admission: bool) -> int | None:
+    def _fits(self, node: int, w: float, admission: bool, streams: int = 1) -> int | None:
         """The node's least-loaded rank if taking `w` more tokens keeps it within the cap; else None.
 
         Within the cap means at most cap * mean; at admission also at most one request above the mean:
@@ -169,7 +184,14 @@ class Grouper:
         emptiest (max/mean of a handful of requests is never near 1), and domains would scatter. A move
         is optional, so it gets no such slack (and leaves the total unchanged)."""
         lo = node * self.G
-        rank = lo + int(np.argmin(self.loads[lo : lo + self.G]))
+        if self.balance_streams and admission:
+            ceiling = -(-(int(self.streams.sum()) + streams) // self.R)
+            open_ranks = [r for r in range(lo, lo + self.G) if self.streams[r] + streams <= ceiling]
+            if not open_ranks:
+                return None
+            rank = min(open_ranks, key=lambda r: (self.loads[r], r))
+        else:
+            rank = lo + int(np.argmin(self.loads[lo : lo + self.G]))
         mean = (self.loads.sum() + (w if admission else 0.0)) / self.R
         limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
         return rank if self.loads[rank] + w <= limit else None

@@ -17,10 +17,12 @@ from locus.engine.generate import generate_tokens
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
-from locus.engine.ep.exchange import make_groups
+from locus.engine.ep.control import ControlPlane
+from locus.engine.ep.groups import make_groups
+from locus.engine.ep.worker import RankWorker
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
-from tests.engine.ep.test_expert_parallel import end_rank
+from tests.engine.ep.test_expert_parallel import end_rank, run_until_done
 
 NEW_TOKENS = 12
 
@@ -37,24 +39,22 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         model = build_preset("tiny", seed=0)
         E = model.config.num_local_experts
         plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
-        ctx = apply_expert_parallel(model, plan, make_groups(1, 2, E // 2))
+        groups = make_groups(1, 2)
+        ctx = apply_expert_parallel(model, plan, groups)
         # rank 0 runs 2 sequences, rank 1 three: both pad to the bucket of 4
         core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
                           EngineConfig(block_size=16, num_kv_blocks=32, max_num_seqs=4, compile_decode=True,
                                        compile_buckets=(4,)))
         core.lockstep = ctx
-        before = ctx.exchange.counters.token_layers  # the warm-up exchanged padding only: nothing
+        before = ctx.counters().token_layers  # the warm-up exchanged padding only: nothing
         prompts = prompts_of(rank)
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        final = {}
-        while ctx.any_rank(core.has_unfinished()):
-            for o in core.step():
-                if o.finished:
-                    final[o.request_id] = o.outputs[0].token_ids
+        final = {o.request_id: o.outputs[0].token_ids
+                 for o in run_until_done(RankWorker(core, ctx, ControlPlane(groups.control, rank, world)))}
         computed = sum(len(p) + NEW_TOKENS - 1 for p in prompts)  # the last sampled token is never fed back
         torch.save({"tokens": [final[str(i)] for i in range(len(prompts))], "before": before,
-                    "token_layers": ctx.exchange.counters.token_layers, "expected": computed * len(plan.moe_layers),
+                    "token_layers": ctx.counters().token_layers, "expected": computed * len(plan.moe_layers),
                     "compiled_steps": core.graphs.steps}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

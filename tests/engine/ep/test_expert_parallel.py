@@ -21,7 +21,7 @@ from locus.engine.ep.slices import expert_memory, slices_of
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.routing.planners.baselines import round_robin
 from locus.routing.dispatch_rule import build_dispatch_table, route
-from locus.engine.ep.exchange import make_groups
+from locus.engine.ep.groups import make_groups
 from locus.routing.replay.assignment import assign_recorded
 from locus.routing.plan.placement import PlacementPlan
 from locus.routing.replay.simulator import replay
@@ -62,14 +62,15 @@ def prompt_of(rank: int) -> list[int]:
     return torch.randint(0, 256, (5 + 7 * rank,), generator=g).tolist()
 
 
-def worker(rank: int, world: int, case: str, port: int, out: str) -> None:
+def worker(rank: int, world: int, case: str, port: int, out: str, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model = build_preset("tiny", seed=0)
         plan = plan_for(case, model.config.moe_layers)
         topo = plan.topology
-        ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu))
+        ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node), mode)
+        ctx.begin_step(capacity=64)  # at least every rank's token count (the fixed transport's block size)
         shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
         ids = prompt_of(rank)
         batch = ForwardBatch.single(ids)
@@ -77,7 +78,7 @@ def worker(rank: int, world: int, case: str, port: int, out: str) -> None:
         with torch.no_grad():
             fwd = model(batch, record_routing=True)
             logits = model.compute_logits(fwd.hidden)
-            first = dataclasses.replace(ctx.exchange.counters)  # the forward's bytes, before the round below
+            first = dataclasses.replace(ctx.counters())  # the forward's bytes, before the round below
             # a rank with no tokens still takes part in every layer's exchange
             empty = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)][0]
             ctx.positions = torch.zeros(0, dtype=torch.long)
@@ -118,12 +119,13 @@ def expected_bytes(plan: PlacementPlan, results: list[dict]) -> tuple[int, int]:
     return 2 * inter * H_BYTES, 2 * intra * H_BYTES
 
 
-@pytest.mark.parametrize("case", ["1x2", "2x2-replicas", "2x2-double-slot", "3x1-node-aware"])
-def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions(case, tmp_path):
+@pytest.mark.parametrize("case,mode", [("1x2", "exact"), ("2x2-replicas", "exact"), ("2x2-double-slot", "exact"),
+                                       ("3x1-node-aware", "exact"), ("2x2-replicas", "fixed"), ("3x1-node-aware", "fixed")])
+def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions(case, mode, tmp_path):
     moe_layers = build_preset("tiny", seed=0).config.moe_layers
     plan = plan_for(case, moe_layers)
     world = plan.topology.ranks
-    mp.spawn(worker, args=(world, case, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, case, free_port(), str(tmp_path), mode), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
     reference = build_preset("tiny", seed=0)
@@ -142,10 +144,13 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
         assert inter < expected_bytes(dataclasses.replace(plan, dispatch="position"), results)[0]
 
 
-def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out: str) -> None:
-    """One rank's engine: its share of the prompts, in lockstep with the other ranks; the model is
-    built holding only this rank's experts, as a server's rank loads it."""
+def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out: str, mode: str, overlap: bool) -> None:
+    """One rank's engine: its share of the prompts, in lockstep with the other ranks (the server's
+    RankWorker iteration, control plane included); the model is built holding only this rank's
+    experts, as a server's rank loads it."""
     from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.ep.control import ControlPlane
+    from locus.engine.ep.worker import RankWorker
     from locus.engine.sampling import SamplingParams
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
@@ -156,28 +161,42 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
         plan = plan_for(case, config.moe_layers, preset)
         topo = plan.topology
         model = build_preset(preset, seed=0, expert_slices=slices_of(plan, rank))
-        ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node, topo.slots_per_gpu))
+        groups = make_groups(topo.nodes, topo.gpus_per_node, lanes=2 if overlap else 1)
+        ctx = apply_expert_parallel(model, plan, groups, mode, max_tokens_per_rank=64)
         shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
         core = EngineCore(model, ByteTokenizer(config.vocab_size),
-                          EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32))
+                          EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32,
+                                       num_micro_batches=ctx.forwards_per_step))
         core.lockstep = ctx
+        rank_worker = RankWorker(core, ctx, ControlPlane(groups.control, rank, world))
         core.start_recording(f"{out}/trace{rank}", preset)  # this rank's requests, for the replay check
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
         for i, prompt in enumerate(engine_prompts()):
             if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
                 core.add_request(f"p{i}", prompt, params)
-        finals = {}
-        while ctx.any_rank(core.has_unfinished()):
-            for output in core.step():
-                if output.finished:
-                    finals[output.request_id] = ([c.token_ids for c in output.outputs],
-                                                 [[top_logprobs(lp) for lp in c.logprobs] for c in output.outputs])
+        finals, transports = {}, set()
+        for output in run_until_done(rank_worker, transports):
+            finals[output.request_id] = ([c.token_ids for c in output.outputs],
+                                         [[top_logprobs(lp) for lp in c.logprobs] for c in output.outputs])
         core.dump_recording()
-        torch.save({"finals": finals, "bytes": ctx.exchange.counters, "shapes": shapes,
+        torch.save({"finals": finals, "bytes": ctx.counters(), "shapes": shapes, "transports": transports,
                     "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
     finally:
         dist.destroy_process_group()
     end_rank()
+
+
+def run_until_done(rank_worker, transports: set | None = None) -> list:
+    """Iterate a rank in lockstep until no rank has work (every rank sees the same headers and leaves
+    together); returns this rank's finished outputs."""
+    finished = []
+    while True:
+        it = rank_worker.iterate()
+        finished += [o for o in it.outputs if o.finished]
+        if not it.stepped:
+            return finished
+        if transports is not None:
+            transports.add(it.transport)
 
 
 def top_logprobs(lp) -> list[tuple[int, float]]:
@@ -190,8 +209,12 @@ def engine_prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (16,), generator=g)]
 
 
-@pytest.mark.parametrize("preset,case", [("tiny", "1x2"), ("tiny", "2x2-replicas"), ("small", "1x2"), ("small", "2x2-replicas")])
-def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, tmp_path):
+@pytest.mark.parametrize("preset,case,mode,overlap", [
+    ("tiny", "1x2", "exact", False), ("tiny", "2x2-replicas", "exact", False), ("small", "1x2", "exact", False),
+    ("small", "2x2-replicas", "exact", False), ("tiny", "2x2-replicas", "fixed", False),
+    ("small", "2x2-replicas", "fixed", False), ("tiny", "2x2-double-slot", "exact", True),
+    ("small", "2x2-replicas", "fixed", True)])
+def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, mode, overlap, tmp_path):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
@@ -200,12 +223,14 @@ def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, tmp_pat
     config = PRESETS[preset]
     plan = plan_for(case, config.moe_layers, preset)
     world = plan.topology.ranks
-    mp.spawn(engine_worker, args=(world, preset, case, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(engine_worker, args=(world, preset, case, free_port(), str(tmp_path), mode, overlap), nprocs=world, join=True)
     got, measured = {}, []
     for rank in range(world):
         saved = torch.load(tmp_path / f"engine{rank}.pt", weights_only=False)
         got.update(saved["finals"])
         measured.append(saved["bytes"])
+        # decode steps (a few tokens a rank) go fixed in the fixed mode; the 32-token prefills exact
+        assert saved["transports"] == ({"exact", "fixed"} if mode == "fixed" else {"exact"})
         # each rank holds only its slots ([S, H, 2I] per MoE layer), and its expert memory says so
         S = plan.topology.slots_per_gpu
         assert saved["shapes"] == [(S, config.hidden_size, 2 * config.intermediate_size)] * len(config.moe_layers)

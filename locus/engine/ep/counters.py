@@ -1,0 +1,91 @@
+"""What a rank's expert-parallel runtime counts: bytes by tier and direction, tokens, expert load,
+collectives, and where a step's time went.
+
+Payload bytes follow DESIGN.md (rows of H * dtype_bytes, dispatch and combine each, counted on the
+token's source rank); routing metadata (slot ids and weights) is counted apart; wire bytes are what
+the collectives really put on the network, padding and packed metadata included (never payload).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+TIERS = ("inter_node", "intra_node")
+DIRECTIONS = ("dispatch", "combine")
+
+
+@dataclass
+class ExchangeCounters:
+    inter_node_dispatch: int = 0
+    inter_node_combine: int = 0
+    intra_node_dispatch: int = 0
+    intra_node_combine: int = 0
+    metadata: int = 0
+    wire_inter_node_dispatch: int = 0
+    wire_inter_node_combine: int = 0
+    wire_intra_node_dispatch: int = 0
+    wire_intra_node_combine: int = 0
+    token_layers: int = 0  # (token, MoE layer) pairs that entered an exchange on this rank (own rows)
+    expert_pairs: int = 0  # (row, slot) pairs this rank's experts computed: its expert load, summed over layers
+    collectives: int = 0  # exchange collectives this rank issued
+    exchange_s: float = 0.0  # wall time inside the exchanges, less the local expert compute
+    expert_s: float = 0.0  # wall time of the local expert compute (on CUDA: launch time, no sync is forced)
+
+    @property
+    def inter_node(self) -> int:
+        return self.inter_node_dispatch + self.inter_node_combine
+
+    @property
+    def intra_node(self) -> int:
+        return self.intra_node_dispatch + self.intra_node_combine
+
+    @property
+    def wire(self) -> int:
+        return sum(getattr(self, f"wire_{t}_{d}") for t in TIERS for d in DIRECTIONS)
+
+    def add(self, other: "ExchangeCounters") -> "ExchangeCounters":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    @classmethod
+    def total(cls, parts) -> "ExchangeCounters":
+        out = cls()
+        for part in parts:
+            out.add(part)
+        return out
+
+
+class DeviceTally:
+    """Counts that live on the device until read: the fixed-capacity exchange never syncs the
+    host to count (on CUDA that would stall the stream; on CPU it costs nothing either way)."""
+
+    NAMES = ("inter_node_bytes", "intra_node_bytes", "expert_pairs", "metadata_bytes")
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.int64, device=device)
+
+    def add(self, name: str, value: torch.Tensor | int) -> None:
+        self.values[self.NAMES.index(name)] += value
+
+    def drain(self) -> dict[str, int]:
+        """The counts since the last drain (one host read), then zero."""
+        counts = dict(zip(self.NAMES, self.values.tolist()))
+        self.values.zero_()
+        return counts
+
+
+@dataclass
+class StepTimes:
+    """Seconds one rank spent in the iterations where it ran a step."""
+
+    steps: int = 0
+    step_s: float = 0.0  # wall time of those iterations, control exchange to report
+    control_s: float = 0.0  # in control collectives (gloo): commands, work agreement, reports
+    exchange_s: float = 0.0  # in the MoE exchanges, less the local expert compute
+
+    @property
+    def compute_s(self) -> float:
+        return max(self.step_s - self.control_s - self.exchange_s, 0.0)

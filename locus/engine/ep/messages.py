@@ -1,0 +1,108 @@
+"""What travels on the control plane, and its compact encoding.
+
+Commands go from rank 0 to one rank: the requests assigned to it and the aborts of its requests.
+A report goes from a rank to rank 0 after its step: for every request it touched only what is new
+(delta text and ids, finish reason; the whole output once, when it finishes), the adds it refused,
+its counters, and its expert-load increments. Prompt ids and timings are not sent back: rank 0 keeps
+the prompt and measures a request's timings itself, when its tokens arrive (which is what the
+client sees). A decode step's report is a few dozen bytes per request, whatever the request's length.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import astuple, dataclass, field
+
+import numpy as np
+
+from locus.engine.engine_core import EngineStats, RequestFailedError
+from locus.engine.ep.counters import ExchangeCounters, StepTimes
+from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.sampling import SamplingParams
+from locus.engine.sequence import RequestMetrics
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    domain: str | None
+
+
+@dataclass
+class Commands:
+    adds: list[Add] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.adds or self.aborts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(a.prompt_ids) for a in self.adds)
+
+
+@dataclass
+class Report:
+    outputs: list[tuple]  # compact outputs (pack_output)
+    errors: list[tuple[str, str]]  # (request id, message) of adds this rank refused
+    stats: EngineStats
+    counters: ExchangeCounters
+    times: StepTimes
+    expert_bytes: int
+    load: tuple[np.ndarray, np.ndarray] | None  # expert-load increments: flat [layer * E + expert] index, count
+
+
+def encode(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes):
+    return pickle.loads(data)
+
+
+def encode_report(report: Report) -> bytes:
+    return encode((report.outputs, report.errors, astuple(report.stats), astuple(report.counters),
+                   astuple(report.times), report.expert_bytes, report.load))
+
+
+def decode_report(data: bytes) -> Report:
+    outputs, errors, stats, counters, times, expert_bytes, load = decode(data)
+    return Report(outputs, errors, EngineStats(*stats), ExchangeCounters(*counters), StepTimes(*times), expert_bytes, load)
+
+
+def pack_output(out: RequestOutput) -> tuple:
+    """The part of a step's output rank 0 cannot know: what is new, and the whole output at the end."""
+    choices = []
+    for c in out.outputs:
+        final = (c.text, c.token_ids, c.logprobs) if out.finished else None
+        choices.append((c.index, c.delta_text, c.delta_token_ids, c.delta_logprobs or None, c.finish_reason,
+                        c.stop_reason, final))
+    queued = None
+    m = out.metrics
+    if out.finished and m.first_scheduled_time is not None:
+        queued = m.first_scheduled_time - m.arrival_time
+    error = str(out.error) if out.error is not None else None
+    return (out.request_id, out.finished, error, choices, out.prompt_logprobs if out.finished else None, queued)
+
+
+def unpack_output(packed: tuple, prompt_ids: list[int], metrics: RequestMetrics, now: float) -> RequestOutput:
+    """A RequestOutput on rank 0, its timings measured there (`metrics` is rank 0's for the request)."""
+    request_id, finished, error, choices, prompt_logprobs, queued = packed
+    outs = []
+    for index, delta_text, delta_ids, delta_logprobs, finish_reason, stop_reason, final in choices:
+        text, token_ids, logprobs = final if final is not None else ("", [], None)
+        outs.append(CompletionOutput(index=index, text=text, token_ids=token_ids, delta_text=delta_text,
+                                     delta_token_ids=delta_ids, delta_logprobs=delta_logprobs or [],
+                                     logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason))
+    if any(c.delta_token_ids for c in outs) and error is None:
+        metrics.note_token(now)
+    if finished:
+        metrics.finished_time = now
+        if queued is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = metrics.arrival_time + queued
+    return RequestOutput(request_id, prompt_ids, outs, finished, metrics,
+                         RequestFailedError(error) if error is not None else None, prompt_logprobs)
+
+

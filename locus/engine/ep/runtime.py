@@ -1,0 +1,120 @@
+"""What every expert-parallel layer of one model shares, and how a step's forwards run in lockstep.
+
+`EPRuntime` holds the placement (read by the layers at call time, swapped as one object), one
+exchange per lane, the positions of the forward each lane is running (the dispatch rule's tie-break),
+and the step's transport. It is also the engine's `Lockstep`: every rank runs the same number of
+forwards in every step that any rank has work (`forwards_per_step`, fixed by configuration, so no
+collective agrees on it), and a forward with no tokens of this rank's own still takes part in every
+MoE layer's exchange (`idle`), because other ranks' tokens may come here to be computed.
+
+With `--ep-overlap` there are two lanes: a step's tokens are split into two micro-batches, and lane 1
+runs its micro-batch in a second thread while lane 0 runs the other; each lane has its own process
+groups, so one lane's attention and local experts run while the other's dispatch or combine is on
+the wire (SGLang's two-batch overlap, DeepSeek's dual micro-batch), and the collectives of a lane are
+issued in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+import torch
+
+from locus.engine.ep.counters import ExchangeCounters, StepTimes
+from locus.engine.ep.exchange import TwoTierExchange
+from locus.engine.ep.groups import Groups
+from locus.engine.ep.placement import ExpertPlacement
+from locus.engine.ep.transport import TRANSPORTS
+
+R = TypeVar("R")
+MODES = ("exact", "fixed")
+
+
+class EPRuntime:
+    def __init__(self, groups: Groups, placement: ExpertPlacement, mode: str = "exact",
+                 max_tokens_per_rank: int = 256, device: torch.device | str = "cpu"):
+        if mode not in MODES:
+            raise ValueError(f"unknown exchange mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.groups, self.placement, self.mode = groups, placement, mode
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.transports = {name: cls() for name, cls in TRANSPORTS.items()}
+        self.lanes = [TwoTierExchange(groups, lane, self.transports["exact"], device) for lane in groups.lanes]
+        self.layers: list = []  # the ExpertParallelMoE layers, in forward order (set by apply_expert_parallel)
+        self.capacity = 0  # the step's largest token count on any rank (the fixed transport's block size)
+        self.times = StepTimes()
+        self.memory = None  # what this rank's expert weights take (set at start-up)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="locus-ep-lane") if len(self.lanes) > 1 else None
+
+    # --- per step -------------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        return len(self.lanes) > 1
+
+    @property
+    def forwards_per_step(self) -> int:
+        return len(self.lanes)
+
+    def begin_step(self, capacity: int) -> str:
+        """Choose the step's transport from the largest token count any rank may run (every rank
+        computes the same choice from the same control header). Returns its name."""
+        name = "fixed" if self.mode == "fixed" and 0 < capacity <= self.max_tokens_per_rank else "exact"
+        self.capacity = capacity
+        for lane in self.lanes:
+            lane.transport = self.transports[name]
+        return name
+
+    # --- the engine's Lockstep ------------------------------------------------------------------
+    def run_forwards(self, micro_batches: list, forward: Callable[[list], R]) -> list[R]:
+        """Run this rank's micro-batches as the step's forwards, idling where it has fewer than
+        `forwards_per_step`; with overlap, lane 1's forward runs in the second thread."""
+        if len(micro_batches) > self.forwards_per_step:
+            raise RuntimeError(f"{len(micro_batches)} micro-batches; expert parallelism runs {self.forwards_per_step} a step")
+        if not self.overlap:
+            results = [forward(mb) for mb in micro_batches]
+            for _ in range(self.forwards_per_step - len(micro_batches)):
+                self.idle(0)
+            return results
+        work = list(micro_batches) + [None] * (self.forwards_per_step - len(micro_batches))
+        second = self._pool.submit(self._on_lane, 1, work[1], forward)
+        try:
+            first = self._on_lane(0, work[0], forward)
+        finally:
+            other = second.result()  # joins lane 1 even when lane 0 raised (its collectives fail too)
+        return [r for r in (first, other) if r is not None]
+
+    def _on_lane(self, lane: int, items, forward):
+        self._local.lane = lane
+        if items is None:
+            self.idle(lane)
+            return None
+        return forward(items)
+
+    def idle(self, lane: int = 0) -> None:
+        """A forward with no tokens: every MoE layer's exchange, in order, with empty tensors."""
+        self._local.lane = lane
+        for layer in self.layers:
+            layer.exchange_nothing()
+
+    # --- what the layers read -------------------------------------------------------------------
+    def lane(self) -> TwoTierExchange:
+        return self.lanes[getattr(self._local, "lane", 0)]
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return getattr(self._local, "positions", None)
+
+    @positions.setter
+    def positions(self, value: torch.Tensor | None) -> None:
+        self._local.positions = value
+
+    # --- counters -------------------------------------------------------------------------------
+    def counters(self) -> ExchangeCounters:
+        """Every lane's counters, summed (device-side counts read now)."""
+        return ExchangeCounters.total(lane.drain() for lane in self.lanes)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -1,0 +1,195 @@
+"""One rank of an expert-parallel server (nano-vllm's ModelRunner per rank): its slice of the model,
+its engine, its EP runtime and the control plane, built by one function for rank 0 and every other
+rank, and one iteration that every rank runs in lockstep.
+
+An iteration, on every rank:
+    1. rank 0 applies its own commands (requests it keeps, aborts of them);
+    2. control exchange (control.py): headers from everyone, then rank 0's commands to each rank and
+       each rank's report of its previous step to rank 0;
+    3. each rank applies the commands addressed to it;
+    4. if any rank has work, every rank runs `EngineCore.step()`: the same number of forwards, each
+       entering every MoE layer's exchange (runtime.py), with the transport the headers chose;
+    5. a rank other than 0 packs its report for the next iteration's exchange; rank 0 has its own
+       outputs at once.
+So a request on rank r reports its tokens at the start of the next iteration: one control exchange
+later than rank 0's own, not one step later, since the next iteration starts as soon as a step ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.distributed as dist
+
+from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.ep.control import ControlPlane, Header
+from locus.engine.ep.counters import StepTimes
+from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
+from locus.engine.ep.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
+from locus.engine.ep.runtime import EPRuntime
+from locus.engine.outputs import RequestOutput
+from locus.errors import LocusError
+
+log = logging.getLogger("locus.engine")
+FAILURE_KEY = "locus/ep/failure"  # the first rank whose step raised writes its reason here (the store)
+
+
+@dataclass
+class Iteration:
+    """What one iteration gave this rank."""
+
+    stop: bool
+    stepped: bool = False  # every rank ran a step
+    outputs: list[RequestOutput] = field(default_factory=list)  # this rank's own (rank 0 delivers them)
+    errors: list[tuple[str, str]] = field(default_factory=list)  # this rank's refused adds
+    reports: dict[int, Report] = field(default_factory=dict)  # rank 0: the others' reports
+    transport: str = ""
+
+
+class RankWorker:
+    def __init__(self, core: EngineCore, runtime: EPRuntime, control: ControlPlane, expert_bytes: int = 0):
+        self.core, self.runtime, self.control = core, runtime, control
+        self.rank, self.world = control.rank, control.world
+        self.expert_bytes = expert_bytes
+        self.times: StepTimes = runtime.times
+        self._report = b""  # this rank's report, sent in the next iteration (ranks other than 0)
+        self._load_sent: np.ndarray | None = None
+        config = core.config
+        self.step_budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+
+    # --- the iteration --------------------------------------------------------------------------
+    def iterate(self, commands: dict[int, Commands] | None = None, stop: bool = False) -> Iteration:
+        """One lockstep iteration. Rank 0 passes the commands for every rank (its own included);
+        the other ranks pass nothing."""
+        start = time.perf_counter()
+        core, control = self.core, self.control
+        commands = commands or {}
+        outputs: list[RequestOutput] = []
+        errors: list[tuple[str, str]] = []
+        outgoing: dict[int, bytes] = {}
+        if self.rank == 0:
+            outputs += self._apply(commands.get(0, Commands()), errors)
+            outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
+            header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
+                            tuple(len(outgoing.get(r, b"")) for r in range(self.world)),
+                            tuple(commands[r].prompt_tokens if r in commands and r != 0 else 0 for r in range(self.world)))
+        else:
+            if self._report:
+                outgoing = {0: self._report}
+            header = Header(core.has_unfinished(), core.pending_tokens(), len(self._report))
+        control_before = control.seconds
+        agreement, incoming = control.exchange(header, outgoing)
+        self._report = b""
+        it = Iteration(stop=agreement.stop, errors=errors)
+        if self.rank == 0:
+            it.reports = {r: decode_report(data) for r, data in incoming.items()}
+        elif 0 in incoming:
+            outputs += self._apply(decode(incoming[0]), errors)
+        if agreement.stop:
+            it.outputs = outputs
+            return it
+        if agreement.any_work:
+            it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
+            outputs += core.step()
+            it.stepped = True
+        exchange_s = self.runtime.counters().exchange_s
+        if it.stepped:
+            times = self.times
+            times.steps += 1
+            times.step_s += time.perf_counter() - start
+            times.control_s += control.seconds - control_before
+        self.times.exchange_s = exchange_s
+        it.outputs = outputs
+        if self.rank != 0 and (it.stepped or outputs or errors):
+            self._report = encode_report(self.report(outputs, errors))
+        return it
+
+    def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]]) -> Report:
+        return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
+                      self.times, self.expert_bytes, self._load_increment())
+
+    def _apply(self, commands: Commands, errors: list[tuple[str, str]]) -> list[RequestOutput]:
+        outputs = []
+        for add in commands.adds:
+            try:
+                self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain)
+            except LocusError as exc:
+                errors.append((add.request_id, str(exc)))
+        for request_id in commands.aborts:
+            out = self.core.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _load_increment(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Expert-load counts since the last report, sparse (a decode step touches few experts)."""
+        load = self.core.expert_load
+        if load is None:
+            return None
+        now = load.totals()
+        before = self._load_sent if self._load_sent is not None else np.zeros_like(now)
+        self._load_sent = now
+        delta = (now - before).ravel()
+        index = np.flatnonzero(delta)
+        return index.astype(np.int32), delta[index]
+
+    # --- a rank other than 0 --------------------------------------------------------------------
+    def serve(self) -> None:
+        """Iterate until rank 0 says stop (a failed collective raises); then write this rank's part
+        of a recorded trace and tell rank 0 it is done."""
+        while not self.iterate().stop:
+            pass
+        if self.core.recorder is not None:
+            self.core.dump_recording()
+        dist.barrier(group=self.control.group)
+
+
+def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig, *, dtype: str | None = None,
+                 device: str | None = None, moe_backend: str = "auto", seed: int = 0,
+                 record_trace: str | None = None, model_name: str = "locus"):
+    """This rank's worker (any rank): its model slice joined to the process group with the plan
+    applied, its engine in lockstep, its part of a recorded trace. Returns (worker, loaded model)."""
+    loaded, runtime = load_rank(setup, model, dtype, device, moe_backend, seed)
+    if setup.overlap:
+        engine_config = _with_micro_batches(engine_config, runtime.forwards_per_step)
+    core = EngineCore(loaded.model, loaded.tokenizer, engine_config)
+    core.lockstep = runtime
+    if record_trace:  # every rank records its own requests; rank 0 merges the parts at shutdown
+        core.start_recording(rank_trace_path(record_trace, setup.rank), model_name)
+    control = ControlPlane(runtime.groups.control, setup.rank, setup.world)
+    held = runtime.memory.held_bytes if runtime.memory is not None else 0
+    return RankWorker(core, runtime, control, held), loaded
+
+
+def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:
+    from dataclasses import replace
+
+    if config.compile_decode:
+        raise LocusError("--ep-overlap runs two micro-batches at once in two threads; compiled decode graphs "
+                         "(--compile) share their input buffers and cannot: choose one")
+    return replace(config, num_micro_batches=n)
+
+
+def report_failure(rank: int, exc: BaseException) -> None:
+    """A rank whose step raised writes why into the rendezvous store before it leaves (its exit then
+    closes its connections, so every peer's next collective with it fails at once); rank 0 reads it
+    to say which rank failed and why. Best effort: the store may be gone too."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(FAILURE_KEY, f"rank {rank} failed: {type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def failure_cause() -> str | None:
+    """What the failed rank wrote (report_failure), if any."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode()
+    except Exception:  # noqa: BLE001
+        pass
+    return None
