@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 from serve_lib.common import BenchError
+from serve_lib.table import print_table as markdown_table
 from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
 
 PROG = "bench/ep.py"
@@ -203,11 +204,7 @@ def print_table(results: list[dict]) -> None:
              f"{r['intra_per_token']:.1f}", f"{r['replay_intra_per_token']:.1f}", "yes" if r["equal"] else "NO",
              f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['compute']:.0%}", f"{r['exchange']:.0%}",
              f"{r['control']:.0%}") for r in results]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+    markdown_table(head, rows)
 
 
 if __name__ == "__main__":
