@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep-timeout", type=float, default=300.0)
     p.add_argument("--moe-backend", default="torch")
     p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string")
+    p.add_argument("--server-src", default=None, metavar="DIR",
+                   help="run the servers from another checkout of Locus (e.g. a git worktree of an older commit), "
+                        "for before/after figures taken with this same harness")
     p.add_argument("--out")
     p.add_argument("--keep", action="store_true")
     return p.parse_args(argv)
@@ -88,6 +91,15 @@ def run(*cmd: str, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
+
+
+def rate_bytes(rate: str) -> int:
+    """A tc rate ('5mbit', '800kbit', '1gbit') in bytes per second."""
+    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "bit": 1 / 8}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise SystemExit(f"{PROG}: cannot read the rate {rate!r} (e.g. 5mbit, 800kbit)")
 
 
 def require_namespaces() -> None:
@@ -157,13 +169,16 @@ class Network:
 
     def shape(self, rate: str | None) -> None:
         """Shape both directions of the inter-node link to `rate` (a tc rate, e.g. 5mbit); None: unshaped.
-        The queue is long enough to hold a whole prefill exchange: tbf drops what exceeds it."""
+        The bucket is small (10 ms of the rate, at least 4 KiB: what tbf needs at the kernel's timer
+        rate), so the link holds its rate even over one step's few kilobytes instead of passing them at
+        line speed; the queue is long enough for a whole prefill exchange (tbf drops what exceeds it)."""
         for ns, dev in self.links:
             if rate is None:
                 run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             else:
+                burst = max(4096, rate_bytes(rate) // 100)
                 run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                    "burst", "16kb", "limit", "16mb")
+                    "burst", str(burst), "limit", "16mb")
         self.rate = rate
 
     def link_bytes(self) -> list[int]:
@@ -218,6 +233,8 @@ def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Pat
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"  # one torch thread per rank: the ranks share this machine's cores
+    if args.server_src:
+        env["PYTHONPATH"] = str(Path(args.server_src).resolve())
     agents, logs = [], []
     for node in range(args.nodes):
         log = work / f"{tag}-node{node}.log"
@@ -225,7 +242,8 @@ def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Pat
                "--nnodes", str(args.nodes), "--nproc-per-node", str(args.gpus_per_node), "--node-rank", str(node),
                "--master-addr", net.address(0), "--master-port", str(master), *serve]
         with open(log, "wb") as f:
-            agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                           cwd=args.server_src or None))
         logs.append(log)
     cluster = Cluster(agents, f"http://{net.client_address}:{port}", logs)
     deadline = time.monotonic() + 600
@@ -396,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     planning = work / "planning-trace"
     record_planning_trace(args.model, planning, args.planning_requests, args.output_len)
     results, sessions = [], []
-    rates = None if args.rates == "auto" else [r.strip() for r in args.rates.split(",") if r.strip()]
+    rates = None if args.rates == "auto" else [r.strip() for r in args.rates.split(",") if r.strip() not in ("", "unshaped")]
     try:
         net.create()
         for name in plans:

@@ -221,14 +221,18 @@ class EngineCore:
             for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
                 self.cache.copy_block(src, dst)
         record = self.routing.active
+        # Micro-batches that run at once (expert parallelism's overlap) share one lm_head call.
+        defer = len(micro_batches) > 1 and self.lockstep is not None
 
         def forward(items: list[ScheduledSeq]) -> RunResult:
-            return self.runner.run(items, record_routing=record)
+            return self.runner.run(items, record_routing=record, defer_logits=defer)
 
         if self.lockstep is not None:  # every rank runs as many forwards as the others, in order
             results = self.lockstep.run_forwards(micro_batches, forward)
         else:
             results = [forward(items) for items in micro_batches]
+        if defer:
+            self.runner.attach_logits(results)
         touched: OrderedDict[str, Request] = OrderedDict()
         for items, result in zip(micro_batches, results):
             for item in items:

@@ -36,6 +36,7 @@ class RunResult:
     batch: ForwardBatch
     prompt_logits: list[PromptLogits]  # for requests that asked for prompt logprobs
     argmax: torch.Tensor | None = None  # [len(sampled)] argmax of each logits row, when already computed
+    hidden: torch.Tensor | None = None  # [len(sampled), H] the sampled rows' hidden states, while logits wait
 
 
 class ModelRunner:
@@ -50,7 +51,10 @@ class ModelRunner:
                 and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens for item in items))
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq], record_routing: bool = False) -> RunResult:
+    def run(self, items: list[ScheduledSeq], record_routing: bool = False, defer_logits: bool = False) -> RunResult:
+        """One forward. defer_logits: leave the sampled rows' hidden states in the result for
+        `attach_logits`, which runs the lm_head once for several micro-batches (its weight is read
+        once, not once per micro-batch)."""
         if self.can_run_compiled(items):
             return self._run_compiled(items, record_routing)
         spans, tokens, sample_rows, sampled = [], [], [], []
@@ -73,12 +77,24 @@ class ModelRunner:
         batch = ForwardBatch.from_spans(tokens, spans, device=self.model.device)
         self.cache.bind(batch, {item.seq.seq_id: item.seq.block_table for item in items})
         out = self.model(batch, self.cache, record_routing=record_routing)
-        logits = None
+        logits = hidden = None
         if sample_rows:
-            logits = self.model.compute_logits(out.hidden[torch.tensor(sample_rows, device=out.hidden.device)])
+            hidden = out.hidden[torch.tensor(sample_rows, device=out.hidden.device)]
+            if not defer_logits:
+                logits, hidden = self.model.compute_logits(hidden), None
         prompt_logits = [PromptLogits(seq, first, self.model.compute_logits(out.hidden[r0:r0 + count]))
                          for seq, first, r0, count in prompt_rows]
-        return RunResult(sampled, logits, out.routing, batch, prompt_logits)
+        return RunResult(sampled, logits, out.routing, batch, prompt_logits, hidden=hidden)
+
+    @torch.inference_mode()
+    def attach_logits(self, results: list[RunResult]) -> None:
+        """The logits of every deferred result, from one lm_head call over their rows together."""
+        waiting = [r for r in results if r.hidden is not None]
+        if not waiting:
+            return
+        logits = self.model.compute_logits(torch.cat([r.hidden for r in waiting]))
+        for r, part in zip(waiting, torch.split(logits, [r.hidden.shape[0] for r in waiting])):
+            r.logits, r.hidden = part, None
 
     def _run_compiled(self, items: list[ScheduledSeq], record_routing: bool) -> RunResult:
         seqs = [item.seq for item in items]

@@ -59,21 +59,25 @@ class ExchangeCounters:
 
 
 class DeviceTally:
-    """Counts that live on the device until read: the fixed-capacity exchange never syncs the
-    host to count (on CUDA that would stall the stream; on CPU it costs nothing either way)."""
+    """Counts that live on the device until read: the fixed-capacity exchange never syncs the host to
+    count (on CUDA that would stall the stream). Adding is a list append, no tensor op; `drain` sums
+    each name's values in one op and reads them once."""
 
     NAMES = ("inter_node_bytes", "intra_node_bytes", "expert_pairs", "metadata_bytes")
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.values = torch.zeros(len(self.NAMES), dtype=torch.int64, device=device)
+        self.device = device
+        self.pending: dict[str, list] = {name: [] for name in self.NAMES}
 
     def add(self, name: str, value: torch.Tensor | int) -> None:
-        self.values[self.NAMES.index(name)] += value
+        self.pending[name].append(value)
 
     def drain(self) -> dict[str, int]:
-        """The counts since the last drain (one host read), then zero."""
-        counts = dict(zip(self.NAMES, self.values.tolist()))
-        self.values.zero_()
+        """The counts since the last drain, then zero."""
+        counts = {}
+        for name, values in self.pending.items():
+            counts[name] = int(torch.stack([torch.as_tensor(v, device=self.device) for v in values]).sum()) if values else 0
+            values.clear()
         return counts
 
 

@@ -58,29 +58,29 @@ class TwoTierExchange:
         T, K = slots.shape
         fmt = RowFormat(x.shape[1], K, x.dtype)
         self.counters.token_layers += T
-        slot_rank = torch.where(slots >= 0, slots // S, -1)
-        slot_node = torch.where(slots >= 0, slot_rank // G, -1)
+        slot_node = slots // (S * G)  # -1 stays -1 (floor division)
 
         # Tier 1: one row per (token, remote node holding any of its slots), to that node's proxy.
-        held_x, held_slots, held_w = x, torch.where(slot_node == g.node, slots, -1), weights
+        held_x, held_slots, held_w = x, slots.masked_fill(slot_node != g.node, -1), weights
         tier1 = None
         if self.lane.inter is not None:
-            remote = (slot_node >= 0) & (slot_node != g.node)
-            tier1 = self.transport.dispatch(x, slots, weights, torch.where(remote, slot_node, -1), g.nodes,
+            tier1 = self.transport.dispatch(x, slots, weights, slot_node.masked_fill(slot_node == g.node, -1), g.nodes,
                                             self.lane.inter, fmt, capacity, "inter_node", self.counters, self.tally)
+            arrived = tier1.slots.masked_fill(tier1.slots // (S * G) != g.node, -1)  # this node's pairs only
             held_x = torch.cat([x, tier1.x])
-            held_slots = torch.cat([held_slots, tier1.slots])
+            held_slots = torch.cat([held_slots, arrived])
             held_w = torch.cat([weights, tier1.weights])
 
         # Tier 2: each held row once to each other rank of this node holding one of its slots.
-        held_rank = torch.where(held_slots >= 0, held_slots // S, -1)
-        out = self._compute(compute, held_x, torch.where(held_rank == g.rank, held_slots % S, -1), held_w)
+        held_rank = held_slots // S
+        mine = held_rank == g.rank
+        out = self._compute(compute, held_x, (held_slots % S).masked_fill_(~mine, -1), held_w)
         if self.lane.intra is not None:
-            other = (held_rank >= 0) & (held_rank != g.rank)
+            others = (held_rank % G).masked_fill_(mine | (held_slots < 0), -1)
             cap2 = capacity * g.nodes  # own tokens plus what this rank proxies for every other node
-            tier2 = self.transport.dispatch(held_x, held_slots, held_w, torch.where(other, held_rank % G, -1), G,
-                                            self.lane.intra, fmt, cap2, "intra_node", self.counters, self.tally)
-            local = torch.where((tier2.slots >= 0) & (tier2.slots // S == g.rank), tier2.slots % S, -1)
+            tier2 = self.transport.dispatch(held_x, held_slots, held_w, others, G, self.lane.intra, fmt, cap2,
+                                            "intra_node", self.counters, self.tally)
+            local = (tier2.slots % S).masked_fill_(tier2.slots // S != g.rank, -1)
             partial = self._compute(compute, tier2.x, local, tier2.weights)
             out = out + self.transport.combine(partial, tier2, self.lane.intra, "intra_node", self.counters)
 

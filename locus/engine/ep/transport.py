@@ -1,8 +1,9 @@
 """How a tier's rows travel: packed byte rows over one all_to_all_single, two layouts.
 
-A row is sent to group member m when `member_of[row, k] == m` for some k; it carries the hidden state
-and only the (slot, weight) pairs that m holds (the others read -1). `RowFormat` packs the three
-into one uint8 row, so the metadata rides in the payload's collective:
+A row goes to group member m when `member_of[row, k] == m` for some k. It is packed once, with all
+K of its (slot, weight) pairs, into one uint8 row (`RowFormat`), so the metadata rides in the
+payload's collective; the receiver keeps the pairs it is there for (its node's slots in tier 1, its
+own in tier 2):
 
     [ x: H * dtype bytes | slots: K int32 | weights: K * dtype bytes | padding to 8 bytes ]
 
@@ -12,13 +13,16 @@ into one uint8 row, so the metadata rides in the payload's collective:
   count exchange and no host sync; unused rows are padding (slots -1), which the receiver computes to
   zero and which cost wire bytes but are never payload.
 
+Both are written for few tokens (decode): a handful of tensor ops a tier, buffers and index bases
+cached per shape.
+
 Shape legend: N rows held by the sender, K experts per token, H hidden, M group members,
 C capacity rows per member, P (row, member) pairs sent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,39 +35,36 @@ class RowFormat:
     hidden: int
     top_k: int
     dtype: torch.dtype
+    x_bytes: int = field(init=False)
+    weight_bytes: int = field(init=False)
+    meta_bytes: int = field(init=False)  # routing metadata per row as DESIGN.md counts it: K slot ids (4 bytes) and K weights
+    row_bytes: int = field(init=False)
 
-    @property
-    def x_bytes(self) -> int:
-        return self.hidden * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.top_k * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def meta_bytes(self) -> int:
-        """Routing metadata per row as DESIGN.md counts it: K slot ids (4 bytes) and K weights."""
-        return self.top_k * 4 + self.weight_bytes
-
-    @property
-    def row_bytes(self) -> int:
-        return -(-(self.x_bytes + self.meta_bytes) // 8) * 8
+    def __post_init__(self):
+        item = self.dtype.itemsize
+        set_ = object.__setattr__
+        set_(self, "x_bytes", self.hidden * item)
+        set_(self, "weight_bytes", self.top_k * item)
+        set_(self, "meta_bytes", self.top_k * 4 + self.top_k * item)
+        set_(self, "row_bytes", -(-(self.x_bytes + self.meta_bytes) // 8) * 8)
 
     def pack(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """[P, H], [P, K], [P, K] -> [P, row_bytes] uint8."""
-        parts = [x.contiguous().view(torch.uint8), slots.to(torch.int32).contiguous().view(torch.uint8),
-                 weights.to(self.dtype).contiguous().view(torch.uint8)]
-        pad = self.row_bytes - self.x_bytes - self.meta_bytes
-        if pad:
-            parts.append(torch.zeros((x.shape[0], pad), dtype=torch.uint8, device=x.device))
-        return torch.cat(parts, dim=1)
+        out = torch.empty((x.shape[0], self.row_bytes), dtype=torch.uint8, device=x.device)
+        if x.shape[0] == 0:  # (an empty tensor may carry strides a byte view refuses)
+            return out
+        a, b = self.x_bytes, self.x_bytes + 4 * self.top_k
+        out[:, :a] = x.contiguous().view(torch.uint8)
+        out[:, a:b] = slots.to(torch.int32).contiguous().view(torch.uint8)
+        out[:, b:b + self.weight_bytes] = weights.to(self.dtype).contiguous().view(torch.uint8)
+        return out  # the padding bytes are never read
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[P, row_bytes] uint8 -> x [P, H], slots [P, K] int64, weights [P, K]."""
+        """[P, row_bytes] uint8 -> x [P, H], slots [P, K] int64, weights [P, K] (views where they can be)."""
         a, b = self.x_bytes, self.x_bytes + 4 * self.top_k
-        x = rows[:, :a].contiguous().view(self.dtype)
-        slots = rows[:, a:b].contiguous().view(torch.int32).long()
-        weights = rows[:, b:b + self.weight_bytes].contiguous().view(self.dtype)
+        x = rows[:, :a].view(self.dtype)
+        slots = rows[:, a:b].view(torch.int32).long()
+        weights = rows[:, b:b + self.weight_bytes].view(self.dtype)
         return x, slots, weights
 
     def padding(self, rows: int, device) -> torch.Tensor:
@@ -84,11 +85,11 @@ class Delivery:
     format: RowFormat
 
 
-def member_slots(slots: torch.Tensor, member_of: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """hit [N, M]: row n goes to member m; per_member [N, M, K]: the slots it carries there."""
-    members = torch.arange(size, device=slots.device)
-    on = member_of[:, None, :] == members[None, :, None]  # [N, M, K]
-    return on.any(dim=2), torch.where(on, slots[:, None, :], -1)
+def hits(member_of: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, M] bool: row n goes to member m (member_of [N, K], -1 = nowhere)."""
+    if member_of.shape[1] == 1:
+        return member_of == torch.arange(size, device=member_of.device)
+    return (member_of[:, :, None] == torch.arange(size, device=member_of.device)).any(dim=1)
 
 
 class Transport:
@@ -114,13 +115,13 @@ class ExactTransport(Transport):
     name = "exact"
 
     def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
-        hit, per_member = member_slots(slots, member_of, size)
+        hit = hits(member_of, size)
         member, row = hit.t().nonzero(as_tuple=True)  # pairs sorted by member, rows ascending within one
-        sent_counts = torch.bincount(member, minlength=size).to(torch.int64)
+        sent_counts = hit.sum(dim=0)
         received_counts = torch.empty_like(sent_counts)
         dist.all_to_all_single(received_counts, sent_counts, group=group)
         sent, received = sent_counts.tolist(), received_counts.tolist()
-        packed = fmt.pack(x[row], per_member[row, member], weights[row])
+        packed = fmt.pack(x, slots, weights)[row]
         buf = packed.new_empty((sum(received), fmt.row_bytes))
         dist.all_to_all_single(buf, packed, received, sent, group=group)
         pairs = len(row)
@@ -153,20 +154,29 @@ class _FixedRoute:
 class FixedTransport(Transport):
     name = "fixed"
 
+    def __init__(self):
+        self._templates: dict[tuple, torch.Tensor] = {}  # padding blocks, per (rows, format, device)
+
+    def _send_buffer(self, rows: int, fmt: RowFormat, device) -> torch.Tensor:
+        key = (rows, fmt, str(device))
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) > 64:  # capacities vary by step: keep the cache small
+                self._templates.clear()
+            template = self._templates[key] = fmt.padding(rows, device)
+        return template.clone()
+
     def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
         N, device = x.shape[0], x.device
-        hit, per_member = member_slots(slots, member_of, size)
-        index = torch.cumsum(hit.to(torch.int64), dim=0) - 1  # [N, M] place in the member's block
-        block = torch.arange(size, device=device)[None, :] * (capacity + 1)
+        hit = hits(member_of, size)  # [N, M]
+        index = torch.cumsum(hit, dim=0) - 1  # [N, M] place in the member's block
+        block = torch.arange(0, size * (capacity + 1), capacity + 1, device=device)
         where = torch.where(hit, block + index, block + capacity)  # row `capacity` of a block is trash
-        send = fmt.padding(size * (capacity + 1), device)
-        H, K = x.shape[1], slots.shape[1]
-        packed = fmt.pack(x[:, None, :].expand(N, size, H).reshape(N * size, H), per_member.reshape(N * size, K),
-                          weights[:, None, :].expand(N, size, K).reshape(N * size, K))
-        send.index_copy_(0, where.reshape(-1), packed)
-        if N and device.type == "cpu" and int(index.max()) >= capacity:  # a bug in the capacity bound (a free check on CPU)
-            raise RuntimeError(f"fixed-capacity exchange: {int(index.max()) + 1} rows for one member exceed the capacity {capacity}")
-        send = send.view(size, capacity + 1, fmt.row_bytes)[:, :capacity].contiguous().view(size * capacity, fmt.row_bytes)
+        send = self._send_buffer(size * (capacity + 1), fmt, device)
+        send.index_copy_(0, where.view(-1), fmt.pack(x, slots, weights).repeat_interleave(size, dim=0))
+        if N and device.type == "cpu" and int(index[-1].max()) >= capacity:  # a capacity bug (a free check on CPU)
+            raise RuntimeError(f"fixed-capacity exchange: {int(index[-1].max()) + 1} rows for one member exceed the capacity {capacity}")
+        send = send.view(size, capacity + 1, fmt.row_bytes)[:, :capacity].reshape(size * capacity, fmt.row_bytes).contiguous()
         buf = torch.empty_like(send)
         dist.all_to_all_single(buf, send, group=group)
         counters.collectives += 1
@@ -182,14 +192,16 @@ class FixedTransport(Transport):
         route: _FixedRoute = delivery.route
         H = values.shape[1]
         values = values.contiguous()
-        back = torch.empty_like(values)
-        dist.all_to_all_single(back, values, group=group)
+        back = torch.empty((route.size * (route.capacity + 1), H), dtype=values.dtype, device=values.device)
+        blocks = back.view(route.size, route.capacity + 1, H)
+        blocks[:, route.capacity].zero_()  # the trash row reads 0
+        received = torch.empty_like(values)
+        dist.all_to_all_single(received, values, group=group)
         counters.collectives += 1
+        blocks[:, :route.capacity] = received.view(route.size, route.capacity, H)
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
                 + (route.size - 1) * route.capacity * H * values.element_size())
-        blocks = torch.cat([back.view(route.size, route.capacity, H),
-                            back.new_zeros((route.size, 1, H))], dim=1).view(-1, H)  # the trash row reads 0
-        return blocks[route.where.reshape(-1)].view(*route.where.shape, H).sum(dim=1)
+        return back[route.where].sum(dim=1)
 
 
 def _count_payload(counters: ExchangeCounters, tier: str, payload: int, metadata: int) -> None:
