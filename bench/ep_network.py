@@ -22,8 +22,8 @@ cluster, the trace it recorded is replayed (`locus replay --assign recorded`): t
 bytes must equal the replay's, to the byte.
 
 Rates: `--rates auto` (default) runs round_robin unshaped first and picks the three rates at which
-the link alone would make its exchange about 25%, 50% and 75% of its step (from the bytes per step
-that crossed the link and the unshaped step split); or give them, e.g. `--rates 20mbit,5mbit,2mbit`.
+the link's own time would be about 25%, 50% and 75% of its step (from the bytes per step that
+crossed the link and the unshaped step); or give them, e.g. `--rates 20mbit,5mbit,2mbit`.
 
     sudo python bench/ep_network.py --out results/ep_network.json
 """
@@ -378,14 +378,15 @@ def medians(runs: list[dict]) -> dict:
 
 
 def auto_rates(calibration: dict) -> list[str]:
-    """Rates at which the link alone would bring round_robin's exchange share to 25/50/75% of its
-    step: link time X per step with (E0 + X) / (S0 + X) = s, X = bytes per step / rate."""
+    """Rates at which the link's own time would be about 25/50/75% of round_robin's step: link time
+    X per step with X / (S0 + X) = s, S0 the unshaped step, X = bytes per step over the link / rate.
+    (The unshaped step's own "exchange" share is mostly waiting for other ranks' compute on shared
+    cores, not the link, so the share the link adds is what the rates are chosen by.)"""
     step_s = calibration["step_ms"] / 1e3
-    exchange_s = calibration["exchange"] * step_s
     per_step = calibration["link_bytes_per_step"]
     rates = []
     for share in SHARES:
-        link_s = max((share * step_s - exchange_s) / (1 - share), 0.1 * step_s)
+        link_s = share / (1 - share) * step_s
         rates.append(f"{max(1, int(8 * per_step / link_s / 1000))}kbit")
     return rates
 
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rates is None:  # calibrate on the first cluster (round_robin, unshaped)
                         wave = next(r for r in results if r["plan"] == name and r["workload"] == "wave")
                         rates = auto_rates(wave)
-                        print(f"rates for round_robin's exchange at ~25/50/75% of its step: {', '.join(rates)}", flush=True)
+                        print(f"rates at which the link would take ~25/50/75% of round_robin's step: {', '.join(rates)}", flush=True)
                         for rate in rates:
                             results += measure_rate(net, cluster, model, args, name, overlap, rate)
                     final = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
