@@ -186,6 +186,10 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    def wake(self) -> None:
+        """Have the engine thread iterate now (something outside it changed what it should do)."""
+        self._wake.set()
+
     # --- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         if self.driver is not None:
@@ -224,8 +228,9 @@ class AsyncEngine:
                 driver.errors.clear()
                 self._publish_stats(adds)  # the added requests are in the ranks' counts now
                 self._deliver_step(outputs)
-                if not driver.has_unfinished():
-                    self._wake.wait(driver.heartbeat_s)
+                wait = driver.wait_s()
+                if wait > 0:
+                    self._wake.wait(wait)
                     self._wake.clear()
             driver.stop()
         except BaseException as exc:  # a rank died, a collective timed out, or a step failed

@@ -399,7 +399,9 @@ class EngineCore:
         if self.recorder is not None:
             raise LocusError(f"already recording to {self.recorder.path}; dump it first")
         dtype_bytes = torch.empty((), dtype=self.model.dtype).element_size()  # replay's bytes = the served ones
-        self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes)
+        # under expert parallelism every row notes the placement epoch it ran under (and its plan)
+        placement = getattr(self.lockstep, "placement_now", None)
+        self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes, placement=placement)
         self.routing.subscribe(self.recorder.observe)
         self._prefix_caching_before = self.blocks.enable_prefix_caching
         self.blocks.enable_prefix_caching = False  # every token must go through the model

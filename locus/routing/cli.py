@@ -28,7 +28,12 @@ def register(subparsers) -> None:
         "report inter/intra-node bytes, locality, load imbalance and estimated all-to-all time.",
     )
     p.add_argument("trace", help="trace directory (locus-trace v1)")
-    p.add_argument("--plan", required=True, help="placement plan JSON, or a built-in planner: round_robin, eplb")
+    p.add_argument("--plan", required=True,
+                   help="placement plan JSON, a built-in planner (round_robin, eplb), or `embedded`: the plans a "
+                        "trace recorded across live re-plans keeps, each row under its epoch's plan")
+    p.add_argument("--plans", metavar="DIR",
+                   help="one plan per placement epoch (DIR/epoch-<e>.json) for a trace with epochs; rows are "
+                        "routed by their epoch's plan (--plan then names epoch 0's, or use --plan embedded)")
     p.add_argument("--topology", help="NODESxGPUS, e.g. 2x8 (required with a built-in planner)")
     p.add_argument("--slots", type=int, help="expert slots per GPU for a built-in planner (default: just enough)")
     p.add_argument("--expert-groups", type=int, help="eplb: expert groups, for the hierarchical policy (DeepSeek-V3: 8)")
@@ -83,7 +88,11 @@ def run_replay(args: argparse.Namespace) -> int:
         raise LocusError(str(exc)) from None
     start, stop = parse_request_range(args.requests, len(reader.requests))
 
-    if args.plan in BUILTIN_PLANS:
+    epoch_plans = None
+    if args.plan == "embedded" or args.plans:
+        epoch_plans = _epoch_plans(args, reader)
+        plan, plan_range = epoch_plans[min(epoch_plans)], None
+    elif args.plan in BUILTIN_PLANS:
         plan, plan_range = _builtin_plan(args, reader, (start, stop))
     else:
         for flag, value in (("--plan-requests", args.plan_requests), ("--expert-groups", args.expert_groups)):
@@ -113,8 +122,11 @@ def run_replay(args: argparse.Namespace) -> int:
         from locus.routing.replay.chakra import PairTraffic
 
         pairs = PairTraffic()
+    if epoch_plans is None and reader.epochs is not None and len(reader.plans()) > 1:
+        print(f"note: the trace ran under {len(reader.plans())} placement epochs; every row is replayed under "
+              f"{args.plan} (use --plan embedded for the plans it ran under)", file=sys.stderr)
     report = replay(reader, plan, plan.topology, assignment, batch_tokens=args.batch_tokens, links=links,
-                    progress=bar, step_order=args.step_order, pair_sink=pairs)
+                    progress=bar, step_order=args.step_order, pair_sink=pairs, epoch_plans=epoch_plans)
     if bar:
         bar.close()
     print(report.format_table())
@@ -151,6 +163,40 @@ def _write(path: str, write) -> None:
         write(path)
     except OSError as exc:
         raise LocusError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _epoch_plans(args, reader) -> dict:
+    """The plan of every epoch: from the trace itself (--plan embedded) or DIR/epoch-<e>.json (--plans)."""
+    import numpy as np
+
+    from locus.routing.plan.placement import PlanError, load_plan, plan_from_dict
+
+    if args.plans:
+        folder = Path(args.plans)
+        files = sorted(folder.glob("epoch-*.json"))
+        if not files:
+            raise LocusError(f"--plans {folder}: no epoch-<e>.json plan files there")
+        plans = {}
+        for path in files:
+            try:
+                plans[int(path.stem.removeprefix("epoch-"))] = load_plan(path)
+            except ValueError:
+                raise LocusError(f"{path}: the file name must be epoch-<number>.json") from None
+    else:
+        try:
+            plans = {epoch: plan_from_dict(data) for epoch, data in reader.plans().items()}
+        except PlanError as exc:
+            raise LocusError(f"{args.trace}: a plan kept with the trace: {exc}") from None
+        if not plans:
+            raise LocusError(f"--plan embedded: {args.trace} keeps no plans (it was not recorded under expert parallelism)")
+    if reader.epochs is not None and len(reader.epochs):
+        missing = sorted(set(np.unique(np.asarray(reader.epochs)).tolist()) - set(plans))
+        if missing:
+            raise LocusError(f"the trace has rows of epoch(s) {missing} and no plan for them")
+    if args.dispatch:
+        for plan in plans.values():
+            plan.dispatch = args.dispatch
+    return plans
 
 
 def _builtin_plan(args, reader, replayed: tuple[int, int]):

@@ -9,6 +9,7 @@ request gets a proper status code; errors that happen mid-stream are sent as one
 from __future__ import annotations
 
 import asyncio
+import json
 import gc
 import shutil
 import logging
@@ -25,6 +26,7 @@ from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.driver import EPDriver
 from locus.engine.ep.launch import EPSetup, rank_trace_path
+from locus.engine.ep.replan import ReplanSchedule, attach_replanner
 from locus.engine.ep.worker import build_worker
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.tokenizer import read_chat_template
@@ -89,6 +91,9 @@ class ServerState:
                                               model_name=self.model_name)
                 core = worker.core
                 driver = EPDriver(worker)
+                if c.ep.replanning:
+                    driver.replanner = attach_replanner(driver, ReplanSchedule.parse(c.ep.replan_every),
+                                                        c.ep.replan_layers_per_step, self.model_name)
                 log.info("expert parallelism over %d ranks (%s exchange%s); requests assigned %s", driver.world,
                          c.ep.mode, ", two overlapped micro-batches" if c.ep.overlap else "", driver.assignment)
                 self.ep_driver = driver
@@ -187,7 +192,19 @@ def ep_stats_of(driver: EPDriver) -> dict:
             "inter_node_bytes": sum(r["inter_node"] for r in per_rank),
             "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
             "wire_bytes": sum(r["wire"] for r in per_rank),
-            "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank}
+            "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank,
+            "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver)}
+
+
+def replan_stats_of(driver: EPDriver) -> dict | None:
+    """The re-planner's state, its decisions so far, and what the placement moves sent (summed over ranks)."""
+    planner = driver.replanner
+    if planner is None:
+        return None
+    moves = [m for m in driver.move_stats if m is not None]
+    moved = {k: sum(getattr(m, k) for m in moves) for k in ("experts", "local", "intra_node_bytes", "inter_node_bytes")}
+    return {"state": planner.state, "schedule": asdict(planner.schedule),
+            "decisions": [d.to_dict() for d in planner.decisions], "moved": moved}
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -234,6 +251,34 @@ def create_app(config: ServerConfig) -> FastAPI:
         if driver is None:
             raise APIError(404, "this server does not run expert parallelism (--ep-ranks)", "not_found_error")
         return ep_stats_of(driver)
+
+    @app.post("/ep/replan")
+    async def ep_replan(request: Request):
+        """Re-plan the expert placement now (admin, --replan-api): the decision, and the move in progress."""
+        from locus.engine.ep.replan import ReplanBusy
+
+        driver = state.ep_driver
+        if driver is None or driver.replanner is None or not config.ep.replan_api:
+            raise APIError(404, "live re-planning is off (start the server with --ep-ranks N --replan-api)",
+                           "not_found_error")
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"malformed JSON body: {exc.msg}", "invalid_request_error") from None
+        if not isinstance(body, dict) or set(body) - {"force"} or not isinstance(body.get("force", False), bool):
+            raise APIError(400, "the body is {} or {\"force\": true|false}", "invalid_request_error", "force")
+        engine = state.ready_engine()
+        try:
+            future = driver.replanner.request(body.get("force", False))
+        except ReplanBusy as exc:
+            raise APIError(409, str(exc), "conflict_error") from None
+        engine.wake()
+        try:
+            decision = await asyncio.wait_for(asyncio.wrap_future(future), timeout=600)
+        except LocusError as exc:
+            raise APIError(422, f"re-plan failed: {exc}", "invalid_request_error") from None
+        return decision.to_dict()
 
     @app.get("/v1/models")
     async def models():

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from locus.engine.cli import add_model_args
+from locus.errors import LocusError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +50,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the wire; DeepEP's low-latency layout). See docs/expert_parallel.md for which is faster where")
     p.add_argument("--ep-max-tokens-per-rank", type=int, default=256, metavar="N",
                    help="the fixed exchange's bound: a step where a rank may run more tokens uses the exact exchange")
+    p.add_argument("--replan-every", default=None, metavar="SECONDS|Nsteps",
+                   help="re-plan the expert placement live from the last --replan-window tokens of routing, every "
+                        "SECONDS (e.g. 600) or N steps (e.g. 3000steps), with the plan's own planner; the new plan "
+                        "moves in only if the replay of the window predicts it saves more inter-node bytes than the "
+                        "move sends (docs/expert_parallel.md)")
+    p.add_argument("--replan-api", action="store_true",
+                   help="serve POST /ep/replan (admin): re-plan now, {\"force\": true} moves even when it does not pay")
+    p.add_argument("--replan-window", type=int, default=4096, metavar="TOKENS",
+                   help="tokens of routing each rank keeps for a re-plan (default 4096)")
+    p.add_argument("--replan-layers-per-step", type=int, default=1, metavar="K",
+                   help="MoE layers a placement move switches per iteration (default 1)")
     p.add_argument("--ep-overlap", action="store_true",
                    help="split each step into two micro-batches on two sets of process groups, so one's attention and "
                         "experts run while the other's dispatch or combine is on the wire (two-batch overlap)")
@@ -140,7 +152,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
-                       args.ep_max_tokens_per_rank, args.ep_overlap)
+                       args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
+                       args.replan_window, args.replan_layers_per_step)
+    if setup is None and (args.replan_every or args.replan_api):
+        raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and setup.rank != 0:
         return run_rank(args, setup)
     children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []

@@ -5,6 +5,8 @@ A token trace is a directory (see DESIGN.md "Trace format"):
     requests.jsonl      one RequestRecord per line, in row order
     expert_ids.npy      int16 [N, L, K]; -1 = no expert
     expert_weights.npy  float16 [N, L, K] (optional)
+    epochs.npy          int32 [N] (optional): the placement epoch each row's routing ran under
+    plans/epoch-<e>.json (optional): the placement plan of epoch e, as written (JSON object)
 A count trace (docs/traces.md "Count traces") shares meta.json, adds "kind": "counts", and holds
 counts.npy int64 [L, E] instead of per-token rows.
 
@@ -29,6 +31,13 @@ REQUESTS_FILE = "requests.jsonl"
 IDS_FILE = "expert_ids.npy"
 WEIGHTS_FILE = "expert_weights.npy"
 COUNTS_FILE = "counts.npy"
+EPOCHS_FILE = "epochs.npy"
+PLANS_DIR = "plans"
+
+
+def plan_file(epoch: int) -> str:
+    """Where a trace keeps the placement plan of `epoch`, relative to the trace directory."""
+    return f"{PLANS_DIR}/epoch-{int(epoch)}.json"
 
 # Expert ids are stored as int16, so ids (and hence the expert count) must fit in it.
 MAX_EXPERTS = 32767

@@ -27,9 +27,16 @@ def merge_traces(sources: Sequence[str | Path], dst: str | Path, ranks: Sequence
     if ranks is not None and len(ranks) != len(readers):
         raise ValueError(f"merge: {len(ranks)} ranks for {len(readers)} traces")
     with_weights = all(r.expert_weights is not None for r in readers)
-    writer = TraceWriter(Path(dst), meta, with_weights=with_weights)
+    with_epochs = any(r.epochs is not None for r in readers)  # a part without epochs ran in epoch 0
+    writer = TraceWriter(Path(dst), meta, with_weights=with_weights, with_epochs=with_epochs)
     count = 0
     try:
+        for path, r in zip(sources, readers):
+            for epoch, plan in r.plans().items():
+                try:
+                    writer.add_plan(epoch, plan)
+                except TraceFormatError:
+                    raise TraceFormatError(f"merge: {path} keeps another plan for epoch {epoch}") from None
         for i, r in enumerate(readers):
             offsets = np.asarray(r.offsets, dtype=np.int64)
             for j, record in enumerate(r.requests):
@@ -37,7 +44,10 @@ def merge_traces(sources: Sequence[str | Path], dst: str | Path, ranks: Sequence
                 if ranks is not None:
                     record = replace(record, rank=int(ranks[i]))
                 weights = np.asarray(r.expert_weights[lo:hi]) if with_weights else None
-                writer.add_requests([record], np.asarray(r.expert_ids[lo:hi]), weights)
+                epochs = None
+                if with_epochs:
+                    epochs = np.asarray(r.epochs[lo:hi]) if r.epochs is not None else np.zeros(hi - lo, np.int32)
+                writer.add_requests([record], np.asarray(r.expert_ids[lo:hi]), weights, epochs)
                 count += 1
         writer.close()
     except BaseException:

@@ -13,6 +13,7 @@ Shape legend: N tokens (rows), L MoE layers, K top-k, R requests, n tokens of on
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -20,9 +21,11 @@ from typing import Iterator
 import numpy as np
 
 from locus.traces.format import (
+    EPOCHS_FILE,
     IDS_FILE,
     KIND_COUNTS,
     META_FILE,
+    PLANS_DIR,
     REQUESTS_FILE,
     WEIGHTS_FILE,
     RequestRecord,
@@ -85,8 +88,34 @@ class TraceReader:
                 raise TraceFormatError(
                     f"{weights_path}: shape {self.expert_weights.shape} does not match {IDS_FILE} {self.expert_ids.shape}"
                 )
+        self.epochs: np.ndarray | None = None  # [N] int32, when the trace was recorded across placement epochs
+        epochs_path = self.path / EPOCHS_FILE
+        if epochs_path.exists():
+            self.epochs = open_npy(epochs_path, np.int32, 1)
+            if self.epochs.shape != (self.num_tokens,):
+                raise TraceFormatError(f"{epochs_path}: {self.epochs.shape[0]} rows, {REQUESTS_FILE} accounts for "
+                                       f"{self.num_tokens} tokens")
+            if self.num_tokens and int(np.min(self.epochs)) < 0:
+                raise TraceFormatError(f"{epochs_path}: epochs must be non-negative")
         if check_ids:
             self.check_expert_ids()
+
+    def plans(self) -> dict[int, dict]:
+        """The placement plans kept with the trace (plans/epoch-<e>.json), by epoch, as JSON objects."""
+        out = {}
+        folder = self.path / PLANS_DIR
+        if not folder.is_dir():
+            return out
+        for path in sorted(folder.glob("epoch-*.json")):
+            try:
+                epoch = int(path.stem.removeprefix("epoch-"))
+                data = json.loads(path.read_text())
+            except ValueError as exc:
+                raise TraceFormatError(f"{path}: not a plan file of an epoch ({exc})") from None
+            if not isinstance(data, dict):
+                raise TraceFormatError(f"{path}: a plan must be a JSON object")
+            out[epoch] = data
+        return out
 
     @property
     def num_tokens(self) -> int:

@@ -18,13 +18,16 @@ from typing import Sequence
 import numpy as np
 
 from locus.traces.format import (
+    EPOCHS_FILE,
     IDS_FILE,
     META_FILE,
+    PLANS_DIR,
     REQUESTS_FILE,
     WEIGHTS_FILE,
     RequestRecord,
     TraceFormatError,
     TraceMeta,
+    plan_file,
 )
 from locus.traces.npyfile import NpyStream
 
@@ -63,10 +66,12 @@ def check_target(path: Path, overwrite: bool) -> None:
 class TraceWriter:
     """Context manager: `with TraceWriter(dir, meta) as w: w.add_request(...)`."""
 
-    def __init__(self, path: str | Path, meta: TraceMeta, with_weights: bool = False, overwrite: bool = False):
+    def __init__(self, path: str | Path, meta: TraceMeta, with_weights: bool = False, overwrite: bool = False,
+                 with_epochs: bool = False):
         self.path = Path(path)
         self.meta = meta
         self.with_weights = with_weights
+        self.with_epochs = with_epochs
         self.overwrite = overwrite
         check_target(self.path, overwrite)
         self._staging = staging_dir(self.path)
@@ -76,6 +81,8 @@ class TraceWriter:
         row = (meta.num_layers, meta.top_k)
         self._ids = NpyStream(self._staging / IDS_FILE, np.int16, row)
         self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
+        self._epochs = NpyStream(self._staging / EPOCHS_FILE, np.int32, ()) if with_epochs else None
+        self._plans: dict[int, str] = {}
         self._requests = open(self._staging / REQUESTS_FILE, "w")
         self._seen_ids: set[str] = set()
         self.num_requests = 0
@@ -98,17 +105,20 @@ class TraceWriter:
         prompt_tokens: int,
         expert_ids: np.ndarray,
         expert_weights: np.ndarray | None = None,
+        epochs: np.ndarray | None = None,
     ) -> None:
-        """Append one request; expert_ids [n, L, K] int (n = its tokens), expert_weights same shape."""
+        """Append one request; expert_ids [n, L, K] int (n = its tokens), expert_weights same shape,
+        epochs [n] the placement epoch of each row (with_epochs writers)."""
         n = int(np.shape(expert_ids)[0]) if np.ndim(expert_ids) == 3 else -1
         record = RequestRecord(str(id), str(domain), int(prompt_tokens), n)
-        self.add_requests([record], expert_ids, expert_weights)
+        self.add_requests([record], expert_ids, expert_weights, epochs)
 
     def add_requests(
         self,
         records: Sequence[RequestRecord],
         expert_ids: np.ndarray,
         expert_weights: np.ndarray | None = None,
+        epochs: np.ndarray | None = None,
     ) -> None:
         """Append several requests at once; expert_ids [N, L, K] holds their rows back to back."""
         if self._closed:
@@ -129,6 +139,7 @@ class TraceWriter:
                 f"{self.path}: expert ids must lie in -1..{self.meta.num_experts - 1}, got range {ids.min()}..{ids.max()}"
             )
         weights = self._check_weights(expert_weights, ids.shape)
+        epochs = self._check_epochs(epochs, ids.shape[0])
         batch_ids: set[str] = set()
         for r in records:  # check the whole batch before touching any state
             if r.prompt_tokens < 0 or r.prompt_tokens > r.tokens:
@@ -143,6 +154,8 @@ class TraceWriter:
         self._ids.append(ids.astype(np.int16, copy=False))
         if self._weights is not None:
             self._weights.append(weights)
+        if self._epochs is not None:
+            self._epochs.append(epochs)
         self.num_requests += len(records)
         self.num_tokens += ids.shape[0]
 
@@ -160,6 +173,28 @@ class TraceWriter:
             raise TraceFormatError(f"{self.path}: expert_weights has shape {w.shape}, expected {shape} like expert_ids")
         return w.astype(np.float16, copy=False)
 
+    def _check_epochs(self, epochs: np.ndarray | None, rows: int) -> np.ndarray | None:
+        if self._epochs is None:
+            if epochs is not None:
+                raise TraceFormatError(f"{self.path}: epochs given but the writer was opened with with_epochs=False")
+            return None
+        if epochs is None:
+            raise TraceFormatError(f"{self.path}: with_epochs=True needs the epoch of every row")
+        e = np.asarray(epochs)
+        if e.shape != (rows,) or not np.issubdtype(e.dtype, np.integer) or (rows and e.min() < 0):
+            raise TraceFormatError(f"{self.path}: epochs must be {rows} non-negative integers, one per row")
+        return e.astype(np.int32, copy=False)
+
+    def add_plan(self, epoch: int, plan: dict) -> None:
+        """Keep the placement plan of `epoch` with the trace (plans/epoch-<e>.json); the same epoch
+        may be added again only with the same plan."""
+        if self._closed:
+            raise RuntimeError(f"{self.path}: TraceWriter is closed")
+        text = json.dumps(plan, indent=1) + "\n"
+        if self._plans.get(int(epoch), text) != text:
+            raise TraceFormatError(f"{self.path}: epoch {epoch} was given two different plans")
+        self._plans[int(epoch)] = text
+
     def close(self) -> None:
         """Finish the files and move the trace into place."""
         if self._closed:
@@ -170,6 +205,12 @@ class TraceWriter:
             self._ids.close()
             if self._weights is not None:
                 self._weights.close()
+            if self._epochs is not None:
+                self._epochs.close()
+            if self._plans:
+                (self._staging / PLANS_DIR).mkdir()
+                for epoch, text in self._plans.items():
+                    (self._staging / plan_file(epoch)).write_text(text)
             (self._staging / META_FILE).write_text(json.dumps(self.meta.to_json(), indent=1) + "\n")
             replace_dir(self._staging, self.path, self.overwrite)
         except BaseException:
@@ -181,7 +222,7 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        for f in (self._requests, self._ids, self._weights):
+        for f in (self._requests, self._ids, self._weights, self._epochs):
             if f is not None:
                 f.close()
         shutil.rmtree(self._staging, ignore_errors=True)

@@ -182,7 +182,7 @@ def domain_prompt(domain: str, i: int) -> str:
     return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(12 + 3 * (i % 5)))
 
 
-def record_planning_trace(path: Path) -> None:
+def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(DOMAINS), requests: int = 24) -> None:
     """A single-process engine on `small` records the routing of a mixed-domain workload."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.presets import build_preset
@@ -193,8 +193,8 @@ def record_planning_trace(path: Path) -> None:
     core = EngineCore(model, tok, EngineConfig(block_size=8, num_kv_blocks=256))
     core.start_recording(path, "small")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for i in range(24):
-        domain = list(DOMAINS)[i % 3]
+    for i in range(requests):
+        domain = families[i % len(families)]
         core.add_request(f"plan-{i}", tok.encode(domain_prompt(domain, i)), params, domain)
     while core.has_unfinished():
         core.step()
@@ -260,3 +260,62 @@ def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_pa
     assert sum(r["expert_pairs"] for r in stats["per_rank"]) > 0
     assert all(r["steps"] > 0 and r["step_s"] >= r["exchange_s"] + r["control_s"] for r in stats["per_rank"])
     assert 'locus_ep_rank_step_seconds_total{model_name="small",part="exchange",rank="1"}' in metrics
+
+
+def test_a_live_replan_under_load_moves_experts_and_keeps_every_stream(tmp_path):
+    """--replan-api: streams of a shifted domain mix decode while POST /ep/replan forces a re-plan (a
+    second one meanwhile gets 409); every stream completes with the single-process greedy tokens, and
+    /ep/stats' bytes per placement epoch equal `locus replay --plan embedded` of the recorded trace."""
+    from concurrent.futures import ThreadPoolExecutor as Pool
+
+    from locus.engine.llm import LLM
+
+    record_planning_trace(tmp_path / "planning", families=("code",), requests=12)  # planned for code only
+    plan_path = tmp_path / "plan.json"
+    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
+                              "--slots", "5", "--planner", "locality", "-o", str(plan_path)],
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    shifted = [("math" if i % 2 else "chat", domain_prompt("math" if i % 2 else "chat", 200 + i)) for i in range(8)]
+    want = [o.outputs[0].text for o in LLM("small").generate([p for _, p in shifted],
+                                                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    trace = tmp_path / "trace"
+    with running_server("--model", "small", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
+                        "--record-trace", str(trace), "--replan-api", "--replan-window", "256") as proc:
+        base = proc.base_url
+
+        def stream(item) -> str:
+            domain, prompt = item
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300,
+                              headers={"x-locus-domain": domain}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+        with Pool(9) as pool:
+            streams = [pool.submit(stream, item) for item in shifted]
+            time.sleep(1.0)  # the streams are decoding
+            first = pool.submit(httpx.post, f"{base}/ep/replan", json={"force": True}, timeout=300)
+            time.sleep(0.05)
+            second = httpx.post(f"{base}/ep/replan", json={}, timeout=300)
+            decision = first.result().json()
+            got = [s.result() for s in streams]
+        assert second.status_code == 409 and second.json()["error"]["type"] == "conflict_error"
+        assert decision["applied"] and decision["moved_slots"] > 0 and decision["planner"] == "locality"
+        assert got == want
+        deadline = time.monotonic() + 60
+        while (stats := httpx.get(f"{base}/ep/stats").json())["replan"]["state"] != "idle":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert httpx.post(f"{base}/ep/replan", json={"force": "yes"}).status_code == 400
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert len(stats["epochs"]) == 1 + 4 and stats["replan"]["moved"]["experts"] == decision["moved_slots"]
+    out = tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "-m", "locus.cli", "replay", str(trace), "--plan", "embedded",
+                           "--assign", "recorded", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    replayed = json.loads(out.read_text())
+    assert [(e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in replayed["epochs"]] == [
+        (e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in stats["epochs"] if e["tokens"]]

@@ -77,6 +77,10 @@ class EPDriver:
         self.expert_load = SummedExpertLoad(self.core.expert_load, self.world) if self.core.expert_load is not None else None
         self.errors: list[tuple[str, str]] = []  # refused adds, for AsyncEngine to deliver
         self.last_stepped = False  # the last iteration ran a step: the others have reports to send
+        self.epoch_counters: list[dict[int, ExchangeCounters]] = [{} for _ in range(self.world)]
+        self.move_stats: list = [None] * self.world
+        self.replanner = None  # replan.Replanner, when live re-planning is on
+        self._grouper_of: dict[str, Grouper] = {}  # requests admitted under a grouper that a re-plan replaced
 
     @property
     def heartbeat_s(self) -> float:
@@ -126,8 +130,19 @@ class EPDriver:
     def has_unfinished(self) -> bool:
         return bool(self._owner) or bool(self._pending) or self.last_stepped
 
+    def wait_s(self) -> float:
+        """How long rank 0's loop may wait before the next iteration: none while anything runs or a
+        placement moves, a little while a re-plan is being computed, else a heartbeat."""
+        if self.has_unfinished() or self.runtime.move is not None:
+            return 0.0
+        if self.replanner is not None and self.replanner.state != "idle":
+            return 0.02
+        return self.heartbeat_s
+
     def step(self) -> list[RequestOutput]:
         """One iteration of every rank; the outputs of all of them (the others': their previous step's)."""
+        if self.replanner is not None:
+            self.replanner.before_iteration(self.last_stepped)
         commands, self._pending = self._pending, {}
         it = self.worker.iterate(commands)
         self.last_stepped = it.stepped
@@ -135,10 +150,14 @@ class EPDriver:
         outputs = list(it.outputs)
         self.stats[0], self.times[0] = self.core.stats(), self.worker.times
         self.counters[0] = self.runtime.counters()
+        self.epoch_counters[0], self.move_stats[0] = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
         for rank, report in sorted(it.reports.items()):
             self.stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
+            self.epoch_counters[rank], self.move_stats[rank] = report.epochs, report.move
             self.expert_bytes[rank] = report.expert_bytes
+            if report.window is not None and self.replanner is not None:
+                self.replanner.take_window(rank, report.window)
             if report.load is not None and self.expert_load is not None:
                 self.expert_load.add(*report.load)
             self._refused(report.errors)
@@ -150,7 +169,41 @@ class EPDriver:
         for out in outputs:
             if out.finished:
                 self._release(out.request_id)
+        if self.replanner is not None:
+            self.replanner.after_iteration()
         return outputs
+
+    # --- what the re-planner asks of the driver -------------------------------------------------------
+    def command(self, rank: int) -> Commands:
+        """The commands going to `rank` in the next iteration (to add to)."""
+        return self._pending.setdefault(rank, Commands())
+
+    def has_replan_queued(self) -> bool:
+        return any(c.replan is not None for c in self._pending.values())
+
+    def adopt_grouping(self, plan) -> None:
+        """New admissions follow the new plan's grouping; requests already admitted finish where they run."""
+        if self.grouper is None or not plan.grouping:
+            return
+        for request_id in self._owner:
+            self._grouper_of.setdefault(request_id, self.grouper)
+        self.grouper = Grouper(plan.topology, spec_of(plan), balance_streams=True)
+
+    def tokens_run(self) -> int:
+        """Tokens every rank has run through the MoE layers so far."""
+        return sum(self.rank_tokens(r) for r in range(self.world))
+
+    def epoch_totals(self) -> list[dict]:
+        """Per placement epoch, summed over ranks: bytes (DESIGN.md's) and tokens."""
+        layers = max(1, len(self.runtime.layers))
+        epochs = sorted({e for per_rank in self.epoch_counters for e in per_rank})
+        out = []
+        for epoch in epochs:
+            parts = [per_rank[epoch] for per_rank in self.epoch_counters if epoch in per_rank]
+            out.append({"epoch": epoch, "inter_node_bytes": sum(c.inter_node for c in parts),
+                        "intra_node_bytes": sum(c.intra_node for c in parts),
+                        "tokens": sum(c.token_layers for c in parts) // layers})
+        return out
 
     def stop(self) -> None:
         """Tell every other rank to leave its loop (the stop flag of a last iteration), and wait until
@@ -183,5 +236,6 @@ class EPDriver:
         self._metrics.pop(request_id, None)
         if rank is not None:
             self._in_flight[rank] -= self._charge.pop(request_id, 0)
-            if self.grouper is not None:
-                self.grouper.finish(request_id)
+            grouper = self._grouper_of.pop(request_id, self.grouper)
+            if grouper is not None:
+                grouper.finish(request_id)

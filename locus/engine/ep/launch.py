@@ -46,6 +46,14 @@ class EPSetup:
     mode: str = "exact"  # the MoE exchange's transport (runtime.MODES)
     max_tokens_per_rank: int = 256  # the fixed-capacity transport's bound (larger steps go exact)
     overlap: bool = False  # two micro-batches a step, on two lanes (runtime.py)
+    replan_every: str | None = None  # live re-planning schedule (replan.ReplanSchedule), None: off
+    replan_api: bool = False  # POST /ep/replan
+    replan_window: int = 4096  # tokens of routing each rank keeps for a re-plan
+    replan_layers_per_step: int = 1  # MoE layers a placement move switches per iteration
+
+    @property
+    def replanning(self) -> bool:
+        return self.replan_every is not None or self.replan_api
 
     @property
     def nodes(self) -> int:
@@ -53,16 +61,24 @@ class EPSetup:
 
 
 def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None,
-               mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False) -> EPSetup | None:
+               mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False,
+               replan_every: str | None = None, replan_api: bool = False, replan_window: int = 4096,
+               replan_layers_per_step: int = 1) -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
+    from locus.engine.ep.replan import ReplanSchedule
+
+    ReplanSchedule.parse(replan_every)  # a bad schedule fails here, before any process starts
+    if replan_window < 1 or replan_layers_per_step < 1:
+        raise LocusError("--replan-window and --replan-layers-per-step must be at least 1")
     if mode not in MODES:
         raise LocusError(f"--ep-exchange {mode!r}: choose one of {', '.join(MODES)}")
     if max_tokens_per_rank < 1:
         raise LocusError(f"--ep-max-tokens-per-rank must be at least 1, not {max_tokens_per_rank}")
     if timeout_s <= 0:
         raise LocusError(f"--ep-timeout must be positive, not {timeout_s}")
-    options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap)
+    options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap, replan_every=replan_every,
+                   replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step)
     env = os.environ
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))

@@ -31,12 +31,23 @@ class Add:
 
 
 @dataclass
+class Replan:
+    """Move to `plan` (a placement plan as a JSON object, aligned to the current one), `rows_per_step`
+    MoE layers an iteration, starting in the iteration this command arrives (every rank alike)."""
+
+    plan: dict
+    rows_per_step: int
+
+
+@dataclass
 class Commands:
     adds: list[Add] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    send_window: bool = False  # put the routing window in the next report (a re-plan is being made)
+    replan: Replan | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.adds or self.aborts)
+        return bool(self.adds or self.aborts or self.send_window or self.replan)
 
     @property
     def prompt_tokens(self) -> int:
@@ -52,6 +63,9 @@ class Report:
     times: StepTimes
     expert_bytes: int
     load: tuple[np.ndarray, np.ndarray] | None  # expert-load increments: flat [layer * E + expert] index, count
+    epochs: dict[int, ExchangeCounters] = field(default_factory=dict)  # counters of each placement epoch
+    window: object | None = None  # window.WindowRows, when rank 0 asked for it
+    move: object | None = None  # move.MoveStats of the last or current placement move
 
 
 def encode(message) -> bytes:
@@ -63,13 +77,15 @@ def decode(data: bytes):
 
 
 def encode_report(report: Report) -> bytes:
+    epochs = {e: astuple(c) for e, c in report.epochs.items()}
     return encode((report.outputs, report.errors, astuple(report.stats), astuple(report.counters),
-                   astuple(report.times), report.expert_bytes, report.load))
+                   astuple(report.times), report.expert_bytes, report.load, epochs, report.window, report.move))
 
 
 def decode_report(data: bytes) -> Report:
-    outputs, errors, stats, counters, times, expert_bytes, load = decode(data)
-    return Report(outputs, errors, EngineStats(*stats), ExchangeCounters(*counters), StepTimes(*times), expert_bytes, load)
+    outputs, errors, stats, counters, times, expert_bytes, load, epochs, window, move = decode(data)
+    return Report(outputs, errors, EngineStats(*stats), ExchangeCounters(*counters), StepTimes(*times), expert_bytes,
+                  load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move)
 
 
 def pack_output(out: RequestOutput) -> tuple:

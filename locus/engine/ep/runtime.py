@@ -45,6 +45,8 @@ class EPRuntime:
         self.capacity = 0  # the step's largest token count on any rank (the fixed transport's block size)
         self.times = StepTimes()
         self.memory = None  # what this rank's expert weights take (set at start-up)
+        self.closed_epochs: dict[int, ExchangeCounters] = {}  # counters of the placements before this one
+        self.move = None  # a PlacementMove in progress (move.py), advanced by the worker before each step
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="locus-ep-lane") if len(self.lanes) > 1 else None
 
@@ -98,6 +100,11 @@ class EPRuntime:
         for layer in self.layers:
             layer.exchange_nothing()
 
+    def placement_now(self):
+        """The current placement's epoch and plan (what a trace recorder keeps per row)."""
+        placement = self.placement
+        return placement.epoch, placement.plan
+
     # --- what the layers read -------------------------------------------------------------------
     def lane(self) -> TwoTierExchange:
         return self.lanes[getattr(self._local, "lane", 0)]
@@ -110,10 +117,29 @@ class EPRuntime:
     def positions(self, value: torch.Tensor | None) -> None:
         self._local.positions = value
 
+    def switch(self, placement: ExpertPlacement) -> None:
+        """Make `placement` (a new epoch) the one the layers read from the next forward on; what the
+        exchanges counted so far belongs to the epoch that ends."""
+        self.closed_epochs[self.placement.epoch] = ExchangeCounters.total(
+            [self.closed_epochs.get(self.placement.epoch, ExchangeCounters()), self._lanes_total()])
+        for lane in self.lanes:
+            lane.counters = ExchangeCounters()
+        self.placement = placement
+
     # --- counters -------------------------------------------------------------------------------
-    def counters(self) -> ExchangeCounters:
-        """Every lane's counters, summed (device-side counts read now)."""
+    def _lanes_total(self) -> ExchangeCounters:
         return ExchangeCounters.total(lane.drain() for lane in self.lanes)
+
+    def counters(self) -> ExchangeCounters:
+        """Every lane's counters over every epoch, summed (device-side counts read now)."""
+        return ExchangeCounters.total([*self.closed_epochs.values(), self._lanes_total()])
+
+    def counters_by_epoch(self) -> dict[int, ExchangeCounters]:
+        """The counters of each placement epoch this rank ran."""
+        out = dict(self.closed_epochs)
+        out[self.placement.epoch] = ExchangeCounters.total([out.get(self.placement.epoch, ExchangeCounters()),
+                                                           self._lanes_total()])
+        return out
 
     def close(self) -> None:
         if self._pool is not None:

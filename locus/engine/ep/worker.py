@@ -29,9 +29,12 @@ from locus.engine.ep.control import ControlPlane, Header
 from locus.engine.ep.counters import StepTimes
 from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.ep.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
+from locus.engine.ep.move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
+from locus.engine.ep.window import RoutingWindow
 from locus.engine.outputs import RequestOutput
 from locus.errors import LocusError
+from locus.routing.plan.placement import plan_from_dict
 
 log = logging.getLogger("locus.engine")
 FAILURE_KEY = "locus/ep/failure"  # the first rank whose step raised writes its reason here (the store)
@@ -50,7 +53,8 @@ class Iteration:
 
 
 class RankWorker:
-    def __init__(self, core: EngineCore, runtime: EPRuntime, control: ControlPlane, expert_bytes: int = 0):
+    def __init__(self, core: EngineCore, runtime: EPRuntime, control: ControlPlane, expert_bytes: int = 0,
+                 window_tokens: int = 0):
         self.core, self.runtime, self.control = core, runtime, control
         self.rank, self.world = control.rank, control.world
         self.expert_bytes = expert_bytes
@@ -59,6 +63,15 @@ class RankWorker:
         self._load_sent: np.ndarray | None = None
         config = core.config
         self.step_budget = max(config.max_num_batched_tokens, config.max_num_seqs)
+        # Live re-planning: every rank keeps the routing of its last `window_tokens` tokens.
+        self.window: RoutingWindow | None = None
+        if window_tokens > 0:
+            mc = core.model.config
+            self.window = RoutingWindow(window_tokens, len(mc.moe_layers), mc.num_experts_per_tok)
+            core.routing.subscribe(self.window)
+        self._send_window = False
+        self.last_move: MoveStats | None = None
+        self._moved = False
 
     # --- the iteration --------------------------------------------------------------------------
     def iterate(self, commands: dict[int, Commands] | None = None, stop: bool = False) -> Iteration:
@@ -91,6 +104,7 @@ class RankWorker:
         if agreement.stop:
             it.outputs = outputs
             return it
+        self._advance_move()  # every rank, in the same iteration: the placement a step routes by is set here
         if agreement.any_work:
             it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
             outputs += core.step()
@@ -103,16 +117,42 @@ class RankWorker:
             times.control_s += control.seconds - control_before
         self.times.exchange_s = exchange_s
         it.outputs = outputs
-        if self.rank != 0 and (it.stepped or outputs or errors):
+        moved, self._moved = self._moved, False
+        if self.rank != 0 and (it.stepped or outputs or errors or self._send_window or moved):
             self._report = encode_report(self.report(outputs, errors))
         return it
 
     def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]]) -> Report:
+        window = None
+        if self._send_window:
+            window, self._send_window = self.window_rows(), False
         return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
-                      self.times, self.expert_bytes, self._load_increment())
+                      self.times, self.expert_bytes, self._load_increment(), self.runtime.counters_by_epoch(),
+                      window, self.last_move)
+
+    def window_rows(self):
+        if self.window is None:
+            raise LocusError("live re-planning is off on this rank (no routing window)")
+        return self.window.rows()
+
+    def _advance_move(self) -> None:
+        move = self.runtime.move
+        if move is None:
+            return
+        move.advance(self.runtime)
+        self.last_move, self._moved = move.stats, True
+        if move.finished:
+            self.runtime.move = None
 
     def _apply(self, commands: Commands, errors: list[tuple[str, str]]) -> list[RequestOutput]:
         outputs = []
+        if commands.send_window:
+            self._send_window = True
+        if commands.replan is not None:
+            if self.runtime.move is not None:  # rank 0 never sends one during a move: a bug if it does
+                raise RuntimeError("a re-plan arrived while a placement move was still in progress")
+            target = plan_from_dict(commands.replan.plan)
+            self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
         for add in commands.adds:
             try:
                 self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain)
@@ -149,7 +189,7 @@ class RankWorker:
 
 def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig, *, dtype: str | None = None,
                  device: str | None = None, moe_backend: str = "auto", seed: int = 0,
-                 record_trace: str | None = None, model_name: str = "locus"):
+                 record_trace: str | None = None, model_name: str = "locus", window_tokens: int = 0):
     """This rank's worker (any rank): its model slice joined to the process group with the plan
     applied, its engine in lockstep, its part of a recorded trace. Returns (worker, loaded model)."""
     loaded, runtime = load_rank(setup, model, dtype, device, moe_backend, seed)
@@ -161,7 +201,7 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
         core.start_recording(rank_trace_path(record_trace, setup.rank), model_name)
     control = ControlPlane(runtime.groups.control, setup.rank, setup.world)
     held = runtime.memory.held_bytes if runtime.memory is not None else 0
-    return RankWorker(core, runtime, control, held), loaded
+    return RankWorker(core, runtime, control, held, window_tokens or (setup.replan_window if setup.replanning else 0)), loaded
 
 
 def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:

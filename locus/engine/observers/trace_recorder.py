@@ -10,6 +10,10 @@ recording never sits in memory.
 While recording, prefix-cache reuse is off: a reused block's tokens would not go through the model,
 and the trace needs every token's routing.
 
+Under expert parallelism the placement may change while serving (a live re-plan): the recorder then
+notes the placement epoch of every row (`epochs.npy`) and keeps each epoch's plan with the trace
+(`plans/epoch-<e>.json`), so the replay of the trace costs every row under the plan it ran under.
+
 Shape legend: P positions so far, L MoE layers, K experts per token.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -34,15 +39,18 @@ class _SeqTrace:
     prompt_tokens: int
     ids: np.ndarray  # [capacity, L, K] int16, -1 = not yet seen
     weights: np.ndarray  # [capacity, L, K] float16
+    epochs: np.ndarray  # [capacity] int32: the placement epoch each row ran under
 
-    def put(self, start: int, ids: np.ndarray, weights: np.ndarray) -> None:
+    def put(self, start: int, ids: np.ndarray, weights: np.ndarray, epoch: int) -> None:
         end = start + len(ids)
         if end > len(self.ids):  # grow geometrically
             grow = max(end, 2 * len(self.ids))
             self.ids = np.concatenate([self.ids, np.full((grow - len(self.ids), *self.ids.shape[1:]), -1, np.int16)])
             self.weights = np.concatenate([self.weights, np.zeros((grow - len(self.weights), *self.weights.shape[1:]), np.float16)])
+            self.epochs = np.concatenate([self.epochs, np.zeros(grow - len(self.epochs), np.int32)])
         self.ids[start:end] = ids
         self.weights[start:end] = weights
+        self.epochs[start:end] = epoch
 
 
 @dataclass
@@ -64,28 +72,41 @@ class TraceRecorder:
     _active: dict[int, _SeqTrace] = field(default_factory=dict)
     requests: int = 0
     tokens: int = 0
+    # Under expert parallelism: the current placement's epoch and plan (anything with to_dict()), per step.
+    placement: Callable[[], tuple[int, object]] | None = None
 
     def __post_init__(self) -> None:
         c = self.config
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
                          source="locus-engine")
-        self._writer = TraceWriter(self.path, meta, with_weights=True)
+        self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None)
         self._layers = tuple(c.moe_layers)
+        self._epochs_seen: set[int] = set()
 
     # --- engine hooks ---------------------------------------------------------------------------
     def observe(self, step: StepRouting) -> None:
         """A routing-tap subscriber: file each sequence's rows at their positions."""
+        epoch = self._current_epoch()
         for item, (span, lo, hi) in zip(step.items, step.rows):
             trace = self._trace_of(item.seq, span.start)
             if trace is not None:
-                trace.put(span.start, step.ids[lo:hi], step.weights[lo:hi])
+                trace.put(span.start, step.ids[lo:hi], step.weights[lo:hi], epoch)
+
+    def _current_epoch(self) -> int:
+        if self.placement is None:
+            return 0
+        epoch, plan = self.placement()
+        if epoch not in self._epochs_seen:  # keep each epoch's plan with the trace
+            self._writer.add_plan(epoch, plan.to_dict())
+            self._epochs_seen.add(epoch)
+        return epoch
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         src = self._active.get(parent.seq_id)
         if src is not None:
             self._active[child.seq_id] = _SeqTrace(self._request_id(child), src.domain, src.prompt_tokens,
-                                                   src.ids.copy(), src.weights.copy())
+                                                   src.ids.copy(), src.weights.copy(), src.epochs.copy())
 
     def finish(self, seq: Sequence) -> None:
         trace = self._active.pop(seq.seq_id, None)
@@ -95,7 +116,8 @@ class TraceRecorder:
         ids, weights = trace.ids[:rows], trace.weights[:rows]
         if rows <= 0 or (ids[:, 0, 0] < 0).any():
             return  # incomplete (cannot happen with prefix reuse off; kept as a guard)
-        self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights)
+        epochs = trace.epochs[:rows] if self.placement is not None else None
+        self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs)
         self.requests += 1
         self.tokens += rows
 
@@ -119,7 +141,8 @@ class TraceRecorder:
             L, K = len(self._layers), self.config.num_experts_per_tok
             cap = max(seq.num_tokens + 16, 64)
             trace = _SeqTrace(self._request_id(seq), seq.request.domain or "", len(seq.prompt_ids),
-                              np.full((cap, L, K), -1, np.int16), np.zeros((cap, L, K), np.float16))
+                              np.full((cap, L, K), -1, np.int16), np.zeros((cap, L, K), np.float16),
+                              np.zeros(cap, np.int32))
             self._active[seq.seq_id] = trace
         return trace
 

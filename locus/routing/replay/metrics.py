@@ -79,6 +79,7 @@ class TrafficTotals:
     step_attention_imbalance_sum: float
     step_attention_imbalance_worst: float
     a2a_seconds: float
+    epochs: dict[int, tuple[int, int, int]] | None = None  # per placement epoch: (tokens, inter sends, intra sends)
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,15 @@ class TrafficMeter:
     """Accumulates metrics over chunks fed in replay order; `add` any number of rows at a time."""
 
     def __init__(self, table: DispatchTable, topology: Topology, hidden_size: int, dtype_bytes: int,
-                 batch_tokens: int, links: LinkModel = LinkModel(), pair_sink: PairSink | None = None):
+                 batch_tokens: int, links: LinkModel = LinkModel(), pair_sink: PairSink | None = None,
+                 epoch_tables: dict[int, DispatchTable] | None = None):
+        """epoch_tables: one table per placement epoch (same topology); `add` then routes each row by
+        the table of its epoch (a trace recorded across a live re-plan)."""
         if batch_tokens < 1:
             raise LocusError(f"batch_tokens must be at least 1, got {batch_tokens}")
         self.table, self.batch_tokens, self.links = table, int(batch_tokens), links
+        self.epoch_tables = epoch_tables
+        self.epoch_sums: dict[int, np.ndarray] = {}  # epoch -> [tokens, inter sends, intra sends]
         self.pair_sink = pair_sink  # optional: per-(sender, receiver) rows, see PairChunk
         self.bytes_per_send = 2 * int(hidden_size) * int(dtype_bytes)
         R, L, G = topology.ranks, table.num_layers, topology.gpus_per_node
@@ -154,7 +160,8 @@ class TrafficMeter:
         self.attn_sum, self.attn_worst = 0.0, float("nan")
         self.a2a_seconds = 0.0
 
-    def add(self, expert_ids: np.ndarray, src: np.ndarray, position: np.ndarray, step=None) -> None:
+    def add(self, expert_ids: np.ndarray, src: np.ndarray, position: np.ndarray, step=None,
+            epochs: np.ndarray | None = None) -> None:
         T, L, K = expert_ids.shape
         if L != self.L:
             raise LocusError(f"trace rows have {L} MoE layers, the plan has {self.L}")
@@ -172,7 +179,7 @@ class TrafficMeter:
         step = step - first  # [T]
         n = int(step[-1]) + 1
         src = np.asarray(src, dtype=np.int64)
-        dest = destinations(self.table, table_keys(self.table, expert_ids, src), position)  # [T, L, K]
+        dest = self._destinations(expert_ids, src, np.asarray(position), epochs)  # [T, L, K]
 
         own_node = self.node_of[dest] == self.node_of[src][:, None, None]
         own_rank = dest == src[:, None, None].astype(dest.dtype)
@@ -187,6 +194,11 @@ class TrafficMeter:
         intra = np.count_nonzero(distinct & (ranks < R), axis=2)  # [T, L] distinct tier-2 destinations
         self.counts += (np.count_nonzero(own_rank), np.count_nonzero(own_node),
                         int(inter.sum(dtype=np.int64)), int(intra.sum(dtype=np.int64)), np.count_nonzero(tier2))
+        if self.epoch_tables is not None and epochs is not None:
+            for epoch in np.unique(epochs):
+                rows = np.asarray(epochs) == epoch
+                sums = self.epoch_sums.setdefault(int(epoch), np.zeros(3, dtype=np.int64))
+                sums += (int(rows.sum()), int(inter[rows].sum(dtype=np.int64)), int(intra[rows].sum(dtype=np.int64)))
 
         # Per-step sums, indexed by the step relative to the chunk's first one.
         row_key = step[:, None] * L + np.arange(L)  # [T, L]
@@ -217,6 +229,21 @@ class TrafficMeter:
         self._close_steps(loads[:-1], inter_r[:-1], intra_r[:-1], tokens[:-1])
         self.open = (loads[-1].copy(), inter_r[-1].copy(), intra_r[-1].copy(), tokens[-1].copy())
         self.open_step = first + n - 1
+
+    def _destinations(self, expert_ids: np.ndarray, src: np.ndarray, position: np.ndarray,
+                      epochs: np.ndarray | None) -> np.ndarray:
+        """Destination rank of every (row, layer, k): by the one table, or by each row's epoch's."""
+        if self.epoch_tables is None or epochs is None:
+            return destinations(self.table, table_keys(self.table, expert_ids, src), position)
+        epochs = np.asarray(epochs)
+        dest = np.empty(expert_ids.shape, dtype=np.int16)
+        for epoch in np.unique(epochs):
+            table = self.epoch_tables.get(int(epoch))
+            if table is None:
+                raise LocusError(f"the trace has rows of placement epoch {int(epoch)}, and no plan for it")
+            rows = epochs == epoch
+            dest[rows] = destinations(table, table_keys(table, expert_ids[rows], src[rows]), position[rows])
+        return dest
 
     def _pair_chunk(self, first: int, step: np.ndarray, src: np.ndarray, remote_nodes: np.ndarray,
                     ranks: np.ndarray, tier2_dest: np.ndarray, loads: np.ndarray, tokens: np.ndarray) -> PairChunk:
@@ -277,6 +304,7 @@ class TrafficMeter:
             intra_node_sends=intra,
             intra_node_pairs=intra_pairs,
             bytes_per_send=self.bytes_per_send,
+            epochs={e: tuple(int(x) for x in s) for e, s in sorted(self.epoch_sums.items())} if self.epoch_tables else None,
             layer_loads=self.layer_loads.copy(),
             rank_tokens=self.rank_tokens.copy(),
             step_expert_imbalance_sum=self.imb_sum,

@@ -50,6 +50,8 @@ class ReplayReport:
     migrated_kv_bytes: int = 0  # inter-node bytes of that KV cache: not in the dispatch figures above
     migrated_kv_bytes_per_token: float = 0.0
     dispatch: str = "position"  # the dispatch rule routed by (dispatch_rule.RULES)
+    # a trace recorded across live re-plans, replayed by its epochs' plans: per epoch, its tokens and bytes
+    epochs: list[dict] | None = None
 
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
@@ -98,6 +100,9 @@ class ReplayReport:
             migrations=int(migrations),
             migrated_kv_bytes=int(migrated_kv_bytes),
             migrated_kv_bytes_per_token=float(migrated_kv_bytes) / tokens,
+            epochs=None if t.epochs is None else [
+                {"epoch": e, "tokens": n, "inter_node_bytes": u * inter, "intra_node_bytes": u * intra}
+                for e, (n, inter, intra) in t.epochs.items()],
         )
 
     def to_dict(self) -> dict:
@@ -124,6 +129,9 @@ class ReplayReport:
             ("attention imbalance, per step (mean/worst)", f"{self.step_attention_imbalance_mean:.3f} / {self.step_attention_imbalance_worst:.3f}"),
             *([("KV cache migrated (inter-node)", f"{self.migrated_kv_bytes / gib:,.3f} GiB ({self.migrated_kv_bytes_per_token:,.0f} B/token, {self.migrations:,} moves)")]
               if self.migrations else []),
+            *([("placement epochs (tokens, inter / intra B)", "; ".join(
+                f"{e['epoch']}: {e['tokens']:,}, {e['inter_node_bytes']:,} / {e['intra_node_bytes']:,}" for e in self.epochs))]
+              if self.epochs else []),
             ("est. all-to-all time", f"{self.a2a_seconds:.4f} s ({self.a2a_ms_per_step:.3f} ms/step)"),
             ("link model", f"{self.links.inter_gbps:g} GB/s inter, {self.links.intra_gbps:g} GB/s intra, {self.links.latency_us:g} us"),
         ]

@@ -112,11 +112,13 @@ def rank_step_order(offsets: np.ndarray, assignment: Assignment, num_ranks: int,
 
 def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignment, batch_tokens: int = 4096,
            links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace",
-           pair_sink: PairSink | None = None) -> ReplayReport:
+           pair_sink: PairSink | None = None, epoch_plans: dict[int, PlacementPlan] | None = None) -> ReplayReport:
     """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's.
 
     pair_sink, if given, receives every chunk's per-(step, layer, sender, receiver) rows (metrics.PairChunk;
     replay/chakra.py's PairTraffic collects them for Chakra traces); without one nothing extra is computed.
+    epoch_plans: a plan per placement epoch (a trace recorded across live re-plans carries each row's
+    epoch, `reader.epochs`): every row is routed by its epoch's plan; `plan` is then the first epoch's.
     """
     meta = reader.meta
     validate(plan, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
@@ -144,7 +146,19 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         raise LocusError(f"requests {start}:{stop} hold no tokens; nothing to replay")
 
     table = build_dispatch_table(plan_in_trace_order(plan, meta.moe_layers))
-    meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links, pair_sink)
+    epoch_tables, row_epochs = None, None
+    if epoch_plans is not None:
+        row_epochs = getattr(reader, "epochs", None)
+        if row_epochs is None:
+            raise LocusError("plans per epoch were given, but the trace records no epochs (epochs.npy)")
+        epoch_tables = {}
+        for epoch, p in epoch_plans.items():
+            validate(p, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
+            if p.topology != topology:
+                raise LocusError(f"the plan of epoch {epoch} is laid out for {p.topology}, not {topology}")
+            epoch_tables[int(epoch)] = build_dispatch_table(plan_in_trace_order(p, meta.moe_layers))
+    meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links, pair_sink,
+                         epoch_tables)
     rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
     order = None
     if step_order == "ranks":
@@ -159,7 +173,8 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
             ids = np.asarray(reader.expert_ids[rows])
         request = np.searchsorted(offsets, rows, side="right") - 1  # [T] request index of each row
         position = rows - offsets[request]
-        meter.add(ids, assignment.row_ranks(request - start, position, prompt), position, steps)
+        epochs = None if row_epochs is None else np.asarray(row_epochs[rows])
+        meter.add(ids, assignment.row_ranks(request - start, position, prompt), position, steps, epochs)
         if progress is not None:
             progress(b, hi - lo)
 

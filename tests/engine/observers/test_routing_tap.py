@@ -21,9 +21,9 @@ def spy_on_runs(core: EngineCore) -> list[bool]:
     flags: list[bool] = []
     real = core.runner.run
 
-    def run(items, record_routing=False):
+    def run(items, record_routing=False, **kwargs):
         flags.append(record_routing)
-        return real(items, record_routing=record_routing)
+        return real(items, record_routing=record_routing, **kwargs)
 
     core.runner.run = run
     return flags

@@ -1,0 +1,227 @@
+"""Moving to a new placement while serving (a live re-plan): align the new plan to the old one, then
+fill the changed slots layer by layer, a few MoE layers per iteration, without stopping the engine.
+
+Align. A planner numbers its ranks freely; within a node, which rank holds which set of experts does
+not matter to anything the plan promises (node-level locality, the grouper's domain -> node map,
+per-rank load caps are all the same under a relabelling). So for every MoE layer and node the new
+ranks are matched to the old ones to keep the most experts where they are (every permutation for up
+to 6 ranks a node, greedy beyond), and within a rank an expert it already holds keeps its slot.
+
+Move. Every rank runs the same schedule (it received the same command in the same iteration): in each
+iteration, before the step, the next `rows_per_step` MoE layers switch. For a layer, every changed slot
+takes its expert's weights from a rank that holds it in the old placement (itself if it can, else a
+rank of its node, else the first holder), all of them in one all_to_all of exactly the needed rows
+over the control group; each rank stages what it receives, then copies it into its existing
+parameters (so compiled graphs stay valid), and only then does the placement switch to the new
+layer's slots: a new epoch. Tokens never reach a slot before its weights are there, because the
+placement a step routes by is the one set before the step, on every rank alike.
+
+Shape legend: S slots a rank, H hidden, I expert width.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from locus.routing.plan.placement import PlacementPlan, validate
+
+
+def align(old: PlacementPlan, new: PlacementPlan) -> PlacementPlan:
+    """`new` relabelled (ranks within a node, slots within a rank, per layer) to keep the most slots'
+    experts where `old` has them. Raises if the two do not share a topology and layers."""
+    if old.topology != new.topology or tuple(old.moe_layers) != tuple(new.moe_layers):
+        raise ValueError(f"a re-plan must keep the topology and layers: {old.topology} / {new.topology}")
+    G, N = old.topology.gpus_per_node, old.topology.nodes
+    slots = np.array(new.slots, copy=True)
+    for row in range(len(old.moe_layers)):
+        for node in range(N):
+            ranks = list(range(node * G, (node + 1) * G))
+            olds = [Counter(old.slots[row][r].tolist()) for r in ranks]
+            news = [Counter(new.slots[row][r].tolist()) for r in ranks]
+            match = _best_match(olds, news)  # match[i] = the new rank placed on old rank ranks[i]
+            placed = [new.slots[row][ranks[j]].tolist() for j in match]
+            for i, r in enumerate(ranks):
+                slots[row][r] = _keep_slots(old.slots[row][r].tolist(), placed[i])
+    aligned = PlacementPlan(new.model, new.num_experts, tuple(new.moe_layers), new.topology, slots,
+                            grouping=new.grouping, provenance=dict(new.provenance), dispatch=new.dispatch)
+    validate(aligned)
+    return aligned
+
+
+def _best_match(olds: list[Counter], news: list[Counter]) -> list[int]:
+    """A permutation p maximising sum_i |olds[i] & news[p[i]]| (multiset overlap)."""
+    G = len(olds)
+    overlap = [[sum((o & n).values()) for n in news] for o in olds]
+    if G <= 6:
+        return list(max(itertools.permutations(range(G)), key=lambda p: sum(overlap[i][p[i]] for i in range(G))))
+    free, match = set(range(G)), [0] * G
+    for i in sorted(range(G), key=lambda i: -max(overlap[i])):
+        match[i] = max(free, key=lambda j: overlap[i][j])
+        free.remove(match[i])
+    return match
+
+
+def _keep_slots(old: list[int], new: list[int]) -> list[int]:
+    """`new`'s experts ordered so that each one `old` holds at a slot stays at that slot."""
+    out: list[int | None] = [None] * len(old)
+    rest = Counter(new)
+    for j, e in enumerate(old):
+        if rest[e] > 0:
+            out[j] = e
+            rest[e] -= 1
+    remaining = list(rest.elements())
+    for j in range(len(out)):
+        if out[j] is None:
+            out[j] = remaining.pop(0)
+    return out
+
+
+@dataclass(frozen=True)
+class SlotFill:
+    """One changed slot: rank `rank`'s slot `slot` of MoE row `row` takes expert `expert` from `source`
+    (a rank holding it in the old placement) at `source_slot`."""
+
+    row: int
+    rank: int
+    slot: int
+    expert: int
+    source: int
+    source_slot: int
+
+
+def fills(old: PlacementPlan, new: PlacementPlan, row: int) -> list[SlotFill]:
+    """The changed slots of one MoE row, and where each one's weights come from."""
+    G = old.topology.gpus_per_node
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for r, held in enumerate(old.slots[row].tolist()):
+        for j, e in enumerate(held):
+            holders.setdefault(e, []).append((r, j))
+    out = []
+    for r, (was, now) in enumerate(zip(old.slots[row].tolist(), new.slots[row].tolist())):
+        for j, (a, b) in enumerate(zip(was, now)):
+            if a == b:
+                continue
+            found = holders[b]
+            source = next((h for h in found if h[0] == r), None) or next(
+                (h for h in found if h[0] // G == r // G), None) or found[0]
+            out.append(SlotFill(row, r, j, b, *source))
+    return out
+
+
+@dataclass
+class MoveStats:
+    """What one rank's slots received in a move."""
+
+    experts: int = 0  # slots filled
+    local: int = 0  # of which copied on the rank itself
+    intra_node_bytes: int = 0  # expert weights sent to another rank of the same node
+    inter_node_bytes: int = 0  # ... to a rank of another node
+    layers: int = 0  # MoE layers switched
+
+
+@dataclass
+class PlacementMove:
+    """The move from the current placement to `target` (aligned), `rows_per_step` MoE rows an iteration."""
+
+    target: PlacementPlan
+    rows_per_step: int = 1
+    done_rows: int = 0
+    stats: MoveStats = field(default_factory=MoveStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.done_rows >= len(self.target.moe_layers)
+
+    def advance(self, runtime) -> None:
+        """Switch the next rows (every rank calls this in the same iteration)."""
+        from locus.engine.ep.placement import ExpertPlacement
+
+        stop = min(self.done_rows + self.rows_per_step, len(self.target.moe_layers))
+        current = runtime.placement
+        plan = current.plan
+        for row in range(self.done_rows, stop):
+            self._fill_row(runtime, plan, row)
+            slots = np.array(plan.slots, copy=True)
+            slots[row] = self.target.slots[row]
+            plan = PlacementPlan(plan.model, plan.num_experts, tuple(plan.moe_layers), plan.topology, slots,
+                                 grouping=self.target.grouping, provenance=dict(self.target.provenance),
+                                 dispatch=self.target.dispatch)
+            self.stats.layers += 1
+        self.done_rows = stop
+        runtime.switch(ExpertPlacement.build(plan, current.rank, current.epoch + 1, current.start.device))
+
+    def _fill_row(self, runtime, plan: PlacementPlan, row: int) -> None:
+        """Every changed slot of `row` gets its weights; one all_to_all over the control group."""
+        rank, world = runtime.groups.rank, runtime.groups.world
+        G = plan.topology.gpus_per_node
+        layer = runtime.layers[row]
+        params = (layer.gate_up_proj, layer.down_proj)
+        row_fills = fills(plan, self.target, row)
+        per_expert = sum(p[0].numel() for p in params)  # elements of one expert's weights
+        dtype, device = params[0].dtype, params[0].device
+        # what this rank sends each other rank, in (destination, slot) order, and the local copies
+        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        staged: dict[int, torch.Tensor] = {}  # slot -> [per_expert] the weights it will hold
+        for f in row_fills:
+            if f.source == rank:
+                flat = torch.cat([p[f.source_slot].reshape(-1) for p in params])
+                if f.rank == rank:
+                    staged[f.slot] = flat.clone()
+                else:
+                    sends[f.rank].append(flat)
+        incoming = [f for f in row_fills if f.rank == rank and f.source != rank]
+        send_counts = [len(s) * per_expert for s in sends]
+        recv_counts = [0] * world
+        for f in incoming:
+            recv_counts[f.source] += per_expert
+        if any(f.source != f.rank for f in row_fills):  # someone sends: every rank takes part
+            out = torch.cat([t for s in sends for t in s]) if any(sends) else torch.empty(0, dtype=dtype, device=device)
+            buf = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+            item = buf.element_size()  # sent as bytes: any dtype crosses gloo alike
+            dist.all_to_all_single(buf.view(torch.uint8), out.contiguous().view(torch.uint8),
+                                   [n * item for n in recv_counts], [n * item for n in send_counts],
+                                   group=runtime.groups.control)
+            offsets = np.concatenate([[0], np.cumsum(recv_counts)])
+            taken = [0] * world
+            for f in sorted(incoming, key=lambda f: (f.source, f.slot)):
+                at = int(offsets[f.source]) + taken[f.source] * per_expert
+                staged[f.slot] = buf[at:at + per_expert]
+                taken[f.source] += 1
+        for slot, flat in staged.items():  # all reads are done: now overwrite
+            at = 0
+            for p in params:
+                n = p[0].numel()
+                p[slot].copy_(flat[at:at + n].view_as(p[slot]))
+                at += n
+        nbytes = per_expert * torch.empty((), dtype=dtype).element_size()
+        for f in row_fills:
+            if f.rank != rank:  # each rank counts the slots it filled: summed over ranks, every slot once
+                continue
+            self.stats.experts += 1
+            if f.source == f.rank:
+                self.stats.local += 1
+            elif f.source // G == f.rank // G:
+                self.stats.intra_node_bytes += nbytes
+            else:
+                self.stats.inter_node_bytes += nbytes
+
+
+def move_bytes(old: PlacementPlan, new: PlacementPlan, expert_bytes: int) -> tuple[int, int, int]:
+    """(slots to fill, intra-node bytes, inter-node bytes) of moving from `old` to `new` (aligned)."""
+    G = old.topology.gpus_per_node
+    count = intra = inter = 0
+    for row in range(len(old.moe_layers)):
+        for f in fills(old, new, row):
+            count += 1
+            if f.source != f.rank:
+                if f.source // G == f.rank // G:
+                    intra += expert_bytes
+                else:
+                    inter += expert_bytes
+    return count, intra, inter

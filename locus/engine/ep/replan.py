@@ -1,0 +1,267 @@
+"""Live re-planning, rank 0's side: when to re-plan, from what, and whether the result is worth moving.
+
+    idle --(every N steps / seconds, or POST /ep/replan)--> collecting: every rank sends its routing window
+    collecting --(every window in)--> planning: a thread writes the windows as a trace, runs the plan's own
+        planner on the same topology and slot count, aligns the result to the current plan (move.py), and
+        replays the window under both (`locus replay --assign recorded`, in process)
+    planning --(decided)--> moving: a Replan command to every rank (or idle, if not worth it)
+    moving --(the last layer switched)--> idle
+
+Worth it: the replay's inter-node bytes per token saved, times the tokens expected before the next
+re-plan (the window's rate), must exceed the bytes the move sends (expert weights of every changed
+slot, from a holder on the same node where there is one). A forced re-plan (POST /ep/replan with
+force) moves even when it is not. Both figures are logged and returned.
+
+Planning runs off the step loop: serving never waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from locus.engine.ep.move import align, move_bytes
+from locus.engine.ep.window import WindowRows, write_window_trace
+from locus.errors import LocusError
+from locus.traces.format import TraceMeta
+
+log = logging.getLogger("locus.engine")
+
+
+class ReplanBusy(LocusError):
+    """A re-plan was asked for while another is being made or moved."""
+
+
+@dataclass
+class ReplanDecision:
+    applied: bool
+    reason: str
+    planner: str
+    window_tokens: int
+    old_inter_node_per_token: float  # the window replayed under the current plan
+    new_inter_node_per_token: float  # ... under the new one
+    expected_tokens: float  # tokens until the next re-plan, at the window's rate
+    predicted_saving_bytes: float  # (old - new) * expected_tokens
+    move_bytes: int  # expert weights the move sends (intra- and inter-node)
+    move_inter_node_bytes: int
+    moved_slots: int
+    plan_seconds: float
+    epoch: int | None = None  # the first epoch of the new placement, when applied
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReplanSchedule:
+    """--replan-every: every `steps` iterations that ran a step, or every `seconds`; None: on request only."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> "ReplanSchedule":
+        if text is None:
+            return cls()
+        value = text.strip().lower()
+        try:
+            if value.endswith("steps"):
+                steps = int(value.removesuffix("steps"))
+                if steps < 1:
+                    raise ValueError
+                return cls(steps=steps)
+            seconds = float(value.removesuffix("s"))
+            if not seconds > 0:
+                raise ValueError
+            return cls(seconds=seconds)
+        except ValueError:
+            raise LocusError(f"--replan-every {text!r}: give seconds (e.g. 60 or 60s) or a step count (e.g. 500steps)") from None
+
+    @property
+    def active(self) -> bool:
+        return self.steps is not None or self.seconds is not None
+
+
+class Replanner:
+    """Owned by EPDriver (rank 0's engine thread); the HTTP thread only calls `request`."""
+
+    def __init__(self, driver, meta: TraceMeta, schedule: ReplanSchedule, rows_per_step: int = 1,
+                 expert_bytes: int = 0):
+        self.driver, self.meta, self.schedule = driver, meta, schedule
+        self.rows_per_step = rows_per_step
+        self.expert_bytes = expert_bytes  # one expert's weights (gate_up + down), as the ranks hold them
+        self.state = "idle"
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []  # callers waiting for the decision
+        self._force = False
+        self._windows: dict[int, WindowRows] = {}
+        self._planning: Future | None = None
+        self._steps_since = 0
+        self._last = time.monotonic()
+        self._tokens_at_last = 0
+        self.decisions: list[ReplanDecision] = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="locus-replan-"))
+
+    # --- the HTTP thread --------------------------------------------------------------------------
+    def request(self, force: bool) -> Future:
+        """Start a re-plan now; the future gets the ReplanDecision. ReplanBusy while one is under way."""
+        with self._lock:
+            if self.state != "idle" or self.driver.runtime.move is not None:
+                raise ReplanBusy(f"a re-plan is already {self.state if self.state != 'idle' else 'moving'}")
+            future: Future = Future()
+            self._pending.append(future)
+            self._force = force
+            self.state = "requested"
+        return future
+
+    # --- the engine thread (EPDriver.step) --------------------------------------------------------
+    def before_iteration(self, stepped: bool) -> None:
+        """Trigger by schedule; ask the ranks for their windows when a re-plan starts."""
+        with self._lock:
+            if stepped:
+                self._steps_since += 1
+            if self.state == "idle" and self._due():
+                self.state, self._force = "requested", False
+            if self.state == "requested":
+                self.state = "collecting"
+                self._windows = {0: self.driver.worker.window_rows()}
+                for rank in range(1, self.driver.world):
+                    self.driver.command(rank).send_window = True
+
+    def take_window(self, rank: int, window: WindowRows) -> None:
+        with self._lock:
+            if self.state != "collecting":
+                return
+            self._windows[rank] = window
+            if len(self._windows) == self.driver.world:
+                self.state = "planning"
+                windows, force = dict(self._windows), self._force
+                current = self.driver.runtime.placement.plan
+                self._planning = Future()
+                threading.Thread(target=self._plan, args=(windows, current, force, self._planning),
+                                 name="locus-replan", daemon=True).start()
+
+    def after_iteration(self) -> None:
+        """Hand a decided re-plan to every rank; notice when a move is over."""
+        with self._lock:
+            if self.state == "planning" and self._planning is not None and self._planning.done():
+                decision, target = self._finish_planning()
+                if decision is not None and decision.applied:
+                    from locus.engine.ep.messages import Replan
+
+                    for rank in range(self.driver.world):
+                        self.driver.command(rank).replan = Replan(target.to_dict(), self.rows_per_step)
+                    decision.epoch = self.driver.runtime.placement.epoch + 1
+                    self.driver.adopt_grouping(target)
+                    self.state = "moving"
+                else:
+                    self.state = "idle"
+                if decision is not None:
+                    self._settle(decision)
+            elif self.state == "moving" and self.driver.runtime.move is None and not self.driver.has_replan_queued():
+                self.state = "idle"
+                self._reset_clock()
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _due(self) -> bool:
+        s = self.schedule
+        if s.steps is not None and self._steps_since >= s.steps:
+            return True
+        return s.seconds is not None and time.monotonic() - self._last >= s.seconds
+
+    def _reset_clock(self) -> None:
+        self._steps_since, self._last = 0, time.monotonic()
+
+    def _finish_planning(self):
+        future, self._planning = self._planning, None
+        try:
+            return future.result()
+        except Exception as exc:  # noqa: BLE001 - a failed plan fails the request, never the server
+            log.exception("re-plan failed; the placement stays")
+            for waiting in self._pending:
+                waiting.set_exception(exc)
+            self._pending.clear()
+            self._reset_clock()
+            return None, None
+
+    def _settle(self, decision: ReplanDecision) -> None:
+        self.decisions.append(decision)
+        log.info("re-plan (%s): %s; window %d tokens, inter-node B/token %.1f -> %.1f, predicted saving %.0f B over "
+                 "%.0f tokens, move %d B (%d slots)", decision.planner, decision.reason, decision.window_tokens,
+                 decision.old_inter_node_per_token, decision.new_inter_node_per_token,
+                 decision.predicted_saving_bytes, decision.expected_tokens, decision.move_bytes, decision.moved_slots)
+        for waiting in self._pending:
+            waiting.set_result(decision)
+        self._pending.clear()
+        if not decision.applied:
+            self._reset_clock()
+
+    def _plan(self, windows: dict[int, WindowRows], current, force: bool, out: Future) -> None:
+        try:
+            out.set_result(self._decide(windows, current, force))
+        except BaseException as exc:  # noqa: BLE001
+            out.set_exception(exc)
+
+    def _decide(self, windows: dict[int, WindowRows], current, force: bool):
+        from locus.routing.planners.planner import PlanOptions, make_plan
+        from locus.routing.replay.assignment import assign_recorded
+        from locus.routing.replay.simulator import replay
+        from locus.traces.reader import TraceReader
+
+        start = time.perf_counter()
+        path = self.workdir / "window"
+        tokens = write_window_trace(path, self.meta, windows)
+        if tokens == 0:
+            raise LocusError("the routing window is empty: nothing to re-plan from yet")
+        reader = TraceReader(path)
+        planner = str(current.provenance.get("planner", "round_robin"))
+        result = make_plan(planner, reader, current.topology, (0, len(reader.requests)),
+                           PlanOptions(dispatch=current.dispatch), trace="live window")
+        target = align(current, result.plan)
+        assignment = assign_recorded(reader.requests, current.topology.ranks)
+        before = replay(reader, current, current.topology, assignment)
+        after = replay(reader, target, target.topology, assignment)
+        old_bpt, new_bpt = before.inter_node_bytes / tokens, after.inter_node_bytes / tokens
+        expected = self._expected_tokens(tokens)
+        slots, intra, inter = move_bytes(current, target, self.expert_bytes)
+        saving = (old_bpt - new_bpt) * expected
+        worth = saving > intra + inter
+        reason = ("no slot changes" if slots == 0 else "forced" if force else
+                  "predicted saving exceeds the move" if worth else "predicted saving does not pay for the move")
+        decision = ReplanDecision(applied=slots > 0 and (worth or force), reason=reason, planner=planner,
+                                  window_tokens=tokens, old_inter_node_per_token=old_bpt,
+                                  new_inter_node_per_token=new_bpt, expected_tokens=expected,
+                                  predicted_saving_bytes=saving, move_bytes=intra + inter, move_inter_node_bytes=inter,
+                                  moved_slots=slots, plan_seconds=time.perf_counter() - start)
+        return decision, target
+
+    def _expected_tokens(self, window_tokens: int) -> float:
+        """Tokens the servers will run before the next re-plan, at the rate they ran lately."""
+        s, total = self.schedule, self.driver.tokens_run()
+        ran, self._tokens_at_last = total - self._tokens_at_last, total
+        if s.steps is not None:
+            return ran / max(self._steps_since, 1) * s.steps
+        if s.seconds is not None:
+            return ran / max(time.monotonic() - self._last, 1e-6) * s.seconds
+        return float(window_tokens)  # on request only: amortised over one window's worth of tokens
+
+
+def attach_replanner(driver, schedule: ReplanSchedule, rows_per_step: int = 1, model_name: str = "locus") -> Replanner:
+    """Give rank 0's driver a re-planner (the ranks must keep routing windows: build_worker's
+    window_tokens). The windows are written as traces of this model; one expert's bytes price a move."""
+    import torch
+
+    mc = driver.core.model.config
+    dtype_bytes = torch.empty((), dtype=driver.core.model.dtype).element_size()
+    meta = TraceMeta(model=model_name, num_experts=mc.num_local_experts, top_k=mc.num_experts_per_tok,
+                     moe_layers=tuple(mc.moe_layers), hidden_size=mc.hidden_size, dtype_bytes=dtype_bytes,
+                     source="locus-replan-window")
+    layer = driver.runtime.layers[0]
+    expert_bytes = sum(p[0].numel() * p.element_size() for p in (layer.gate_up_proj, layer.down_proj))
+    driver.replanner = Replanner(driver, meta, schedule, rows_per_step, expert_bytes)
+    return driver.replanner
