@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--planning-requests", type=int, default=48)
     p.add_argument("--ep-timeout", type=float, default=300.0)
-    p.add_argument("--moe-backend", default="torch")
+    p.add_argument("--moe-backend", default="auto", help="the servers' --moe-backend (default: auto, the C kernel on CPU)")
     p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string")
     p.add_argument("--server-src", default=None, metavar="DIR",
                    help="run the servers from another checkout of Locus (e.g. a git worktree of an older commit), "
