@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -26,6 +26,7 @@ from locus.engine.block_manager import BlockManager
 from locus.engine.decode_graph import DecodeGraphs, default_buckets
 from locus.engine.detokenizer import IncrementalDetokenizer
 from locus.engine.observers.expert_load import ExpertLoadCounter
+from locus.engine.grammar_limits import GrammarLimits
 from locus.engine.grouping import GroupingPolicy, ScheduledSeq
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
@@ -33,7 +34,7 @@ from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.observers.routing_tap import RoutingTap
 from locus.engine.runner import ModelRunner, RunResult
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
-from locus.engine.structured_output import GrammarCompiler
+from locus.engine.structured_output import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Sequence, SequenceStatus
 from locus.engine.checkpoint.tokenizer import Tokenizer
@@ -69,6 +70,7 @@ class EngineConfig:
     # to the smallest bucket that holds them; None = 1, 2, 4, ... up to max_num_seqs.
     compile_decode: bool = False
     compile_buckets: tuple[int, ...] | None = None
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # output constraints' budgets
 
 
 @dataclass
@@ -122,7 +124,7 @@ class EngineCore:
             self.graphs.warm_up()
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)  # structured outputs, compiled on first use
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
@@ -147,8 +149,8 @@ class EngineCore:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter/LocusError for a request that can never run; the engine keeps nothing."""
         params.validate(self.model.config.vocab_size)
-        if params.structured is not None:
-            self.grammars.compile(params.structured)  # a spec that does not compile is the request's error
+        if params.structured is not None:  # a spec that does not compile, or that no output meets, is a 400
+            self.grammars.check_satisfiable(params.structured)
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -189,6 +191,8 @@ class EngineCore:
         state = SequenceSamplingState.create(request.params, request.prompt_ids, index)
         if request.params.structured is not None:
             state.grammar = self.grammars.matcher(request.params.structured)
+            if request.params.structured.kind in JSON_KINDS:
+                state.json_guard = self.grammars.json_guard()
         return Sequence(next(self._seq_ids), request, index, state,
                         IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params))
 
@@ -225,7 +229,9 @@ class EngineCore:
         defer = len(micro_batches) > 1 and self.lockstep is not None
 
         def forward(items: list[ScheduledSeq]) -> RunResult:
-            return self.runner.run(items, record_routing=record, defer_logits=defer)
+            if defer:
+                return self.runner.run(items, record_routing=record, defer_logits=True)
+            return self.runner.run(items, record_routing=record)
 
         if self.lockstep is not None:  # every rank runs as many forwards as the others, in order
             results = self.lockstep.run_forwards(micro_batches, forward)
@@ -281,8 +287,9 @@ class EngineCore:
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence], batch_error: Exception):
         """The batched sampler raised: sample row by row, failing the requests whose rows raise.
-        If every row raises, the fault is not the requests' and the batch's error propagates."""
-        tokens, logprobs, failed = [], [], 0
+        If every row raises, the fault is not the requests' and the batch's error propagates, unless
+        each row's own constraint is what failed (ConstraintDeadEnd: that request's fault, always)."""
+        tokens, logprobs, failed, own_fault = [], [], 0, 0
         for i, seq in enumerate(seqs):
             try:
                 one = self.sampler.sample(logits[i:i + 1], [seq.sampling])
@@ -290,11 +297,12 @@ class EngineCore:
                 logprobs.append(one.logprobs[0])
             except Exception as exc:  # noqa: BLE001
                 failed += 1
+                own_fault += isinstance(exc, ConstraintDeadEnd)
                 tokens.append(None)
                 logprobs.append(None)
                 if seq.request.error is None:
                     self._fail(seq.request, exc)
-        if failed == len(seqs):
+        if failed == len(seqs) and own_fault < failed:
             raise batch_error
         return tokens, logprobs
 
@@ -394,14 +402,16 @@ class EngineCore:
                              request.error, prompt_logprobs)
 
     # --- trace recording ------------------------------------------------------------------------
-    def start_recording(self, path: str | Path, model_name: str = "locus") -> None:
-        """Record the routing of every request admitted from now on into a locus-trace directory."""
+    def start_recording(self, path: str | Path, model_name: str = "locus", max_bytes: int | None = None) -> None:
+        """Record the routing of every request admitted from now on into a locus-trace directory (which
+        stops accepting requests, and logs why, once it would grow past `max_bytes`)."""
         if self.recorder is not None:
             raise LocusError(f"already recording to {self.recorder.path}; dump it first")
         dtype_bytes = torch.empty((), dtype=self.model.dtype).element_size()  # replay's bytes = the served ones
         # under expert parallelism every row notes the placement epoch it ran under (and its plan)
         placement = getattr(self.lockstep, "placement_now", None)
-        self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes, placement=placement)
+        self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes, placement=placement,
+                                      max_bytes=max_bytes)
         self.routing.subscribe(self.recorder.observe)
         self._prefix_caching_before = self.blocks.enable_prefix_caching
         self.blocks.enable_prefix_caching = False  # every token must go through the model

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from locus.engine.sampling_params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
-from locus.engine.structured_output import apply_grammar_masks
+from locus.engine.structured_output import ConstraintDeadEnd, apply_grammar_masks
 
 # B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties
 
@@ -37,6 +37,7 @@ class SequenceSamplingState:
     output_ids: list[int]
     generator: torch.Generator | None  # CPU; None = torch's global RNG (unseeded requests)
     grammar: Any = None  # an xgrammar matcher when the request asked for structured output
+    json_guard: Any = None  # structured_output.JsonGuard for JSON constraints: tokens xgrammar would wrongly allow
     # prompt ids as a tensor, built once: penalties need them every step
     _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -96,6 +97,13 @@ class Sampler:
         constrained = any(m is not None for m in matchers)
         if constrained:
             logits = apply_grammar_masks(logits, matchers)
+            for i, s in enumerate(states):
+                if s.json_guard is not None:
+                    logits[i, s.json_guard.forbidden(s.output_ids).to(logits.device)] = -math.inf
+            dead = torch.isneginf(logits).all(dim=-1)
+            if bool(dead.any()):  # a constraint (with the stop-token mask) left a row no token at all
+                rows = dead.nonzero().flatten().tolist()
+                raise ConstraintDeadEnd(f"row(s) {rows}: the output constraint allows no token here")
         tokens = argmax.clone() if argmax is not None and logits is raw else logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if rows:

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from locus.engine.grammar_limits import GrammarLimits, check_spec
 from locus.engine.sampling_params import InvalidParameter
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
+JSON_KINDS = ("json", "json_object")
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match. kind: json (spec = a JSON schema, as text), json_object (any JSON
@@ -43,16 +43,18 @@ class StructuredOutput:
 
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer and model vocabulary (logits width), keeping the
-    most recent CACHE_SIZE compiled grammars. Thread-safe: the server compiles a new spec in a worker
-    thread before admission, the engine thread then finds it cached; no lock is held while compiling,
-    so the engine never waits for another request's grammar."""
+    most recently used compiled grammars up to `cache_bytes` of their memory (xgrammar's own cache is
+    off: it never gave memory back). Thread-safe: the server compiles a new spec in a worker thread
+    before admission (grammar_limits.py budgets that), the engine thread then finds it cached; no lock
+    is held while compiling, so the engine never waits for another request's grammar."""
 
-    CACHE_SIZE = 256
-
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.limits = limits or GrammarLimits()
         self._compiler = None
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._cache_bytes = 0
+        self._json_guard: JsonGuard | None = None
         self._lock = threading.Lock()
 
     def compile(self, so: StructuredOutput):
@@ -60,24 +62,58 @@ class GrammarCompiler:
             if so in self._cache:
                 self._cache.move_to_end(so)
                 return self._cache[so]
+        check_spec(so, self.limits)
         compiled = self._compile(so)
         with self._lock:
-            self._cache[so] = compiled
-            while len(self._cache) > self.CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if so not in self._cache:
+                self._cache[so] = compiled
+                self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > self.limits.cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.memory_size_bytes
         return compiled
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
 
     def matcher(self, so: StructuredOutput):
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compile(so))
 
+    def json_guard(self) -> "JsonGuard":
+        """What JSON-constrained rows must never sample, beyond the grammar (see JsonGuard)."""
+        with self._lock:
+            if self._json_guard is None:
+                self._json_guard = JsonGuard.of(tokenizer_info(self.tokenizer, self.vocab_size).decoded_vocab)
+            return self._json_guard
+
+    def is_compiled(self, so: StructuredOutput) -> bool:
+        with self._lock:
+            return so in self._cache
+
+    def check_satisfiable(self, so: StructuredOutput) -> None:
+        """Refuse a constraint no output can meet: one that allows no first token (e.g. a regex that
+        matches nothing, or a grammar whose only rule recurses forever)."""
+        import xgrammar as xgr
+
+        m = self.matcher(so)
+        if m.is_terminated():
+            return
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        m.fill_next_token_bitmask(bitmask, 0)
+        if not bool((bitmask != 0).any()):
+            raise InvalidParameter(so.param, f"the {so.kind} constraint accepts no output: no token can start it")
+
     def _compile(self, so: StructuredOutput):
         import xgrammar as xgr
 
         with self._lock:
             if self._compiler is None:  # the vocabulary is read once (seconds for a 200k-token one)
-                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
+                # one thread (the compile pools run one compile each), no cache of its own (ours is bounded)
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=1,
+                                                     cache_enabled=False)
             c = self._compiler
         try:
             if so.kind == "json":
@@ -111,6 +147,43 @@ def tokenizer_info(tokenizer: Any, vocab_size: int):
     # the byte tokenizer: ids 0..255 are bytes; special tokens match nothing but may stop
     vocab = [bytes([i]) for i in range(256)] + [b"" for _ in range(256, tokenizer.vocab_size)]
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+
+
+@dataclass(frozen=True)
+class JsonGuard:
+    """Two holes in xgrammar's JSON string rule, closed by masking (issue 30, finding 6):
+    - raw bytes below 0x20 (under maxLength/minLength the rule lets them into strings; compact JSON never
+      needs one outside a string either): those tokens are forbidden always;
+    - UTF-16 surrogates encoded as UTF-8 (ED A0..BF ..): the rule accepts them, Python's UTF-8 does not,
+      so the text would hold U+FFFD and break the schema's length: a token holding such a sequence is
+      forbidden always, and after a token that ends in the lead byte ED, so is one starting A0..BF."""
+
+    always: torch.Tensor  # token ids never allowed
+    ends_in_ed: frozenset  # token ids whose last byte is ED
+    after_ed: torch.Tensor  # token ids starting with A0..BF
+
+    @classmethod
+    def of(cls, vocab: list[bytes]) -> "JsonGuard":
+        always, ends, after = [], [], []
+        for i, token in enumerate(vocab):
+            token = bytes(token)
+            if any(b < 0x20 for b in token) or re.search(rb"\xed[\xa0-\xbf]", token):
+                always.append(i)
+            if token.endswith(b"\xed"):
+                ends.append(i)
+            if token and 0xA0 <= token[0] <= 0xBF:
+                after.append(i)
+        return cls(torch.tensor(always, dtype=torch.long), frozenset(ends), torch.tensor(after, dtype=torch.long))
+
+    def forbidden(self, output_ids: list[int]) -> torch.Tensor:
+        """The token ids a JSON row may not sample next, given its output so far."""
+        if output_ids and output_ids[-1] in self.ends_in_ed:
+            return torch.cat([self.always, self.after_ed])
+        return self.always
+
+
+class ConstraintDeadEnd(RuntimeError):
+    """A sequence's output constraint allows no token at this point: that request's fault alone."""
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor:

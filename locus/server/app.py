@@ -13,17 +13,20 @@ import json
 import gc
 import shutil
 import logging
+import re
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from locus.engine.async_engine import AsyncEngine
 from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.grammar_limits import CompilePools
 from locus.engine.ep.driver import EPDriver
 from locus.engine.ep.launch import EPSetup, rank_trace_path
 from locus.engine.ep.replan import ReplanSchedule, attach_replanner
@@ -38,6 +41,7 @@ from locus.server.metrics import ServerMetrics
 from locus.traces.merge import merge_traces
 from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
 from locus.server.protocol import (
+    MAX_DOMAIN_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -61,7 +65,30 @@ class ServerConfig:
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
+    trace_api: bool = False  # --enable-trace-api: /traces/start|stop|dump
+    trace_dir: str = "traces"  # where /traces/start may write (a client names a trace inside it)
+    trace_max_bytes: int = 1 << 30  # a recording stops (and says why) when its trace would grow past this
     chat_template: str | None = None  # --chat-template: a file or the template itself, replacing the tokenizer's
+
+
+TRACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def trace_path(trace_dir: str, name: str) -> Path:
+    """Where /traces/start may record `name`: a plain name inside the --trace-dir (created if missing),
+    never an absolute path, `..`, a separator, or a symlink out of it; anything else is a 400."""
+    if not TRACE_NAME.fullmatch(name) or name in (".", ".."):
+        raise InvalidParameter("path", "a trace name inside the server's --trace-dir: letters, digits, '.', '_', '-' "
+                                       "(at most 128, not starting with '.' or '-'); no path separators")
+    root = Path(trace_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise APIError(503, f"the trace directory cannot be created: {exc.strerror}", "service_unavailable") from None
+    path = root / name
+    if path.is_symlink() or path.resolve().parent != root.resolve():
+        raise InvalidParameter("path", "the trace name resolves outside the server's --trace-dir")
+    return path
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:
@@ -80,10 +107,13 @@ class ServerState:
         self.on_engine_dead = None  # callable; `locus serve` uses it to exit non-zero
         self.ep_driver: EPDriver | None = None
         self.created = int(time.time())
+        self.compile_pools = CompilePools(config.engine.grammar_limits)
 
     def load(self) -> None:
         try:
             c = self.config
+            if c.trace_api:  # the one place /traces/start writes into: there from the start
+                Path(c.trace_dir).mkdir(parents=True, exist_ok=True)
             grouping, driver = None, None
             if c.ep is not None:  # the plan places the experts over the ranks; this rank loads only its own
                 worker, loaded = build_worker(c.ep, c.model, c.engine, dtype=c.dtype, device=c.device,
@@ -293,13 +323,17 @@ def create_app(config: ServerConfig) -> FastAPI:
         tok = engine.core.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+        # the completion endpoints' limits: a text that cannot fit the context is refused untokenized,
+        # a large one is tokenized off the event loop
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             chars = text_chars(messages)
+            check_text_size(chars, tok, engine.core.max_model_len, "messages")
             ids = await off_loop_if_large(chars, lambda: tok.encode(
                 tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=False))
         else:
             chars = len(body.prompt)
+            check_text_size(chars, tok, engine.core.max_model_len, "prompt")
             ids = await off_loop_if_large(chars, lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
 
@@ -307,13 +341,18 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         engine = state.ready_engine()
         state.check_model(body.model)
-        vocab = engine.core.model.config.vocab_size
+        vocab, limit = engine.core.model.config.vocab_size, engine.core.max_model_len
+        if len(body.tokens) > limit:  # no prompt or output of this model is longer
+            raise InvalidParameter("tokens", f"{len(body.tokens)} tokens; this model's context limit is {limit}")
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidParameter("tokens", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return {"prompt": engine.core.tokenizer.decode(body.tokens)}
+        text = await off_loop_if_large(len(body.tokens) * 4, lambda: engine.core.tokenizer.decode(body.tokens))
+        return {"prompt": text}
 
     def recording_engine() -> AsyncEngine:
+        if not config.trace_api:
+            raise APIError(404, "the trace API is off (start the server with --enable-trace-api)", "not_found_error")
         engine = state.ready_engine()
         if state.ep_driver is not None:
             raise APIError(400, "recording on demand is not supported under expert parallelism yet; "
@@ -323,9 +362,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/traces/start")
     async def traces_start(body: TraceStartRequest):
         engine = recording_engine()
-        path = body.path or f"traces/{state.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        await engine.call(lambda core: core.start_recording(path, state.model_name))
-        return {"status": "recording", "path": path}
+        name = body.path or f"{state.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path = trace_path(config.trace_dir, name)
+        await engine.call(lambda core: core.start_recording(path, state.model_name, config.trace_max_bytes))
+        return {"status": "recording", "path": str(path)}
 
     @app.post("/traces/stop")
     async def traces_stop():
@@ -362,9 +402,23 @@ def create_app(config: ServerConfig) -> FastAPI:
             tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=False))
         return await serve(raw, engine, [prompt], params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
 
+    async def compile_constraint(engine: AsyncEngine, so) -> None:
+        """Compile (and check) an output constraint in the compile pools; past its time budget the
+        request is refused and the compile's result only goes to the cache (grammar_limits.py)."""
+        grammars = engine.core.grammars
+        if grammars.is_compiled(so):
+            return
+        future = state.compile_pools.submit(so, grammars.check_satisfiable)
+        seconds = grammars.limits.compile_seconds
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=seconds)
+        except asyncio.TimeoutError:
+            raise InvalidParameter(so.param, f"the {so.kind} constraint did not compile within {seconds:g} s "
+                                             "(--max-grammar-compile-seconds)") from None
+
     async def serve(raw: Request, engine: AsyncEngine, prompts, params, body, prefix: str, fmt):
-        if params.structured is not None:  # compiling a new grammar can take a while: not on the event loop
-            await asyncio.to_thread(engine.core.grammars.compile, params.structured)
+        if params.structured is not None:  # compiling can take a while: in its pool, within its budget
+            await compile_constraint(engine, params.structured)
         # Everything that can refuse the request does so here, before a byte is sent: validation,
         # then admission, synchronously (no await in between), so the queue limit is exact.
         for p in prompts:
@@ -372,6 +426,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         engine.check_admission(len(prompts))
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         domain = body.domain or raw.headers.get("x-locus-domain")
+        if domain is not None and len(domain) > MAX_DOMAIN_CHARS:
+            raise InvalidParameter("domain", f"the domain (X-Locus-Domain) may be at most {MAX_DOMAIN_CHARS} characters")
         final_only = not body.stream  # a whole response needs only each request's finished output
         streams = []
         try:

@@ -33,6 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--record-trace", default=None, metavar="DIR",
                    help="record every request's expert routing into a locus-trace directory (written at shutdown; "
                         "prefix caching is bypassed while recording)")
+    p.add_argument("--max-grammar-bytes", type=int, default=64 * 1024, metavar="N",
+                   help="largest output constraint (JSON schema, regex, grammar, choices) accepted, in bytes (default 65536)")
+    p.add_argument("--max-grammar-compile-seconds", type=float, default=10.0, metavar="S",
+                   help="a request whose output constraint takes longer to compile is refused (default 10)")
+    p.add_argument("--grammar-cache-bytes", default="256MiB", metavar="SIZE",
+                   help="memory of compiled output constraints kept for reuse (default 256MiB)")
+    p.add_argument("--enable-trace-api", action="store_true",
+                   help="serve /traces/start|stop|dump (admin): record routing on demand into --trace-dir")
+    p.add_argument("--trace-dir", default="traces", metavar="DIR",
+                   help="the only directory /traces/start writes into; a client names a trace inside it (default ./traces)")
+    p.add_argument("--trace-max-bytes", default="1GiB", metavar="SIZE",
+                   help="a recording started over HTTP stops taking requests past this size (default 1GiB)")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
@@ -105,7 +117,18 @@ def engine_config_of(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile,
-        compile_buckets=args.compile_buckets)
+        compile_buckets=args.compile_buckets,
+        grammar_limits=grammar_limits_of(args))
+
+
+def grammar_limits_of(args: argparse.Namespace):
+    from locus.engine.engine_core import parse_memory
+    from locus.engine.grammar_limits import GrammarLimits
+
+    if args.max_grammar_bytes < 1 or not args.max_grammar_compile_seconds > 0:
+        raise LocusError("--max-grammar-bytes and --max-grammar-compile-seconds must be positive")
+    return GrammarLimits(max_bytes=args.max_grammar_bytes, compile_seconds=args.max_grammar_compile_seconds,
+                         cache_bytes=parse_memory(args.grammar_cache_bytes))
 
 
 def run_rank(args: argparse.Namespace, setup) -> int:
@@ -147,6 +170,7 @@ def stop_children(children) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from locus.engine.engine_core import parse_memory
     from locus.engine.ep.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import ServerConfig, create_app
 
@@ -163,7 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
-        record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template))
+        record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template,
+        trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=parse_memory(args.trace_max_bytes)))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from locus.engine.async_engine import EngineDeadError, QueueFullError
+from locus.engine.grammar_limits import GrammarBusy
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 
@@ -40,6 +41,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "1"})
+    if isinstance(exc, GrammarBusy):
+        return APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "2"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine is not available", "service_unavailable")
     if isinstance(exc, LocusError):

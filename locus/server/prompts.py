@@ -22,14 +22,18 @@ T = TypeVar("T")
 
 
 def text_chars(value: Any) -> int:
-    """Characters of text in a prompt or a messages list (any nesting of str, list, dict)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(text_chars(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(text_chars(v) for v in value)
-    return 0
+    """Characters of text in a prompt or a messages list (any nesting of str, list, dict). Iterative:
+    a client's nesting depth must not reach Python's recursion limit (a 500 where a 400 belongs)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def check_text_size(chars: int, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
@@ -49,23 +53,25 @@ async def off_loop_if_large(chars: int, work: Callable[[], T]) -> T:
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     """Where a lone UTF-16 surrogate (JSON "\\ud800" with no pair) sits in a parsed body, or None.
-    Such a string is not Unicode text: it cannot be tokenized, nor written back as UTF-8."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+    Such a string is not Unicode text: it cannot be tokenized, nor written back as UTF-8. Iterative,
+    depth-first in document order, for the same reason as text_chars."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if item.isascii():
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+            continue
+        if isinstance(item, dict):
+            children = list(item.items())
+        elif isinstance(item, (list, tuple)):
+            children = list(enumerate(item))
+        else:
+            continue
+        for key, child in reversed(children):
+            stack.append((child, f"{where}.{key}" if where else str(key)))
     return None

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from locus.engine.sampling import InvalidParameter, SamplingParams
 from locus.engine.structured_output import StructuredOutput
+
+MAX_DOMAIN_CHARS = 64  # a request's task family is stored in traces: bounded, like every client string there
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +47,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM: the logprob of every prompt token given its prefix, and top-k
     # Locus: the task family (code, math, chat, ...) for traces and the grouper; header X-Locus-Domain works too
-    domain: str | None = None
+    domain: str | None = Field(None, max_length=MAX_DOMAIN_CHARS)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs object
     response_format: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
@@ -204,4 +206,7 @@ class DetokenizeRequest(BaseModel):
 
 
 class TraceStartRequest(BaseModel):
-    path: str | None = None  # trace directory to create (default: traces/<model>-<time>)
+    """POST /traces/start: `path` names a trace inside the server's --trace-dir (letters, digits, '.', '_',
+    '-'; no path separators), default <model>-<time>."""
+
+    path: str | None = Field(None, max_length=128)

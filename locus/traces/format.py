@@ -41,6 +41,9 @@ def plan_file(epoch: int) -> str:
 
 # Expert ids are stored as int16, so ids (and hence the expert count) must fit in it.
 MAX_EXPERTS = 32767
+# No model's hidden size is near this (the largest public ones are ~16-32k): a bigger one is a typo
+# that would turn every byte figure into nonsense (10^30 GiB).
+MAX_HIDDEN = 1 << 20
 CONVENTIONAL_DOMAINS = ("code", "math", "chat", "general")
 
 
@@ -153,10 +156,10 @@ def check_meta(meta: TraceMeta, where: str) -> None:
         raise TraceFormatError(
             f"{where}: \"moe_layers\" must be strictly increasing non-negative layer indices, got {list(meta.moe_layers)}"
         )
-    if not _is_int(meta.hidden_size) or meta.hidden_size < 1:
-        raise TraceFormatError(f"{where}: \"hidden_size\" must be a positive integer, got {meta.hidden_size!r}")
-    if not _is_int(meta.dtype_bytes) or meta.dtype_bytes < 1:
-        raise TraceFormatError(f"{where}: \"dtype_bytes\" must be a positive integer, got {meta.dtype_bytes!r}")
+    if not _is_int(meta.hidden_size) or not 1 <= meta.hidden_size <= MAX_HIDDEN:
+        raise TraceFormatError(f"{where}: \"hidden_size\" must be an integer in 1..{MAX_HIDDEN}, got {meta.hidden_size!r}")
+    if not _is_int(meta.dtype_bytes) or meta.dtype_bytes not in (1, 2, 4, 8):
+        raise TraceFormatError(f"{where}: \"dtype_bytes\" must be 1, 2, 4 or 8, got {meta.dtype_bytes!r}")
     if not isinstance(meta.source, str):
         raise TraceFormatError(f"{where}: \"source\" must be a string")
 

@@ -14,6 +14,11 @@ from locus.traces.reader import TraceReader
 from locus.traces.writer import TraceWriter
 
 
+def _without_provenance(plan: dict) -> dict:
+    """A plan as far as routing goes: two ranks may stamp one plan with different creation times."""
+    return {k: v for k, v in plan.items() if k != "provenance"}
+
+
 def merge_traces(sources: Sequence[str | Path], dst: str | Path, ranks: Sequence[int] | None = None) -> int:
     """Write the requests of every source trace, source by source, into a new trace at `dst`;
     with `ranks`, each source's requests are marked as run on ranks[i]. Returns the request count."""
@@ -31,12 +36,14 @@ def merge_traces(sources: Sequence[str | Path], dst: str | Path, ranks: Sequence
     writer = TraceWriter(Path(dst), meta, with_weights=with_weights, with_epochs=with_epochs)
     count = 0
     try:
+        plans: dict[int, dict] = {}
         for path, r in zip(sources, readers):
             for epoch, plan in r.plans().items():
-                try:
+                if epoch not in plans:
+                    plans[epoch] = plan
                     writer.add_plan(epoch, plan)
-                except TraceFormatError:
-                    raise TraceFormatError(f"merge: {path} keeps another plan for epoch {epoch}") from None
+                elif _without_provenance(plans[epoch]) != _without_provenance(plan):
+                    raise TraceFormatError(f"merge: {path} keeps another plan for epoch {epoch}")
         for i, r in enumerate(readers):
             offsets = np.asarray(r.offsets, dtype=np.int64)
             for j, record in enumerate(r.requests):

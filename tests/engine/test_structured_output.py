@@ -106,3 +106,81 @@ def test_a_byte_level_bpe_tokenizer_is_constrained_too(tmp_path):
     so = StructuredOutput("json", json.dumps(SCHEMA))
     outs = llm.generate(["the answer", "count"], SamplingParams(temperature=1.0, seed=2, max_tokens=60, structured=so))
     assert all(valid(o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutput("regex", "[^\\x00-\\U0010FFFF]", "guided_regex"),  # matches nothing
+    StructuredOutput("grammar", 'root ::= root "a"', "guided_grammar"),  # no finite string
+    StructuredOutput("json", json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                         "$ref": "#/$defs/a"}), "guided_json"),  # refers only to itself
+])
+def test_a_constraint_no_output_meets_is_refused_at_admission(llm, so):
+    """Each of these compiled, then masked every token and killed the engine (issue 30, finding 1)."""
+    with pytest.raises(InvalidParameter, match="accepts no output") as info:
+        llm.engine.add_request("nothing", [1, 2, 3], SamplingParams(structured=so))
+    assert info.value.param == so.param and "nothing" not in llm.engine.requests
+
+
+def test_a_constraint_that_dead_ends_mid_output_fails_its_request_alone(llm):
+    """`a`, then only EOS is allowed, but min_tokens forbids EOS: no token is left for that row. The
+    request ends with an error; the engine and a free request in the same steps go on."""
+    stuck = SamplingParams(max_tokens=8, min_tokens=5, structured=StructuredOutput("regex", "a", "guided_regex"))
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("stuck", [1, 2, 3], stuck)
+    engine.add_request("free", [4, 5, 6], free)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["stuck"].error is not None and "allows no token" in str(finals["stuck"].error)
+    assert finals["stuck"].outputs[0].finish_reason == "error" and finals["stuck"].outputs[0].token_ids == [ord("a")]
+    assert len(finals["free"].outputs[0].token_ids) == 6 and finals["free"].error is None
+    engine.add_request("alone", [1, 2, 3], stuck)  # alone in its step: still its own fault, not the engine's
+    while engine.has_unfinished():
+        engine.step()
+
+
+STRINGS = {"type": "object", "additionalProperties": False, "required": ["s", "t", "p", "e", "grid"],
+           "properties": {"s": {"type": "string", "maxLength": 12}, "t": {"type": "string", "minLength": 3, "maxLength": 16},
+                          "p": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "e": {"enum": ["red", "green", 7]},
+                          "grid": {"type": "array", "minItems": 1, "maxItems": 3,
+                                   "items": {"type": "array", "maxItems": 2, "items": {"type": "integer"}}}}}
+
+
+def schema_valid(value) -> bool:
+    return (set(value) == {"s", "t", "p", "e", "grid"} and isinstance(value["s"], str) and len(value["s"]) <= 12
+            and isinstance(value["t"], str) and 3 <= len(value["t"]) <= 16 and re.fullmatch("[a-z]{2,5}", value["p"])
+            and value["e"] in ("red", "green", 7) and 1 <= len(value["grid"]) <= 3
+            and all(isinstance(row, list) and len(row) <= 2 and all(isinstance(x, int) for x in row) for row in value["grid"]))
+
+
+def test_schema_constrained_output_always_parses_and_meets_the_schema(llm):
+    """Issue 30, finding 6: under maxLength, xgrammar's string rule let raw control bytes into strings
+    (21 of 24 outputs were not JSON). At temperature 1, n = 32: every finished output parses and holds."""
+    params = SamplingParams(temperature=1.0, seed=5, n=32, max_tokens=200,
+                            structured=StructuredOutput("json", json.dumps(STRINGS)))
+    outputs = llm.generate(["any"], params)[0].outputs
+    finished = [o for o in outputs if o.finish_reason == "stop"]
+    assert len(finished) >= 24
+    for o in finished:
+        assert schema_valid(json.loads(o.text)), o.text
+
+
+@pytest.mark.parametrize("schema,named", [
+    ({"not": {"type": "string"}}, "not"),
+    ({"type": "integer", "multipleOf": 7}, "multipleOf"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"if": {"type": "string"}, "then": {"minLength": 2}}}}, "if, then"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 2}]}, "allOf (with more than one schema)"),
+])
+def test_keywords_the_constraint_cannot_enforce_are_refused_by_name(llm, schema, named):
+    with pytest.raises(InvalidParameter, match=re.escape(named)):
+        llm.engine.add_request("kw", [1, 2], SamplingParams(structured=StructuredOutput("json", json.dumps(schema))))
+
+
+def test_a_property_named_like_a_keyword_is_fine(llm):
+    schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"type": "integer"}}, "required": ["not"]}
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput("json", json.dumps(schema))))
+    assert isinstance(json.loads(out[0].outputs[0].text)["not"], bool)

@@ -98,3 +98,13 @@ def test_cli_refuses_what_cannot_be_replayed(tmp_path, setup, message):
         args += ["--plans", str(folder)]
     done = locus(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_trace_with_no_routed_token_says_so_instead_of_nan(tmp_path):
+    """Issue 30, finding 8: a trace whose ids are all -1 printed `nan` locality."""
+    meta = TraceMeta(model="toy", num_experts=8, top_k=2, moe_layers=(0, 1), hidden_size=16)
+    with TraceWriter(tmp_path / "t", meta) as w:
+        w.add_request("r", "code", 1, np.full((3, 2, 2), -1, dtype=np.int16))
+    done = locus("replay", str(tmp_path / "t"), "--plan", "round_robin", "--topology", "2x2")
+    assert done.returncode == 0, done.stderr
+    assert "no token was routed" in done.stdout and "nan" not in done.stdout.split("locality")[1].splitlines()[0]

@@ -319,3 +319,18 @@ def test_a_live_replan_under_load_moves_experts_and_keeps_every_stream(tmp_path)
     replayed = json.loads(out.read_text())
     assert [(e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in replayed["epochs"]] == [
         (e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in stats["epochs"] if e["tokens"]]
+
+
+def test_a_plan_for_other_layers_is_refused_naming_the_layer(tmp_path):
+    """Issue 30, finding 8: a plan whose MoE layers are not the model's said only "no expert slice for
+    MoE layer 3" from one process; now every rank refuses it before loading, saying which layer."""
+    from locus.routing.planners.baselines import round_robin
+    from locus.routing.plan.topology import Topology
+
+    plan = round_robin(8, (0, 1, 2), Topology(1, 2, 4), model="tiny")  # tiny's MoE layers are 0, 1, 3
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(RuntimeError) as info:
+        with running_server("--model", "tiny", "--ep-ranks", "2", "--plan", str(tmp_path / "plan.json"), timeout=60):
+            pass
+    message = str(info.value)
+    assert "does not fit the model" in message and "layer" in message and "no expert slice" not in message

@@ -72,6 +72,35 @@ CHAT = bodies({"messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_token
               {**COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)})
 TOKENIZE = bodies({}, {"prompt": TEXT, "messages": st.lists(MESSAGE, max_size=2), "add_special_tokens": st.booleans()})
 
+# Structured outputs: small random schemas (with the keywords the constraint refuses mixed in),
+# regexes and grammars from a tiny alphabet of pieces, choice lists; valid, unsatisfiable, or broken.
+SCALAR = st.one_of(
+    st.fixed_dictionaries({"type": st.just("string")}, optional={"maxLength": st.integers(0, 8), "minLength": st.integers(0, 4),
+                                                                 "pattern": st.sampled_from(["^[a-c]+$", "[0-9]{2}", "(", ""])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["integer", "number"])},
+                          optional={"minimum": st.integers(-5, 5), "maximum": st.integers(-5, 5), "multipleOf": st.just(3)}),
+    st.fixed_dictionaries({"enum": st.lists(st.one_of(TEXT, st.integers(0, 9)), max_size=3)}),
+    st.just({"type": "boolean"}), st.just({"not": {"type": "null"}}), st.just({"$ref": "#/nowhere"}))
+SCHEMA = st.recursive(SCALAR, lambda inner: st.one_of(
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(st.sampled_from(["a", "b", "not"]), inner, max_size=2)},
+                          optional={"required": st.lists(st.sampled_from(["a", "b", "c"]), max_size=2),
+                                    "additionalProperties": st.booleans()}),
+    st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"maxItems": st.integers(0, 3),
+                                                                             "minItems": st.integers(0, 5)}),
+    st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=2)})), max_leaves=4)
+REGEX = st.lists(st.sampled_from(["a", "b|c", "[0-9]", "+", "*", "?", "(", ")", "{2}", "[^\\x00-\\U0010FFFF]", "\\d", "."]),
+                 min_size=1, max_size=5).map("".join)
+GRAMMAR = st.sampled_from(['root ::= "a" | "b"', 'root ::= root "a"', 'root ::= x', 'root ::= [0-9]+', 'root ::= "x" root?', ""])
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"guided_json": SCHEMA}), st.fixed_dictionaries({"guided_regex": REGEX}),
+    st.fixed_dictionaries({"guided_grammar": GRAMMAR}), st.fixed_dictionaries({"guided_choice": st.lists(TEXT, max_size=3)}),
+    st.fixed_dictionaries({"response_format": st.one_of(st.just({"type": "json_object"}), SCHEMA.map(
+        lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}))}))
+CONSTRAINED = st.tuples(st.fixed_dictionaries({"prompt": TEXT.filter(bool), "max_tokens": st.integers(1, 12)},
+                                              optional={"temperature": st.floats(0, 2), "n": st.integers(1, 2),
+                                                        "stream": st.booleans(), "min_tokens": st.integers(0, 6)}),
+                        STRUCTURED).map(lambda parts: {**parts[0], **parts[1]})
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -122,6 +151,16 @@ def test_fuzzed_chat_bodies(server, body):
 @given(body=TOKENIZE)
 def test_fuzzed_tokenize_bodies(server, body):
     check(server, "/tokenize", body)
+
+
+@settings(FUZZ, max_examples=120)
+@given(body=CONSTRAINED)
+@example(body={"prompt": "x", "max_tokens": 4, "guided_regex": "[^\\x00-\\U0010FFFF]"})  # killed the engine once
+@example(body={"prompt": "x", "max_tokens": 4, "min_tokens": 5, "guided_regex": "a"})  # dead-ends after one token
+def test_fuzzed_structured_output_bodies(server, body):
+    """Never a 5xx, never a dead server, and every request answered within its time bound (the
+    grammar budget): the client's own timeout below would fail the test otherwise."""
+    check(server, "/v1/completions", body)
 
 
 def test_the_server_is_healthy_after_the_fuzz(server):

@@ -199,3 +199,18 @@ def test_count_trace_corruption(tmp_path):
     np.save(tmp_path / "c" / "counts.npy", np.ones((3, 8), dtype=np.float32))
     with pytest.raises(TraceFormatError, match="counts.npy: dtype"):
         read_counts(tmp_path / "c")
+
+
+@pytest.mark.parametrize("field,value,needle", [("hidden_size", 10**18, "hidden_size"), ("dtype_bytes", 3, "dtype_bytes")])
+def test_absurd_sizes_in_meta_are_refused(tmp_path, field, value, needle):
+    """Issue 30, finding 8: hidden_size 1e18 was accepted and replay printed 10^30 GiB."""
+    import json
+
+    from locus.traces.reader import TraceReader
+
+    write_tiny_trace(tmp_path / "t")
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    meta[field] = value
+    (tmp_path / "t" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TraceFormatError, match=needle):
+        TraceReader(tmp_path / "t")

@@ -133,8 +133,10 @@ class EPDriver:
     def wait_s(self) -> float:
         """How long rank 0's loop may wait before the next iteration: none while anything runs or a
         placement moves, a little while a re-plan is being computed, else a heartbeat."""
-        if self.has_unfinished() or self.runtime.move is not None:
+        if self.last_stepped or self._pending or self.runtime.move is not None:
             return 0.0
+        if self._owner:  # requests in flight, but no rank stepped (a rank compiling a grammar, say): poll
+            return 0.005
         if self.replanner is not None and self.replanner.state != "idle":
             return 0.02
         return self.heartbeat_s

@@ -28,7 +28,7 @@ from locus.engine.ep.runtime import MODES, EPRuntime
 from locus.engine.ep.slices import expert_memory, slices_of
 from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
-from locus.routing.plan.placement import PlacementPlan, load_plan
+from locus.routing.plan.placement import PlacementPlan, PlanError, load_plan, validate
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import round_robin
 
@@ -124,6 +124,11 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     loaded), joined to the process group, with the plan applied. Logs the expert memory held."""
     config = config_of(model)
     plan = plan_for(setup, config)
+    try:  # before any weight: a plan for another model says what does not fit, from every rank alike
+        validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
+    except PlanError as exc:
+        where = setup.plan_path or "the placement plan"
+        raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
     device = device or default_device()
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = timedelta(seconds=setup.timeout_s)

@@ -32,7 +32,8 @@ from locus.engine.ep.messages import Commands, Report, decode, decode_report, en
 from locus.engine.ep.move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
 from locus.engine.ep.window import RoutingWindow
-from locus.engine.outputs import RequestOutput
+from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.sequence import RequestMetrics
 from locus.errors import LocusError
 from locus.routing.plan.placement import plan_from_dict
 
@@ -72,6 +73,8 @@ class RankWorker:
         self._send_window = False
         self.last_move: MoveStats | None = None
         self._moved = False
+        self._parked: dict[str, tuple] = {}  # request id -> (add, future): waiting for its grammar to compile
+        self._compiler_pool = None
 
     # --- the iteration --------------------------------------------------------------------------
     def iterate(self, commands: dict[int, Commands] | None = None, stop: bool = False) -> Iteration:
@@ -83,6 +86,7 @@ class RankWorker:
         outputs: list[RequestOutput] = []
         errors: list[tuple[str, str]] = []
         outgoing: dict[int, bytes] = {}
+        outputs += self._unpark(errors)
         if self.rank == 0:
             outputs += self._apply(commands.get(0, Commands()), errors)
             outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
@@ -154,15 +158,48 @@ class RankWorker:
             target = plan_from_dict(commands.replan.plan)
             self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
         for add in commands.adds:
-            try:
-                self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain)
-            except LocusError as exc:
-                errors.append((add.request_id, str(exc)))
+            so = add.params.structured
+            if so is not None and not self.core.grammars.is_compiled(so):
+                self._park(add)  # its grammar compiles in a thread; the add waits, the lockstep does not
+                continue
+            self._add(add, errors)
+        outputs += self._unpark(errors)
         for request_id in commands.aborts:
+            parked = self._parked.pop(request_id, None)
+            if parked is not None:  # aborted before it ever ran here
+                outputs.append(aborted_output(parked[0]))
+                continue
             out = self.core.abort(request_id)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _add(self, add, errors: list[tuple[str, str]]) -> None:
+        try:
+            self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain)
+        except LocusError as exc:
+            errors.append((add.request_id, str(exc)))
+
+    def _park(self, add) -> None:
+        """Compile `add`'s output constraint in the background; it is added once that is done."""
+        if self._compiler_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._compiler_pool = ThreadPoolExecutor(1, thread_name_prefix="locus-grammar")
+        future = self._compiler_pool.submit(self.core.grammars.compile, add.params.structured)
+        self._parked[add.request_id] = (add, future)
+
+    def _unpark(self, errors: list[tuple[str, str]]) -> list[RequestOutput]:
+        """Add the parked requests whose grammar has compiled (a failure is that request's error)."""
+        for request_id, (add, future) in list(self._parked.items()):
+            if not future.done():
+                continue
+            del self._parked[request_id]
+            if future.exception() is not None:
+                errors.append((request_id, str(future.exception())))
+            else:
+                self._add(add, errors)
+        return []
 
     def _load_increment(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Expert-load counts since the last report, sparse (a decode step touches few experts)."""
@@ -211,6 +248,13 @@ def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:
         raise LocusError("--ep-overlap runs two micro-batches at once in two threads; compiled decode graphs "
                          "(--compile) share their input buffers and cannot: choose one")
     return replace(config, num_micro_batches=n)
+
+
+def aborted_output(add) -> RequestOutput:
+    """The final output of a request aborted before it was added here (its grammar was compiling)."""
+    outs = [CompletionOutput(index=i, text="", token_ids=[], delta_text="", delta_token_ids=[], finish_reason="abort")
+            for i in range(add.params.n)]
+    return RequestOutput(add.request_id, add.prompt_ids, outs, True, RequestMetrics())
 
 
 def report_failure(rank: int, exc: BaseException) -> None:

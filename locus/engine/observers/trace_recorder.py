@@ -19,6 +19,7 @@ Shape legend: P positions so far, L MoE layers, K experts per token.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,8 @@ from locus.engine.observers.routing_tap import StepRouting
 from locus.engine.sequence import Sequence
 from locus.traces.format import TraceMeta
 from locus.traces.writer import TraceWriter
+
+log = logging.getLogger("locus.engine")
 
 
 @dataclass
@@ -74,6 +77,8 @@ class TraceRecorder:
     tokens: int = 0
     # Under expert parallelism: the current placement's epoch and plan (anything with to_dict()), per step.
     placement: Callable[[], tuple[int, object]] | None = None
+    max_bytes: int | None = None  # disk budget: past it the recording stops taking requests (logged)
+    written_bytes: int = 0
 
     def __post_init__(self) -> None:
         c = self.config
@@ -117,6 +122,15 @@ class TraceRecorder:
         if rows <= 0 or (ids[:, 0, 0] < 0).any():
             return  # incomplete (cannot happen with prefix reuse off; kept as a guard)
         epochs = trace.epochs[:rows] if self.placement is not None else None
+        size = ids.nbytes + weights.nbytes + (0 if epochs is None else epochs.nbytes) + len(trace.request_id) + len(trace.domain) + 64
+        if self.max_bytes is not None and self.written_bytes + size > self.max_bytes:
+            if self.accepting:
+                log.warning("trace %s: the next request would pass the %d-byte budget (--trace-max-bytes); "
+                            "the recording takes no more requests", self.path, self.max_bytes)
+            self.accepting = False
+            self._active.clear()
+            return
+        self.written_bytes += size
         self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs)
         self.requests += 1
         self.tokens += rows

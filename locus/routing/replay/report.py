@@ -122,7 +122,8 @@ class ReplayReport:
             ("inter-node bytes (no dedup)", f"{self.inter_node_bytes_nodedup / gib:,.3f} GiB"),
             ("intra-node bytes (rank-dedup)", f"{self.intra_node_bytes / gib:,.3f} GiB ({self.intra_node_bytes_per_token:,.0f} B/token)"),
             ("intra-node bytes (no dedup)", f"{self.intra_node_bytes_nodedup / gib:,.3f} GiB"),
-            ("locality (own node / own rank)", f"{self.locality:.3f} / {self.own_rank_share:.3f}"),
+            ("locality (own node / own rank)", f"{self.locality:.3f} / {self.own_rank_share:.3f}" if self.routings
+             else "n/a (no token was routed to an expert)"),
             ("expert imbalance, whole (mean/worst)", f"{self.expert_imbalance_mean:.3f} / {self.expert_imbalance_worst:.3f} (layer {self.expert_imbalance_worst_layer})"),
             ("expert imbalance, per step (mean/worst)", f"{self.step_expert_imbalance_mean:.3f} / {self.step_expert_imbalance_worst:.3f}"),
             ("attention imbalance, whole", f"{self.attention_imbalance:.3f}"),
