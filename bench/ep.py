@@ -65,13 +65,13 @@ def family_prompt(family: str, i: int) -> str:
     return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(16 + 5 * (i % 7)))
 
 
-def workload(count: int, offset: int) -> list[tuple[str, str]]:
-    """(family, prompt) of each request, in sending order."""
-    names = list(FAMILIES)
-    return [(names[i % len(names)], family_prompt(names[i % len(names)], offset + i)) for i in range(count)]
+def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES)) -> list[tuple[str, str]]:
+    """(family, prompt) of each request, in sending order, the families taken in turn."""
+    return [(families[i % len(families)], family_prompt(families[i % len(families)], offset + i)) for i in range(count)]
 
 
-def record_planning_trace(model: str, path: Path, requests: int, output_len: int) -> None:
+def record_planning_trace(model: str, path: Path, requests: int, output_len: int,
+                          families: tuple[str, ...] = tuple(FAMILIES)) -> None:
     """One process, no expert parallelism: the routing the planners plan from."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.loader import load
@@ -81,7 +81,7 @@ def record_planning_trace(model: str, path: Path, requests: int, output_len: int
     core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig())
     core.start_recording(path, Path(model).name)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    for i, (family, prompt) in enumerate(workload(requests, offset=10_000)):
+    for i, (family, prompt) in enumerate(workload(requests, offset=10_000, families=families)):
         core.add_request(f"plan-{i}", loaded.tokenizer.encode(prompt), params, family)
     while core.has_unfinished():
         core.step()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from locus.engine.engine_core import EngineCore, EngineStats
 from locus.engine.outputs import RequestOutput, merge_outputs
 from locus.engine.sampling import SamplingParams
-from locus.errors import LocusError
+from locus.errors import LocusError, forget_frames
 
 log = logging.getLogger("locus.engine")
 
@@ -217,24 +217,41 @@ class AsyncEngine:
     def _drive_ranks(self) -> None:
         """The loop of rank 0 of an expert-parallel server: every iteration is one of all ranks.
         While nobody has work it blocks on the command queue, iterating only for a heartbeat well
-        inside --ep-timeout (the other ranks wait for it in a collective)."""
+        inside --ep-timeout (the other ranks wait for it in a collective). A failed iteration ends
+        the server, unless it is elastic and the survivors regroup (--ep-elastic)."""
         driver = self.driver
-        try:
-            while not self._stopping.is_set():
-                adds = self._apply_commands(publish=False)
-                outputs = driver.step()
-                for request_id, message in driver.errors:
-                    self._deliver(request_id, LocusError(message))
-                driver.errors.clear()
-                self._publish_stats(adds)  # the added requests are in the ranks' counts now
-                self._deliver_step(outputs)
-                wait = driver.wait_s()
-                if wait > 0:
-                    self._wake.wait(wait)
-                    self._wake.clear()
-            driver.stop()
-        except BaseException as exc:  # a rank died, a collective timed out, or a step failed
-            self._die(driver.explain(exc))
+        while True:
+            try:
+                while not self._stopping.is_set():
+                    adds = self._apply_commands(publish=False)
+                    outputs = driver.step()
+                    self._deliver_refused()
+                    self._publish_stats(adds)  # the added requests are in the ranks' counts now
+                    self._deliver_step(outputs)
+                    wait = driver.wait_s()
+                    if wait > 0:
+                        self._wake.wait(wait)
+                        self._wake.clear()
+                driver.stop()
+                return
+            except BaseException as exc:  # a rank died, a collective timed out, or a step failed
+                failure = exc
+                if not (isinstance(exc, Exception) and not self._stopping.is_set() and driver.can_recover):
+                    self._die(driver.explain(exc))
+                    return
+                log.error("a collective failed (%s); regrouping with the surviving ranks", exc)
+                forget_frames(exc)
+            # outside the handler, so that the failure's frames (holding the old groups) are gone
+            if not driver.recover(failure):
+                self._die(driver.explain(failure))
+                return
+            self._deliver_refused()  # requests that could not be resumed
+
+    def _deliver_refused(self) -> None:
+        driver = self.driver
+        for request_id, message in driver.errors:
+            self._deliver(request_id, LocusError(message))
+        driver.errors.clear()
 
     def _die(self, exc: BaseException) -> None:
         self._error = exc

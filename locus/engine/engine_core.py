@@ -36,7 +36,7 @@ from locus.engine.runner import ModelRunner, RunResult
 from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
 from locus.engine.structured_output import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
-from locus.engine.sequence import Request, Sequence, SequenceStatus
+from locus.engine.sequence import Request, Resumed, Sequence, SequenceStatus
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
@@ -174,14 +174,20 @@ class EngineCore:
     def pool_tokens(self) -> int:
         return self.blocks.num_blocks * self.blocks.block_size
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None = None) -> Request:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None = None,
+                    resumed: Resumed | None = None) -> Request:
+        """resumed: output already streamed elsewhere, taken as this request's first tokens (n = 1 only)."""
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
+        if resumed is not None and params.n != 1:
+            raise InvalidParameter("n", "only a request with n = 1 can resume from streamed output")
         if params.max_tokens is None:  # up to the context limit (or what the KV pool holds, if less)
             params = SamplingParams(**{**params.__dict__, "max_tokens": min(self.max_model_len, self.pool_tokens) - len(prompt_ids)})
         request = Request(request_id, list(prompt_ids), params, domain, forked=params.n == 1)
         request.seqs.append(self._new_sequence(request, 0))
+        if resumed is not None:
+            self._resume(request.seqs[0], resumed)
         self.scheduler.add(request.seqs[0])
         self.requests[request_id] = request
         self.prompt_tokens += len(prompt_ids)
@@ -195,6 +201,17 @@ class EngineCore:
                 state.json_guard = self.grammars.json_guard()
         return Sequence(next(self._seq_ids), request, index, state,
                         IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params))
+
+    def _resume(self, seq: Sequence, resumed: Resumed) -> None:
+        """Replay streamed tokens through everything a sampled token passes (grammar, detokenizer), but
+        report none of them again: they are output the client already has."""
+        state = seq.sampling
+        for token in resumed.token_ids:
+            if state.grammar is not None and not state.grammar.accept_token(token):
+                raise InvalidParameter("resumed", f"the request's grammar rejects its own streamed token {token}")
+            seq.output_ids.append(token)
+            seq.detokenizer.add(token)
+        seq.logprobs += resumed.logprobs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and return its KV blocks to the pool."""

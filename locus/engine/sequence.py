@@ -18,6 +18,16 @@ from dataclasses import dataclass, field
 from locus.engine.sampling import SamplingParams, SequenceSamplingState, TokenLogprob
 
 
+@dataclass
+class Resumed:
+    """Output a request already streamed from another engine (a lost expert-parallel rank's): the
+    new engine takes it as the sequence's first output tokens, recomputes their KV with the prompt's
+    and goes on, so ids, text, logprobs, penalties, grammar and limits continue where they were."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty when none were asked for
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # holds no KV blocks
     RUNNING = "running"  # holds blocks; prefilling or decoding

@@ -223,7 +223,8 @@ def ep_stats_of(driver: EPDriver) -> dict:
             "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
             "wire_bytes": sum(r["wire"] for r in per_rank),
             "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank,
-            "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver)}
+            "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver), "recoveries": driver.recoveries,
+            "retired": {"inter_node_bytes": driver.retired.inter_node, "intra_node_bytes": driver.retired.intra_node}}
 
 
 def replan_stats_of(driver: EPDriver) -> dict | None:
@@ -251,11 +252,16 @@ def create_app(config: ServerConfig) -> FastAPI:
                 log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests, summary.tokens)
             await asyncio.to_thread(state.engine.shutdown, 10.0)
             if config.ep is not None and config.record_trace and not state.engine.failed:
-                parts = [rank_trace_path(config.record_trace, r) for r in range(config.ep.world)]
-                count = await asyncio.to_thread(merge_traces, parts, config.record_trace, list(range(config.ep.world)))
+                # each rank wrote its part under the rank it started as; a rank lost under --ep-elastic wrote none
+                ranks = [r for r in range(config.ep.world) if Path(rank_trace_path(config.record_trace, r)).exists()]
+                if len(ranks) < config.ep.world:
+                    log.warning("trace %s: ranks %s were lost and wrote no part; their requests are not in it",
+                                config.record_trace, sorted(set(range(config.ep.world)) - set(ranks)))
+                parts = [rank_trace_path(config.record_trace, r) for r in ranks]
+                count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks)
                 for part in parts:
                     shutil.rmtree(part, ignore_errors=True)
-                log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, config.ep.world)
+                log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, len(ranks))
 
     app = FastAPI(title="Locus", lifespan=lifespan)
     app.state.locus = state
@@ -263,7 +269,8 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine is not None and state.engine.healthy:
+        regrouping = state.ep_driver is not None and state.ep_driver.recovering
+        if state.engine is not None and state.engine.healthy and not regrouping:
             return {"status": "ok"}
         status = "error" if state.load_error or state.engine is not None else "loading"
         return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)

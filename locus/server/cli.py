@@ -62,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the wire; DeepEP's low-latency layout). See docs/expert_parallel.md for which is faster where")
     p.add_argument("--ep-max-tokens-per-rank", type=int, default=256, metavar="N",
                    help="the fixed exchange's bound: a step where a rank may run more tokens uses the exact exchange")
+    p.add_argument("--ep-elastic", action="store_true",
+                   help="survive a lost rank: the survivors regroup, re-plan onto themselves and resume its requests "
+                        "from what they streamed (docs/expert_parallel.md); without it a lost rank ends the server")
+    p.add_argument("--ep-max-slots", type=int, default=None, metavar="S",
+                   help="with --ep-elastic: the expert slots a survivor may grow to when the others cannot hold every "
+                        "expert (default: all of them)")
     p.add_argument("--replan-every", default=None, metavar="SECONDS|Nsteps",
                    help="re-plan the expert placement live from the last --replan-window tokens of routing, every "
                         "SECONDS (e.g. 600) or N steps (e.g. 3000steps), with the plan's own planner; the new plan "
@@ -177,7 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
-                       args.replan_window, args.replan_layers_per_step)
+                       args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots)
     if setup is None and (args.replan_every or args.replan_api):
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and setup.rank != 0:

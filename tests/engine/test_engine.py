@@ -217,3 +217,44 @@ def test_outputs_carry_deltas_and_only_the_last_one_the_whole_choice(tiny, tok):
         deltas = [t for out in outputs if len(out.outputs) > i for t in out.outputs[i].delta_token_ids]
         assert deltas == choice.token_ids and len(choice.token_ids) == 30 == len(choice.logprobs)
         assert "".join(out.outputs[i].delta_text for out in outputs if len(out.outputs) > i) == choice.text
+
+
+def run_streaming(core: EngineCore) -> tuple[list[str], list[int], object]:
+    """Step a one-request engine to the end: each step's delta text, all delta ids, the last output."""
+    deltas, ids, last = [], [], None
+    for _ in range(200):
+        for out in core.step():
+            c = out.outputs[0]
+            deltas.append(c.delta_text)
+            ids += c.delta_token_ids
+            last = out
+        if last is not None and last.finished:
+            return deltas, ids, last
+    raise AssertionError("the request did not finish in 200 steps")
+
+
+def test_a_request_resumed_from_streamed_output_continues_the_same_stream(tiny, tok):
+    """What elastic EP does with a lost rank's request: another engine takes the streamed tokens as
+    output already sent; the client's concatenated deltas, final ids, text and logprobs are unchanged,
+    even when the cut falls inside a multi-byte character or a held-back stop string prefix."""
+    from locus.engine.sequence import Resumed
+
+    prompt = random_prompts(1, 12, 12, seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, stop=["\x7f\x7f"])
+    whole = EngineCore(tiny, tok, EngineConfig(block_size=16, num_kv_blocks=64))
+    whole.add_request("r", prompt, params)
+    deltas, ids, final = run_streaming(whole)
+    want = final.outputs[0]
+    assert len(ids) == 24 and "".join(deltas) == want.text
+    per_token = deltas  # one token a step: the text each token's step delivered
+    assert len(per_token) == 24
+    for cut in (1, 5, 11, 17, 23):
+        core = EngineCore(tiny, tok, EngineConfig(block_size=16, num_kv_blocks=64))
+        core.add_request("r", prompt, params, resumed=Resumed(ids[:cut], want.logprobs[:cut]))
+        more, more_ids, last = run_streaming(core)
+        got = last.outputs[0]
+        assert "".join(per_token[:cut]) + "".join(more) == want.text, cut
+        assert ids[:cut] + more_ids == ids and got.token_ids == want.token_ids and got.text == want.text
+        assert [p.token_id for p in got.logprobs] == [p.token_id for p in want.logprobs]
+    with pytest.raises(InvalidParameter, match="n = 1"):
+        whole.add_request("n2", prompt, SamplingParams(n=2, max_tokens=4), resumed=Resumed([1]))

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -287,17 +288,26 @@ def test_a_live_replan_under_load_moves_experts_and_keeps_every_stream(tmp_path)
         def stream(item) -> str:
             domain, prompt = item
             body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+            chunks = []
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300,
                               headers={"x-locus-domain": domain}) as r:
-                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        decoding.release()
             assert all("error" not in c for c in chunks), chunks[-1]
             return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
 
+        decoding = threading.Semaphore(0)
         with Pool(9) as pool:
             streams = [pool.submit(stream, item) for item in shifted]
-            time.sleep(1.0)  # the streams are decoding
+            for _ in range(4 * len(shifted)):  # the streams are decoding: a few tokens each in the window
+                assert decoding.acquire(timeout=120)
             first = pool.submit(httpx.post, f"{base}/ep/replan", json={"force": True}, timeout=300)
-            time.sleep(0.05)
+            deadline = time.monotonic() + 60  # a second request while the first is under way: 409
+            while httpx.get(f"{base}/ep/stats").json()["replan"]["state"] == "idle" and not first.done():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             second = httpx.post(f"{base}/ep/replan", json={}, timeout=300)
             decision = first.result().json()
             got = [s.result() for s in streams]

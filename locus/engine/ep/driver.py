@@ -16,8 +16,10 @@ expert memory; and the expert load of every rank, summed (what /metrics shows).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -27,9 +29,11 @@ from locus.engine.ep.messages import Add, Commands, unpack_output
 from locus.engine.ep.worker import RankWorker, failure_cause
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
-from locus.engine.sequence import RequestMetrics
+from locus.engine.sequence import RequestMetrics, Resumed
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.plan.grouping_spec import spec_of
+
+log = logging.getLogger("locus.engine")
 
 
 class SummedExpertLoad:
@@ -81,6 +85,14 @@ class EPDriver:
         self.move_stats: list = [None] * self.world
         self.replanner = None  # replan.Replanner, when live re-planning is on
         self._grouper_of: dict[str, Grouper] = {}  # requests admitted under a grouper that a re-plan replaced
+        # Elastic EP: what each request needs to be re-admitted elsewhere if its rank dies
+        self._params: dict[str, tuple[SamplingParams, str | None]] = {}
+        self._delivered: dict[str, Resumed] = {}  # request id -> what it has streamed so far
+        self._report_seq: dict[int, int] = {}  # rank identity -> number of the last report taken
+        self._last_commands: dict[int, Commands] = {}
+        self.recovering = False
+        self.recoveries: list[dict] = []  # what each regrouping did
+        self.retired = ExchangeCounters()  # what ranks lost since counted
 
     @property
     def heartbeat_s(self) -> float:
@@ -114,6 +126,7 @@ class EPDriver:
         self._owner[request_id], self._charge[request_id] = rank, charge
         self._prompt[request_id] = list(prompt_ids)
         self._metrics[request_id] = RequestMetrics()
+        self._params[request_id] = (params, domain)
         self._in_flight[rank] += charge
         self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
         return rank
@@ -146,6 +159,7 @@ class EPDriver:
         if self.replanner is not None:
             self.replanner.before_iteration(self.last_stepped)
         commands, self._pending = self._pending, {}
+        self._last_commands = commands  # elastic EP: resent to survivors if this iteration fails
         it = self.worker.iterate(commands)
         self.last_stepped = it.stepped
         now = time.monotonic()
@@ -158,6 +172,10 @@ class EPDriver:
             self.stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
             self.epoch_counters[rank], self.move_stats[rank] = report.epochs, report.move
             self.expert_bytes[rank] = report.expert_bytes
+            identity = self.worker.members[rank]
+            if report.seq <= self._report_seq.get(identity, 0):
+                continue  # resent after a regroup, and it had arrived: its outputs are out already
+            self._report_seq[identity] = report.seq
             if report.window is not None and self.replanner is not None:
                 self.replanner.take_window(rank, report.window)
             if report.load is not None and self.expert_load is not None:
@@ -167,13 +185,101 @@ class EPDriver:
                 request_id = packed[0]
                 if request_id not in self._owner:
                     continue
-                outputs.append(unpack_output(packed, self._prompt[request_id], self._metrics[request_id], now))
+                out = unpack_output(packed, self._prompt[request_id], self._metrics[request_id], now)
+                if self.worker.elastic is not None:
+                    self._note_delivered(out)
+                outputs.append(out)
         for out in outputs:
             if out.finished:
                 self._release(out.request_id)
         if self.replanner is not None:
             self.replanner.after_iteration()
         return outputs
+
+    # --- elastic EP: a lost rank ----------------------------------------------------------------------
+    def _note_delivered(self, out: RequestOutput) -> None:
+        """Keep what a request has streamed: if its rank dies, a survivor resumes it from there."""
+        c = out.outputs[0]
+        seen = self._delivered.setdefault(out.request_id, Resumed([], []))
+        seen.token_ids += c.delta_token_ids
+        seen.logprobs += c.delta_logprobs or []
+
+    @property
+    def can_recover(self) -> bool:
+        return self.worker.elastic is not None
+
+    def recover(self, exc: BaseException) -> bool:
+        """A collective failed: regroup with the survivors (elastic.py) and re-admit the lost ranks'
+        requests from their prompt and what they streamed. False when not elastic, or when it fails."""
+        if self.worker.elastic is None:
+            return False
+        started, old_world = time.monotonic(), self.world
+        self.recovering = True
+        try:
+            mapping = self.worker.regroup()
+        except Exception:  # noqa: BLE001 - no way on: the caller fails the server
+            log.exception("regrouping after a lost rank failed")
+            return False
+        finally:
+            self.recovering = False
+        lost = [r for r in range(old_world) if r not in mapping]
+        for r in lost:
+            self.retired.add(self.counters[r])
+        self.world = len(mapping)
+        order = sorted(mapping, key=mapping.get)  # old ranks, in new rank order
+        self.stats = [self.stats[r] for r in order]
+        self.counters = [self.counters[r] for r in order]
+        self.times = [self.times[r] for r in order]
+        self.expert_bytes = [self.expert_bytes[r] for r in order]
+        self.epoch_counters = [self.epoch_counters[r] for r in order]
+        self.move_stats = [self.move_stats[r] for r in order]
+        self.expert_bytes[0] = self.worker.expert_bytes
+        self.grouper, self._grouper_of = None, {}  # the survivors' plan has no grouping: balanced from now on
+        self._pending = {mapping[r]: c for r, c in self._pending.items() if r in mapping}
+        for r, c in self._last_commands.items():  # the failed iteration's: a survivor may not have them
+            if r != 0 and r in mapping:
+                resend = self._pending.setdefault(mapping[r], Commands())
+                resend.adds[:0] = [replace(a, retry=True) for a in c.adds if self._owner.get(a.request_id) == r]
+                resend.aborts[:0] = c.aborts
+        self._last_commands = {}
+        readmitted, failed = 0, 0
+        for request_id, rank in list(self._owner.items()):
+            if rank in mapping:
+                self._owner[request_id] = mapping[rank]
+                continue
+            if self._readmit(request_id):
+                readmitted += 1
+            else:
+                failed += 1
+        self._in_flight = [0] * self.world
+        for request_id, rank in self._owner.items():
+            self._in_flight[rank] += self._charge.get(request_id, 0)
+        record = {"lost_ranks": lost, "survivors": self.world, "readmitted": readmitted, "failed": failed,
+                  "seconds": time.monotonic() - started, "epoch": self.runtime.placement.epoch,
+                  "topology": str(self.runtime.placement.plan.topology)}
+        self.recoveries.append(record)
+        log.warning("recovered from the loss of rank(s) %s in %.2f s: %d requests re-admitted, %d failed",
+                    lost, record["seconds"], readmitted, failed)
+        return True
+
+    def _readmit(self, request_id: str) -> bool:
+        """Re-add a lost rank's request on a survivor with what it streamed (preemption by recompute,
+        across ranks): the survivor recomputes prompt + streamed tokens and the stream goes on."""
+        params, domain = self._params[request_id]
+        if params.n != 1:
+            self.errors.append((request_id, f"its rank was lost and a request with n = {params.n} cannot be resumed"))
+            self._release(request_id)
+            return False
+        resumed = self._delivered.get(request_id, Resumed([], []))
+        if params.max_tokens is not None and len(resumed.token_ids) >= params.max_tokens:
+            self.errors.append((request_id, "its rank was lost after its last token, before its final output"))
+            self._release(request_id)
+            return False
+        rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
+        self._owner[request_id] = rank
+        resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))  # the add owns its copy
+        self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, self._prompt[request_id], params, domain, resumed))
+        return True
 
     # --- what the re-planner asks of the driver -------------------------------------------------------
     def command(self, rank: int) -> Commands:
@@ -236,6 +342,8 @@ class EPDriver:
         rank = self._owner.pop(request_id, None)
         self._prompt.pop(request_id, None)
         self._metrics.pop(request_id, None)
+        self._params.pop(request_id, None)
+        self._delivered.pop(request_id, None)
         if rank is not None:
             self._in_flight[rank] -= self._charge.pop(request_id, 0)
             grouper = self._grouper_of.pop(request_id, self.grouper)

@@ -50,6 +50,9 @@ class EPSetup:
     replan_api: bool = False  # POST /ep/replan
     replan_window: int = 4096  # tokens of routing each rank keeps for a re-plan
     replan_layers_per_step: int = 1  # MoE layers a placement move switches per iteration
+    elastic: bool = False  # survive a lost rank (elastic.py)
+    max_slots: int | None = None  # a survivor's expert slots at most (default: every expert)
+    is_alive: object = None  # rank 0 of --ep-ranks: rank -> is its process running (set once spawned)
 
     @property
     def replanning(self) -> bool:
@@ -63,7 +66,7 @@ class EPSetup:
 def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None,
                mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False,
                replan_every: str | None = None, replan_api: bool = False, replan_window: int = 4096,
-               replan_layers_per_step: int = 1) -> EPSetup | None:
+               replan_layers_per_step: int = 1, elastic: bool = False, max_slots: int | None = None) -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
     from locus.engine.ep.replan import ReplanSchedule
@@ -78,12 +81,18 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
     if timeout_s <= 0:
         raise LocusError(f"--ep-timeout must be positive, not {timeout_s}")
     options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap, replan_every=replan_every,
-                   replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step)
+                   replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step,
+                   elastic=elastic, max_slots=max_slots)
+    if max_slots is not None and max_slots < 1:
+        raise LocusError(f"--ep-max-slots must be at least 1, not {max_slots}")
     env = os.environ
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
         if world % local:
             raise LocusError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
+        if elastic and SPAWNED not in env:
+            raise LocusError("--ep-elastic needs the ranks --ep-ranks starts: a torchrun agent stops (or restarts) all "
+                             "of its workers when one fails; use torchrun's own --max-restarts there")
         return EPSetup(int(env["RANK"]), world, local, timeout_s, plan_path, **options)
     if ep_ranks <= 1:
         return None
@@ -100,6 +109,7 @@ def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
             "LOCAL_WORLD_SIZE": str(setup.gpus_per_node), SPAWNED: "1"}
     os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
     children = []
+    setup.is_alive = lambda rank: rank == 0 or children[rank - 1].poll() is None
     for rank in range(1, setup.world):
         env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank % setup.gpus_per_node)}
         children.append(subprocess.Popen([sys.executable, *_this_command(), *sys.argv[1:]], env=env,
@@ -129,6 +139,12 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     except PlanError as exc:
         where = setup.plan_path or "the placement plan"
         raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
+    if setup.elastic:  # refuse now what a loss would refuse later: survivors must be able to hold every expert
+        E, S = config.num_local_experts, plan.topology.slots_per_gpu
+        need = -(-E // max(1, setup.world - 1))
+        if max(S, need) > (setup.max_slots or E):
+            raise LocusError(f"--ep-elastic: after losing one of {setup.world} ranks the others need {need} expert slots "
+                             f"each for the {E} experts, more than --ep-max-slots {setup.max_slots}")
     device = device or default_device()
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = timedelta(seconds=setup.timeout_s)

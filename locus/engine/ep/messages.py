@@ -19,7 +19,7 @@ from locus.engine.engine_core import EngineStats, RequestFailedError
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling import SamplingParams
-from locus.engine.sequence import RequestMetrics
+from locus.engine.sequence import RequestMetrics, Resumed
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Add:
     prompt_ids: list[int]
     params: SamplingParams
     domain: str | None
+    resumed: Resumed | None = None  # a lost rank's request: what it had streamed there
+    retry: bool = False  # resent after a regroup: the rank may have it already (then it is ignored)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Report:
     epochs: dict[int, ExchangeCounters] = field(default_factory=dict)  # counters of each placement epoch
     window: object | None = None  # window.WindowRows, when rank 0 asked for it
     move: object | None = None  # move.MoveStats of the last or current placement move
+    seq: int = 0  # the sender's report number: a report resent after a regroup is recognised (elastic EP)
 
 
 def encode(message) -> bytes:
@@ -79,13 +82,14 @@ def decode(data: bytes):
 def encode_report(report: Report) -> bytes:
     epochs = {e: astuple(c) for e, c in report.epochs.items()}
     return encode((report.outputs, report.errors, astuple(report.stats), astuple(report.counters),
-                   astuple(report.times), report.expert_bytes, report.load, epochs, report.window, report.move))
+                   astuple(report.times), report.expert_bytes, report.load, epochs, report.window, report.move,
+                   report.seq))
 
 
 def decode_report(data: bytes) -> Report:
-    outputs, errors, stats, counters, times, expert_bytes, load, epochs, window, move = decode(data)
+    outputs, errors, stats, counters, times, expert_bytes, load, epochs, window, move, seq = decode(data)
     return Report(outputs, errors, EngineStats(*stats), ExchangeCounters(*counters), StepTimes(*times), expert_bytes,
-                  load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move)
+                  load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move, seq)
 
 
 def pack_output(out: RequestOutput) -> tuple:

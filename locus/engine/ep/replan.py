@@ -223,6 +223,7 @@ class Replanner:
         result = make_plan(planner, reader, current.topology, (0, len(reader.requests)),
                            PlanOptions(dispatch=current.dispatch), trace="live window")
         target = align(current, result.plan)
+        check_target(current, target)
         assignment = assign_recorded(reader.requests, current.topology.ranks)
         before = replay(reader, current, current.topology, assignment)
         after = replay(reader, target, target.topology, assignment)
@@ -249,6 +250,19 @@ class Replanner:
         if s.seconds is not None:
             return ran / max(time.monotonic() - self._last, 1e-6) * s.seconds
         return float(window_tokens)  # on request only: amortised over one window's worth of tokens
+
+
+def check_target(current, target) -> None:
+    """Refuse, before anything moves, a plan the ranks could not serve: one that leaves an expert of a
+    layer with no slot (a token routed there would have nowhere to go) or changes the layers or shape."""
+    from locus.routing.plan.placement import PlanError, validate
+
+    try:
+        if target.topology != current.topology:
+            raise PlanError(f"its topology {target.topology} is not the serving one, {current.topology}")
+        validate(target, current.num_experts, list(current.moe_layers))
+    except PlanError as exc:
+        raise LocusError(f"re-plan refused, the placement stays: {exc}") from None
 
 
 def attach_replanner(driver, schedule: ReplanSchedule, rows_per_step: int = 1, model_name: str = "locus") -> Replanner:

@@ -126,6 +126,13 @@ class EPRuntime:
             lane.counters = ExchangeCounters()
         self.placement = placement
 
+    def regroup(self, groups: Groups, placement: ExpertPlacement, device: torch.device | str = "cpu") -> None:
+        """After a lost rank: the survivors' process groups (new lanes) and placement (a new epoch)."""
+        self.switch(placement)
+        self.groups = groups
+        self.lanes = [TwoTierExchange(groups, lane, self.transports["exact"], device) for lane in groups.lanes]
+        self.move = None  # a move under way died with the old group
+
     # --- counters -------------------------------------------------------------------------------
     def _lanes_total(self) -> ExchangeCounters:
         return ExchangeCounters.total(lane.drain() for lane in self.lanes)

@@ -34,7 +34,7 @@ from locus.engine.ep.runtime import EPRuntime
 from locus.engine.ep.window import RoutingWindow
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sequence import RequestMetrics
-from locus.errors import LocusError
+from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import plan_from_dict
 
 log = logging.getLogger("locus.engine")
@@ -58,9 +58,18 @@ class RankWorker:
                  window_tokens: int = 0):
         self.core, self.runtime, self.control = core, runtime, control
         self.rank, self.world = control.rank, control.world
+        # Elastic EP (elastic.py): who this process is across regroupings, the current members (their
+        # identities, in rank order), the generation, and how to read expert weights it lacks.
+        self.identity, self.members, self.generation = self.rank, list(range(self.world)), 0
+        self.elastic = None  # elastic.ElasticOptions under --ep-elastic
         self.expert_bytes = expert_bytes
         self.times: StepTimes = runtime.times
         self._report = b""  # this rank's report, sent in the next iteration (ranks other than 0)
+        # What a failed iteration must not lose (elastic EP): the last report sent, which rank 0 may not
+        # have received when a peer died mid-exchange (resent after a regroup; rank 0 drops it if it
+        # had it: reports are numbered), and outputs/errors gathered before the failure.
+        self._sent, self._report_seq = b"", 0
+        self._carry: tuple[list, list] = ([], [])
         self._load_sent: np.ndarray | None = None
         config = core.config
         self.step_budget = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -80,11 +89,18 @@ class RankWorker:
     def iterate(self, commands: dict[int, Commands] | None = None, stop: bool = False) -> Iteration:
         """One lockstep iteration. Rank 0 passes the commands for every rank (its own included);
         the other ranks pass nothing."""
+        outputs, errors = self._carry  # filled in place: what a failing iteration gathered stays here
+        self._carry = ([], [])
+        try:
+            return self._iterate(commands or {}, stop, outputs, errors)
+        except BaseException:
+            self._carry = (outputs, errors)
+            raise
+
+    def _iterate(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
+                 errors: list[tuple[str, str]]) -> Iteration:
         start = time.perf_counter()
         core, control = self.core, self.control
-        commands = commands or {}
-        outputs: list[RequestOutput] = []
-        errors: list[tuple[str, str]] = []
         outgoing: dict[int, bytes] = {}
         outputs += self._unpark(errors)
         if self.rank == 0:
@@ -99,7 +115,8 @@ class RankWorker:
             header = Header(core.has_unfinished(), core.pending_tokens(), len(self._report))
         control_before = control.seconds
         agreement, incoming = control.exchange(header, outgoing)
-        self._report = b""
+        if self._report:
+            self._sent, self._report = self._report, b""
         it = Iteration(stop=agreement.stop, errors=errors)
         if self.rank == 0:
             it.reports = {r: decode_report(data) for r, data in incoming.items()}
@@ -130,9 +147,10 @@ class RankWorker:
         window = None
         if self._send_window:
             window, self._send_window = self.window_rows(), False
+        self._report_seq += 1
         return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
                       self.times, self.expert_bytes, self._load_increment(), self.runtime.counters_by_epoch(),
-                      window, self.last_move)
+                      window, self.last_move, self._report_seq)
 
     def window_rows(self):
         if self.window is None:
@@ -158,6 +176,8 @@ class RankWorker:
             target = plan_from_dict(commands.replan.plan)
             self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
         for add in commands.adds:
+            if add.retry and (add.request_id in self.core.requests or add.request_id in self._parked):
+                continue
             so = add.params.structured
             if so is not None and not self.core.grammars.is_compiled(so):
                 self._park(add)  # its grammar compiles in a thread; the add waits, the lockstep does not
@@ -176,7 +196,7 @@ class RankWorker:
 
     def _add(self, add, errors: list[tuple[str, str]]) -> None:
         try:
-            self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain)
+            self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain, add.resumed)
         except LocusError as exc:
             errors.append((add.request_id, str(exc)))
 
@@ -213,12 +233,34 @@ class RankWorker:
         index = np.flatnonzero(delta)
         return index.astype(np.int32), delta[index]
 
+    # --- elastic EP ------------------------------------------------------------------------------
+    def regroup(self) -> dict[int, int]:
+        """After a failed collective: regroup with the survivors (elastic.py); {old rank: new rank}."""
+        from locus.engine.ep.elastic import regroup
+
+        if self.elastic is None:
+            raise LocusError("this rank is not elastic (--ep-elastic)")
+        mapping = regroup(self)
+        if self.rank != 0 and not self._report:
+            self._report = self._sent  # perhaps lost in the failed exchange; rank 0 knows if it was not
+        return mapping
+
     # --- a rank other than 0 --------------------------------------------------------------------
     def serve(self) -> None:
         """Iterate until rank 0 says stop (a failed collective raises); then write this rank's part
         of a recorded trace and tell rank 0 it is done."""
-        while not self.iterate().stop:
-            pass
+        while True:
+            try:
+                if self.iterate().stop:
+                    break
+                continue
+            except Exception as exc:  # a peer died or hung: elastic ranks regroup, the others leave
+                if self.elastic is None:
+                    raise
+                log.error("rank %d: a collective failed (%s); regrouping with the survivors", self.rank, exc)
+                forget_frames(exc)
+            # outside the handler: the failure's frames (and the old groups they hold) are gone
+            self.regroup()
         if self.core.recorder is not None:
             self.core.dump_recording()
         dist.barrier(group=self.control.group)
@@ -238,7 +280,15 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
         core.start_recording(rank_trace_path(record_trace, setup.rank), model_name)
     control = ControlPlane(runtime.groups.control, setup.rank, setup.world)
     held = runtime.memory.held_bytes if runtime.memory is not None else 0
-    return RankWorker(core, runtime, control, held, window_tokens or (setup.replan_window if setup.replanning else 0)), loaded
+    worker = RankWorker(core, runtime, control, held, window_tokens or (setup.replan_window if setup.replanning else 0))
+    if setup.elastic:
+        from locus.engine.ep.elastic import ElasticOptions, expert_reader
+
+        worker.elastic = ElasticOptions(dist.distributed_c10d._get_default_store(), dist.get_backend(),
+                                        expert_reader(model, dtype, device, moe_backend, seed),
+                                        setup.max_slots or loaded.model.config.num_local_experts,
+                                        lanes=len(runtime.lanes), is_alive=setup.is_alive)
+    return worker, loaded
 
 
 def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:

@@ -150,3 +150,43 @@ def test_replan_schedule_parses_seconds_and_steps():
     for bad in ("0", "-5", "steps", "fast", "0steps"):
         with pytest.raises(LocusError, match="replan-every"):
             ReplanSchedule.parse(bad)
+
+
+def test_plan_onto_survivors_keeps_held_experts_and_places_every_lost_one():
+    from locus.engine.ep.elastic import plan_onto, survivor_topology
+    from locus.errors import LocusError
+
+    plan = round_robin(8, (0, 1), Topology(2, 2, 2), model="toy")  # rank r holds experts r, r + 4
+    onto = plan_onto(plan, [0, 1, 3], max_slots=8)  # rank 2 (experts 2, 6) is lost
+    assert onto.topology == Topology(3, 1, 3)  # node 1 lost a rank: every survivor is its own node
+    for row in range(2):
+        for new, old in enumerate([0, 1, 3]):
+            assert set(plan.slots[row][old]) <= set(onto.slots[row][new])  # nothing a survivor holds moves
+        assert set(np.array(onto.slots[row]).ravel()) == set(range(8))
+    assert survivor_topology(Topology(2, 2, 2), [0, 2], 4) == Topology(2, 1, 4)  # one rank left on each node
+    assert survivor_topology(Topology(2, 2, 2), [0, 1], 4) == Topology(1, 2, 4)
+    with pytest.raises(LocusError, match="--ep-max-slots 3"):
+        plan_onto(plan, [0, 1], max_slots=3)  # 8 experts on 2 ranks need 4 slots each
+
+
+def test_a_replan_leaving_an_expert_without_a_slot_is_refused_before_anything_moves():
+    from dataclasses import replace
+
+    from locus.engine.ep.replan import check_target
+    from locus.errors import LocusError
+
+    current = round_robin(8, (0, 1), Topology(2, 2, 2), model="toy")
+    check_target(current, align(current, eplb_like(current)))  # a full plan passes
+    slots = np.array(current.slots)
+    slots[1, 2, 1] = slots[1, 1, 0]  # layer 1: expert 6's only slot now holds a replica of expert 1
+    with pytest.raises(LocusError, match=r"re-plan refused.*layer 1: expert\(s\) 6 have no slot"):
+        check_target(current, replace(current, slots=slots))
+    with pytest.raises(LocusError, match="re-plan refused.*topology"):
+        check_target(current, round_robin(8, (0, 1), Topology(1, 4, 2), model="toy"))
+
+
+def eplb_like(plan: PlacementPlan) -> PlacementPlan:
+    """The same experts, the ranks' slots reversed: a different but complete plan."""
+    from dataclasses import replace
+
+    return replace(plan, slots=np.ascontiguousarray(np.asarray(plan.slots)[:, :, ::-1]))
