@@ -224,9 +224,11 @@ class Replanner:
                            PlanOptions(dispatch=current.dispatch), trace="live window")
         target = align(current, result.plan)
         check_target(current, target)
-        assignment = assign_recorded(reader.requests, current.topology.ranks)
-        before = replay(reader, current, current.topology, assignment)
-        after = replay(reader, target, target.topology, assignment)
+        # each plan with the assignment it serves by: its own grouper (what rank 0 admits with after
+        # the switch), or where it has none, the ranks the window's requests ran on
+        recorded = assign_recorded(reader.requests, current.topology.ranks)
+        before = replay(reader, current, current.topology, assignment_of(current, reader, recorded))
+        after = replay(reader, target, target.topology, assignment_of(target, reader, recorded))
         old_bpt, new_bpt = before.inter_node_bytes / tokens, after.inter_node_bytes / tokens
         expected = self._expected_tokens(tokens)
         slots, intra, inter = move_bytes(current, target, self.expert_bytes)
@@ -250,6 +252,18 @@ class Replanner:
         if s.seconds is not None:
             return ran / max(time.monotonic() - self._last, 1e-6) * s.seconds
         return float(window_tokens)  # on request only: amortised over one window's worth of tokens
+
+
+def assignment_of(plan, reader, recorded):
+    """The requests' ranks under `plan`: its grouper's choices, simulated over the window, when it has one."""
+    if plan.grouping is None:
+        return recorded
+    from locus.routing.grouping.grouper import Grouper
+    from locus.routing.grouping.simulation import simulate_grouper
+    from locus.routing.plan.grouping_spec import spec_of
+
+    # built as the driver builds it (no cost model: it never moves a request)
+    return simulate_grouper(Grouper(plan.topology, spec_of(plan), balance_streams=True), reader, 0, len(reader.requests))
 
 
 def check_target(current, target) -> None:
