@@ -260,6 +260,7 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from locus.routing.plan.engine_support import placement_warning
     from locus.routing.plan.interop import export_plan
     from locus.routing.plan.map_files import map_file_kind
     from locus.routing.plan.placement import load_plan
@@ -276,6 +277,9 @@ def run_export(args: argparse.Namespace) -> int:
     if args.fmt == "sglang":
         print(f"SGLang: --ep-size {ranks} --ep-num-redundant-experts {P - plan.num_experts} "
               f"--init-expert-location {args.output}")
+    warning = placement_warning(plan.model, args.fmt)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 
