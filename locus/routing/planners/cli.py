@@ -53,7 +53,8 @@ def _caps_arguments(p: argparse.ArgumentParser) -> None:
 
 def _dispatch_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", choices=("position", "node-aware"),
-                   help="dispatch rule the plans are made for and replayed under (default node-aware; docs/replay.md)")
+                   help="dispatch rule the plans are made for and replayed under (default node-aware, but position, the "
+                   "rule EPLB is made for, for `locus plan --planner eplb` and evaluate's EPLB rows; docs/replay.md)")
     p.add_argument("--replica-budget", choices=("top", "marginal"), default="top",
                    help="locality: top = each node holds its requests' most used experts (default); marginal = each "
                    "expert once, then spare slots by expected node crossings saved under node-aware dispatch "
