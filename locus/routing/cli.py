@@ -52,8 +52,8 @@ def register(subparsers) -> None:
     p.add_argument("--intra-gbps", type=float, default=450.0, help="intra-node GB/s per GPU (default 450)")
     p.add_argument("--latency-us", type=float, default=5.0, help="all-to-all latency in microseconds (default 5)")
     p.add_argument("--dispatch", choices=("position", "node-aware"),
-                   help="dispatch rule to route by (default: the plan's `dispatch` field, else node-aware; "
-                   "docs/replay.md)")
+                   help="dispatch rule to route by (default: the plan's `dispatch` field, else node-aware; the "
+                   "built-in eplb plan's is position, the rule EPLB is made for; docs/replay.md)")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     p.add_argument("--chakra", metavar="OUT_PREFIX",
                    help="also write Chakra execution traces for ASTRA-sim, one per rank: OUT_PREFIX.<rank>.et "
@@ -200,6 +200,7 @@ def _epoch_plans(args, reader) -> dict:
 
 
 def _builtin_plan(args, reader, replayed: tuple[int, int]):
+    from locus.routing.dispatch_rule import planner_rule
     from locus.routing.planners.baselines import eplb, round_robin
     from locus.routing.replay.simulator import count_expert_loads, parse_request_range
     from locus.routing.plan.topology import parse_topology
@@ -217,6 +218,7 @@ def _builtin_plan(args, reader, replayed: tuple[int, int]):
         plan_range = parse_request_range(args.plan_requests, len(reader.requests)) if args.plan_requests else replayed
         loads = count_expert_loads(reader, *plan_range)
         plan = eplb(loads, meta.moe_layers, topology, groups=args.expert_groups, model=meta.model)
+        plan.dispatch = planner_rule("eplb")  # as `locus plan --planner eplb` makes it
         plan.provenance.update(trace=str(args.trace), requests=f"{plan_range[0]}:{plan_range[1]}")
     return plan, plan_range
 

@@ -45,6 +45,9 @@ from locus.routing.plan.placement import DISPATCH_RULES, PlacementPlan, validate
 
 RULES = DISPATCH_RULES
 DEFAULT_RULE = "node-aware"  # measured: docs/replay.md, "The dispatch rule"
+# The rule a planner's plans carry when the caller names none: EPLB balances its replicas assuming remote
+# traffic spreads evenly over them, which is `position`; node-aware raises its imbalance (docs/planner.md).
+PLANNER_RULES = {"eplb": "position"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,14 @@ class DispatchTable:
 def resolve_rule(plan: PlacementPlan, rule: str | None = None) -> str:
     """The rule to route `plan` by: the caller's, else the plan's `dispatch` field, else DEFAULT_RULE."""
     rule = rule or plan.dispatch or DEFAULT_RULE
+    if rule not in RULES:
+        raise LocusError(f"unknown dispatch rule {rule!r}; choose one of {', '.join(RULES)}")
+    return rule
+
+
+def planner_rule(planner: str, rule: str | None = None) -> str:
+    """The rule a `planner`'s plan is made for: the caller's, else the planner's own, else DEFAULT_RULE."""
+    rule = rule or PLANNER_RULES.get(planner, DEFAULT_RULE)
     if rule not in RULES:
         raise LocusError(f"unknown dispatch rule {rule!r}; choose one of {', '.join(RULES)}")
     return rule

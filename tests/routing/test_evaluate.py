@@ -8,7 +8,7 @@ from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_mark
 
 from planner_fixtures import separable_trace, synth_trace
 
-VARIANTS = ["round_robin", "eplb", "eplb, position rule", "locality placement only (balanced assignment)", "locality placement + grouper"]
+VARIANTS = ["round_robin", "eplb", "eplb, node-aware rule", "locality placement only (balanced assignment)", "locality placement + grouper"]
 
 
 def test_evaluate_case_rows(tmp_path):

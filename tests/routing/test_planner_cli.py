@@ -39,6 +39,21 @@ def test_baseline_planners_from_the_plan_command(trace, tmp_path, capsys):
     assert load_plan(out).planner == "eplb" and "balanced assignment" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("planner, flag, rule", [
+    ("eplb", None, "position"),  # the rule EPLB balances for, unless asked otherwise
+    ("eplb", "node-aware", "node-aware"),
+    ("round_robin", None, "node-aware"),
+    ("locality", None, "node-aware"),
+    ("locality", "position", "position"),
+])
+def test_each_planner_s_plan_carries_its_dispatch_rule(trace, tmp_path, capsys, planner, flag, rule):
+    out = tmp_path / "plan.json"
+    extra = ["--dispatch", flag] if flag else []
+    assert main(["plan", str(trace), "--topology", "2x2", "--slots", "9", "--planner", planner, "-o", str(out),
+                 *extra]) == 0
+    assert load_plan(out).dispatch == rule
+
+
 @pytest.mark.parametrize("args, message", [
     (["--topology", "2x2", "--slots", "7"], "fewer than the 32 experts"),
     (["--topology", "2x2", "--slots", "8", "--expert-cap", "1.0"], "expert-load cap 1.000 cannot be met"),

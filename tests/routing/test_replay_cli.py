@@ -86,7 +86,7 @@ def test_plan_file_contradicting_flags(trace, tmp_path, capsys):
 
 def test_dispatch_flag_chooses_the_rule_and_the_plan_records_it(trace, tmp_path, capsys):
     """Top-2 on 4 nodes of 1 GPU, 6 slots each: EPLB's replicas sit on several nodes, so the node-aware
-    rule (default) reaches fewer remote nodes than DESIGN.md's `position` rule."""
+    rule reaches fewer remote nodes than DESIGN.md's `position` rule, the built-in EPLB plan's own."""
     figures = {}
     for rule in ("position", "node-aware", None):
         out, plan = tmp_path / f"{rule}.json", tmp_path / f"{rule}-plan.json"
@@ -95,7 +95,7 @@ def test_dispatch_flag_chooses_the_rule_and_the_plan_records_it(trace, tmp_path,
         assert main(args) == 0
         doc = json.loads(out.read_text())
         figures[rule] = doc["inter_node_bytes"]
-        assert doc["dispatch"] == (rule or "node-aware")
-        assert json.loads(plan.read_text()).get("dispatch") == rule  # only an explicit choice is written
+        assert doc["dispatch"] == (rule or "position")
+        assert json.loads(plan.read_text())["dispatch"] == (rule or "position")
     capsys.readouterr()
-    assert figures["node-aware"] < figures["position"] and figures[None] == figures["node-aware"]
+    assert figures["node-aware"] < figures["position"] and figures[None] == figures["position"]

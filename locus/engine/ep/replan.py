@@ -208,6 +208,7 @@ class Replanner:
             out.set_exception(exc)
 
     def _decide(self, windows: dict[int, WindowRows], current, force: bool):
+        from locus.routing.dispatch_rule import resolve_rule
         from locus.routing.planners.planner import PlanOptions, make_plan
         from locus.routing.replay.assignment import assign_recorded
         from locus.routing.replay.simulator import replay
@@ -221,7 +222,7 @@ class Replanner:
         reader = TraceReader(path)
         planner = str(current.provenance.get("planner", "round_robin"))
         result = make_plan(planner, reader, current.topology, (0, len(reader.requests)),
-                           PlanOptions(dispatch=current.dispatch), trace="live window")
+                           PlanOptions(dispatch=resolve_rule(current)), trace="live window")  # keep the running rule
         target = align(current, result.plan)
         check_target(current, target)
         # each plan with the assignment it serves by: its own grouper (what rank 0 admits with after

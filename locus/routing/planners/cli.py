@@ -53,7 +53,8 @@ def _caps_arguments(p: argparse.ArgumentParser) -> None:
 
 def _dispatch_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", choices=("position", "node-aware"),
-                   help="dispatch rule the plans are made for and replayed under (default node-aware; docs/replay.md)")
+                   help="dispatch rule the plans are made for and replayed under (default node-aware, but position, the "
+                   "rule EPLB is made for, for `locus plan --planner eplb` and evaluate's EPLB rows; docs/replay.md)")
     p.add_argument("--replica-budget", choices=("top", "marginal"), default="top",
                    help="locality: top = each node holds its requests' most used experts (default); marginal = each "
                    "expert once, then spare slots by expected node crossings saved under node-aware dispatch "
@@ -260,6 +261,7 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from locus.routing.plan.engine_support import placement_warning
     from locus.routing.plan.interop import export_plan
     from locus.routing.plan.map_files import map_file_kind
     from locus.routing.plan.placement import load_plan
@@ -276,6 +278,9 @@ def run_export(args: argparse.Namespace) -> int:
     if args.fmt == "sglang":
         print(f"SGLang: --ep-size {ranks} --ep-num-redundant-experts {P - plan.num_experts} "
               f"--init-expert-location {args.output}")
+    warning = placement_warning(plan.model, args.fmt)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
+from locus.routing.planners.evaluate import rule_note
 
 BEGIN = "<!-- plan-eval:begin (written by `locus plan evaluate --readme`; do not edit by hand) -->"
 END = "<!-- plan-eval:end -->"
@@ -18,7 +19,8 @@ SHOWN = ("round_robin", "eplb", "eplb (hierarchical", "locality placement only",
 
 def readme_table(results, settings: dict) -> str:
     """Markdown rows for every case: bytes, reduction, in-sample ceiling, balance, plan time."""
-    lines = [f"Dispatch rule `{settings.get('dispatch', 'position')}`, expert-load cap "
+    note = rule_note(settings)
+    lines = [f"{note[0].upper()}{note[1:]}; expert-load cap "
              f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}; in-sample = the "
              "same planner planned on the replayed half itself (the ceiling of a perfect forecast, not a result).", "",
              "| Case | Plan | Inter-node B/token | vs EPLB | in-sample vs EPLB | Locality | Expert imb. mean / worst "

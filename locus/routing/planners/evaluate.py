@@ -1,10 +1,11 @@
 """The planner comparison (`locus plan evaluate`): plan on the first half of a trace's requests, replay
 the second half, for round_robin, eplb and locality, and write the results as JSON and Markdown.
 
-Rows per case (same replayed requests, same replay, DESIGN.md's metrics, the same dispatch rule):
+Rows per case (same replayed requests, same replay, DESIGN.md's metrics; every row routes by the
+evaluation's dispatch rule except EPLB's, which route by `position`, the rule EPLB is made for):
   round_robin                      balanced assignment
   eplb [policy]                    balanced assignment (DeepSeek-V3 also with the hierarchical policy)
-  eplb, position rule              under the node-aware rule, EPLB also routed by DESIGN.md's rule
+  eplb, node-aware rule            under the node-aware rule, the same EPLB plan also routed by it
   locality placement only          the locality plan, balanced assignment
   locality placement + grouper     the locality plan, requests grouped online by the plan's grouper
 Every row also carries its in-sample figure: the same planner planned on the replayed half itself, so a
@@ -27,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from locus.files import write_text_atomic
+from locus.routing.dispatch_rule import DEFAULT_RULE, PLANNER_RULES
 from locus.routing.replay.assignment import assign_balanced
 from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
@@ -80,7 +82,8 @@ class CaseResult:
 
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
                   dispatch: str | None = None, replica_budget: str = "top", load_model: str | None = None) -> CaseResult:
-    """Every row routes by the same dispatch rule (`dispatch`, default dispatch_rule.DEFAULT_RULE)."""
+    """Every row routes by `dispatch` (default dispatch_rule.DEFAULT_RULE) but EPLB's, which route by their
+    own rule (`position`) and, where `dispatch` differs, once more by `dispatch`."""
     from locus.traces.reader import TraceReader
 
     reader = TraceReader(case.trace)
@@ -127,19 +130,24 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
     variants = [("round_robin", "round_robin", None), ("eplb", "eplb", None)]
     if case.expert_groups:
         variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
+    rule = options.dispatch or DEFAULT_RULE
     reports = []
     for label, name, groups in variants:
-        planned = make_plan(name, reader, topology, plan_range, dataclasses.replace(options, expert_groups=groups),
+        # EPLB's rows route by EPLB's own rule whatever the evaluation's (planner_rule), so the table reads the same
+        # with --dispatch given or not
+        planned = make_plan(name, reader, topology, plan_range,
+                            dataclasses.replace(options, expert_groups=groups,
+                                                dispatch=None if name == "eplb" else options.dispatch),
                             trace=case.trace)
         report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
         reports.append((label, report, planned.summary.plan_seconds))
         log(f"  {case.name}: {label}: {report.inter_node_bytes_per_token:,.0f} B/token")
-        if label == "eplb" and planned.plan.dispatch != "position":
-            # EPLB's balance assumes replicas share remote traffic evenly (DESIGN.md's rule): show it so too
-            planned.plan.dispatch = "position"
+        if label == "eplb" and planned.plan.dispatch != rule:
+            # the same plan under the other rows' rule: the like-for-like byte comparison
+            planned.plan.dispatch = rule
             report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
-            reports.append(("eplb, position rule", report, planned.summary.plan_seconds))
-            log(f"  {case.name}: eplb, position rule: {report.inter_node_bytes_per_token:,.0f} B/token")
+            reports.append((f"eplb, {rule} rule", report, planned.summary.plan_seconds))
+            log(f"  {case.name}: eplb, {rule} rule: {report.inter_node_bytes_per_token:,.0f} B/token")
 
     planned = make_plan("locality", reader, topology, plan_range, options, trace=case.trace)
     report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
@@ -158,8 +166,8 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
     lines = ["# Planner evaluation (`locus plan evaluate`)", ""]
     lines.append(f"Plan on the first half of each trace's requests, replay the second half. Expert-load cap "
                  f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}, seed "
-                 f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens, dispatch rule "
-                 f"`{settings.get('dispatch', 'position')}` for every row. Imbalances are whole-replay "
+                 f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens, {rule_note(settings)}. "
+                 "Imbalances are whole-replay "
                  f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes. "
                  "In-sample: the same planner planned on the replayed half itself and replayed there (the ceiling "
                  "a perfect forecast of the replayed traffic would reach; not a result).")
@@ -183,6 +191,15 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
                 f"({_pct(-r.in_sample_reduction_vs_eplb)}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def rule_note(settings: dict) -> str:
+    """Which dispatch rule the rows route by, for the tables' headers."""
+    rule, own = settings.get("dispatch", DEFAULT_RULE), PLANNER_RULES["eplb"]
+    if rule == own:
+        return f"dispatch rule `{rule}` for every row"
+    return (f"dispatch rule `{rule}` for every row but EPLB's, which route by `{own}`, the rule EPLB is made for "
+            f"(`eplb, {rule} rule`: the same EPLB plan routed by `{rule}`)")
 
 
 def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path) -> list[Path]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from locus.errors import LocusError
-from locus.routing.dispatch_rule import DEFAULT_RULE, resolve_rule
+from locus.routing.dispatch_rule import DEFAULT_RULE, planner_rule
 from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
 from locus.routing.plan.caps import Caps
@@ -62,7 +62,8 @@ class PlanOptions:
     expert_groups: int | None = None  # eplb: hierarchical policy over this many expert groups
     rounds: int = 2  # locality: placement <-> grouper rounds
     kv_bytes_per_token: int | None = None  # default: grouping_spec.kv_bytes_per_token
-    dispatch: str | None = None  # the dispatch rule the plan names (default dispatch_rule.DEFAULT_RULE)
+    dispatch: str | None = None  # the dispatch rule the plan names (default dispatch_rule.planner_rule: eplb's
+    # plans `position`, the others DEFAULT_RULE)
     replica_budget: str = "top"  # locality: "top" (each node's most used experts) or "marginal" (replica_budget.py)
     # locality: the expected-load model the cap search balances. "dispatch": the plan's dispatch rule (under
     # node-aware, remote pairs split as a routed sample of the planning requests shows, dispatch_pull.py);
@@ -99,7 +100,7 @@ def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
         result = _locality(meta, signatures, topology, options, t0, sample)
     else:
         result = _baseline(name, reader, meta, topology, (start, stop), options, t0)
-    result.plan.dispatch = resolve_rule(result.plan, options.dispatch)
+    result.plan.dispatch = planner_rule(name, options.dispatch)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result.plan.provenance.update(
         planner=name, trace=str(trace), requests=f"{start}:{stop}", created=created, seed=options.seed,

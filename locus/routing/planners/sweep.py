@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
+from locus.routing.dispatch_rule import DEFAULT_RULE
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.simulation import simulate_grouper
 from locus.routing.plan.caps import Caps
@@ -74,7 +75,9 @@ def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: 
                               load_model=load_model)
         tokens = [r.tokens for r in reader.requests[replay_range[0] : replay_range[1]]]
         balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
-        eplb_plan = make_plan("eplb", reader, topology, plan_range, options).plan
+        # one rule for both rows (the title's): EPLB under its own `position` rule is `locus plan evaluate`'s row
+        eplb_plan = make_plan("eplb", reader, topology, plan_range,
+                              replace(options, dispatch=dispatch or DEFAULT_RULE)).plan
         eplb = replay(reader, eplb_plan, topology, balanced, batch_tokens=batch_tokens)
         try:
             local_plan = make_plan("locality", reader, topology, plan_range, options).plan
