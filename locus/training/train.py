@@ -475,6 +475,7 @@ def export_model(model: Llama4ForCausalLM, args: TrainArgs, out: Path, record: d
     (staging / "training.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     (staging / "README.md").write_text(model_card(model.config, report, sources))
     (staging / "sources.json").write_text(json.dumps(sources, indent=2) + "\n")
+    write_heldout_sample(Path(args.corpus) if args.corpus else out / "corpus", tok, staging)
     target, old = out / "model", out / f".model-old-{os.getpid()}"
     if target.exists():
         os.replace(target, old)
@@ -482,6 +483,24 @@ def export_model(model: Llama4ForCausalLM, args: TrainArgs, out: Path, record: d
     if old.exists():
         shutil.rmtree(old)
     return target
+
+
+def write_heldout_sample(corpus_dir: Path, tok, model_dir: Path, tokens_per_domain: int = 512) -> dict[str, list[str]]:
+    """model_dir/heldout_sample.json: the first held-out documents of each domain (in corpus order, the
+    ones `evaluate` scores first), about tokens_per_domain tokens each: what a test scores the shipped
+    checkpoint on without the corpus packages installed."""
+    sample: dict[str, list[str]] = {}
+    count: dict[str, int] = {}
+    for doc in corpus_mod.read_corpus(corpus_dir):
+        domain = doc["domain"]
+        if doc["split"] != "heldout" or count.get(domain, 0) >= tokens_per_domain:
+            continue
+        sample.setdefault(domain, []).append(doc["text"])
+        count[domain] = count.get(domain, 0) + len(tok.encode(doc["text"], add_special_tokens=False).ids) + 2
+    (model_dir / "heldout_sample.json").write_text(json.dumps(
+        {"about": "held-out documents of the training corpus (licences: README.md, sources.json)", "documents": sample},
+        indent=1, ensure_ascii=False) + "\n")
+    return sample
 
 
 def model_card(config: ModelConfig, report: dict, sources: dict) -> str:
