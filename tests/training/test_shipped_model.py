@@ -10,6 +10,7 @@ import torch
 
 from locus.engine.checkpoint.loader import shipped_model
 from locus.engine.checkpoint.weights import load_model
+from locus.engine.model.forward_batch import ForwardBatch
 from locus.training.tokenizer import load_trained, special_ids
 from locus.training.train import token_losses
 
@@ -41,3 +42,15 @@ def test_heldout_loss_per_domain_is_below_unigram_entropy(mini):
             losses[domain] = token_losses(model, x).mean().item()
     bars = {d: report["unigram_entropy"][d] - MARGIN for d in losses}
     assert all(losses[d] < bars[d] for d in losses), {d: (round(losses[d], 3), round(bars[d], 3)) for d in losses}
+
+
+def test_transformers_loads_it_with_equal_logits(mini):
+    transformers = pytest.importorskip("transformers")
+    path, model = mini
+    hf = transformers.Llama4ForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    tok = load_trained(path / "tokenizer.json")
+    ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 6).ids[:200]  # > the 128-token chunk
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float()
+        got = model.compute_logits(model(ForwardBatch.single(ids)).hidden)
+    assert (got - expected).abs().max().item() < 1e-3
