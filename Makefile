@@ -19,16 +19,17 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The OpenAI-compatible server on the embedded default model (random weights, no download).
+# The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
+# no download). --model tiny serves the random-weight preset instead.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 serve: $(STAMP)
 	$(VENV)/bin/locus serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-# A short generation on the embedded default model (random weights, so the text is gibberish).
+# A short generation on the shipped trained model.
 generate: $(STAMP)
-	$(VENV)/bin/locus generate --prompt "The expert said" --max-tokens 24 --seed 0
+	$(VENV)/bin/locus generate --model mini --prompt "def fibonacci(n):" --max-tokens 48 --temperature 0.7 --top-k 40 --seed 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -16,7 +16,7 @@ from pathlib import Path
 from locus.errors import LocusError
 
 # Lowest layer first; the order only affects --help.
-PACKAGES = ("kernels", "traces", "routing", "engine", "server")
+PACKAGES = ("kernels", "traces", "routing", "engine", "training", "server")
 
 
 def build_parser() -> argparse.ArgumentParser:

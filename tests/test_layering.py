@@ -15,6 +15,7 @@ ALLOWED = {
     "traces": set(),
     "routing": {"kernels", "traces"},
     "engine": {"routing", "kernels", "traces"},
+    "training": {"engine", "routing", "kernels", "traces"},
     "server": {"engine", "routing", "kernels", "traces"},
 }
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 DEFAULT_MODEL_HELP = (
-    "checkpoint directory (HuggingFace Llama-4 format) or preset name (tiny, small, scout-2l). "
+    "checkpoint directory (HuggingFace Llama-4 format), 'mini' (the small trained model shipped in "
+    "locus/assets/mini), or preset name (tiny, small, scout-2l). "
     "Default: the embedded 'tiny' preset, built in memory with seeded RANDOM weights (no download; "
     "its text is gibberish)"
 )

@@ -16,7 +16,8 @@ from locus.errors import LocusError
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                               description="Serve a model over an OpenAI-compatible HTTP API. Without --model, the "
-                                          "embedded 'tiny' preset with RANDOM weights is served (no download).")
+                                          "shipped trained 'mini' checkpoint is served (locus/assets/mini; where it is "
+                                          "missing, the 'tiny' preset with RANDOM weights). No download.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -176,10 +177,13 @@ def stop_children(children) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from locus.engine.checkpoint.loader import default_serve_model
     from locus.engine.engine_core import parse_memory
     from locus.engine.ep.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import ServerConfig, create_app
 
+    if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
+        args.model = default_serve_model()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,

@@ -16,6 +16,21 @@ from locus.engine.checkpoint.weights import load_model, resolve_dtype
 from locus.errors import LocusError
 
 DEFAULT_MODEL = "tiny"
+# Checkpoints that ship inside the package, by name. `mini` is the small trained model of
+# `locus train` (locus/assets/mini/README.md); it is what `locus serve` serves without --model.
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+SHIPPED = {"mini": ASSETS / "mini"}
+
+
+def shipped_model(name: str) -> Path | None:
+    """The directory of a shipped checkpoint, or None when `name` is not one or it is not installed."""
+    path = SHIPPED.get(name)
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def default_serve_model() -> str:
+    """What `locus serve` serves without --model: the shipped trained `mini` when present, else `tiny`."""
+    return "mini" if shipped_model("mini") else DEFAULT_MODEL
 
 
 @dataclass
@@ -35,6 +50,8 @@ def config_of(model: str | None) -> ModelConfig:
     name = model or DEFAULT_MODEL
     if Path(name).is_dir():
         return load_config(Path(name))
+    if name in SHIPPED:
+        return load_config(_shipped_dir(name))
     if name in PRESETS:
         return PRESETS[name]
     raise _no_such_model(name)
@@ -42,16 +59,20 @@ def config_of(model: str | None) -> ModelConfig:
 
 def load(model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
          moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None) -> LoadedModel:
-    """A checkpoint directory, or a preset name (random weights); None = the embedded `tiny` preset.
+    """A checkpoint directory, a shipped checkpoint's name (`mini`), or a preset name (random weights);
+    None = the embedded `tiny` preset.
     expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py)."""
     device = device or default_device()
     name = model or DEFAULT_MODEL
     path = Path(name)
+    if not path.is_dir() and name in SHIPPED:
+        path = _shipped_dir(name)
     if path.is_dir():
         m = load_model(path, dtype=resolve_dtype(dtype) if dtype else None, device=device, moe_backend=moe_backend,
                        expert_slices=expert_slices)
         tok = load_tokenizer(path, m.config.vocab_size, m.config.eos_token_ids)
-        return LoadedModel(m, tok, name=str(path).rstrip("/").split("/")[-1] or str(path), random_weights=False)
+        return LoadedModel(m, tok, name=name if name in SHIPPED else str(path).rstrip("/").split("/")[-1] or str(path),
+                           random_weights=False)
     if name in PRESETS:
         m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype or PRESETS[name].dtype), device=device,
                          moe_backend=moe_backend, expert_slices=expert_slices)
@@ -59,5 +80,14 @@ def load(model: str | None = None, dtype: str | torch.dtype | None = None, devic
     raise _no_such_model(name)
 
 
+def _shipped_dir(name: str) -> Path:
+    path = shipped_model(name)
+    if path is None:
+        raise LocusError(f"--model {name}: the shipped checkpoint is missing from this installation ({SHIPPED[name]}); "
+                         f"train one with `locus train --out DIR` and copy DIR/model there")
+    return path
+
+
 def _no_such_model(name: str) -> LocusError:
-    return LocusError(f"--model {name!r}: no such checkpoint directory, and not a preset ({', '.join(PRESETS)})")
+    return LocusError(f"--model {name!r}: no such checkpoint directory, and not a shipped checkpoint "
+                      f"({', '.join(SHIPPED)}) or a preset ({', '.join(PRESETS)})")
