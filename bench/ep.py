@@ -34,14 +34,14 @@ from pathlib import Path
 
 import httpx
 from serve_lib.common import BenchError
+
+from locus.traces.prompt_families import FAMILIES, family_prompt
 from serve_lib.table import print_table as markdown_table
 from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
 
 PROG = "bench/ep.py"
 PLANS = ("round_robin", "eplb", "locality")
-# Three task families with disjoint prompt alphabets: a preset's random router sends each family's
-# tokens to different experts, which is what a locality plan exploits.
-FAMILIES = {"code": "{}()[];=<>+-*/_", "math": "0123456789.^%!", "chat": "abcdefghijklmnopqrstuvwxyz "}
+
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,11 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
     return p.parse_args(argv)
-
-
-def family_prompt(family: str, i: int) -> str:
-    chars = FAMILIES[family]
-    return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(16 + 5 * (i % 7)))
 
 
 def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES)) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ import pytest
 
 from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
+from locus.traces.prompt_families import FAMILIES, family_prompt
 from tests.server.server_process import free_port, running_server
 
 PROMPTS = ["expert parallel", "a longer prompt that takes a few more tokens to prefill", "x"]
@@ -173,17 +174,12 @@ def test_expert_load_in_metrics_is_every_ranks():
     assert pairs == stats["tokens"] * config.num_experts_per_tok * len(config.moe_layers)
 
 
-# Three task families with disjoint prompt alphabets: the random router of a preset then sends each
-# family's tokens to different experts, which is what a locality plan exploits.
-DOMAINS = {"code": "{}()[];=<>+-*/_", "math": "0123456789.^%!", "chat": "abcdefghijklmnopqrstuvwxyz "}
-
-
 def domain_prompt(domain: str, i: int) -> str:
-    chars = DOMAINS[domain]
-    return "".join(chars[(i * 7 + j * j) % len(chars)] for j in range(12 + 3 * (i % 5)))
+    """bench/ep.py's prompt families, shorter (locus/traces/prompt_families.py)."""
+    return family_prompt(domain, i, min_chars=12, step=3, cycle=5)
 
 
-def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(DOMAINS), requests: int = 24) -> None:
+def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES), requests: int = 24) -> None:
     """A single-process engine on `small` records the routing of a mixed-domain workload."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.presets import build_preset
@@ -218,14 +214,14 @@ def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_pa
     assert planned.returncode == 0, planned.stderr
     plan = load_plan(plan_path)
     domain_nodes = {d: {n for n, w in enumerate(ws) if w > 0} for d, ws in spec_of(plan).domain_nodes.items()}
-    assert set(domain_nodes) == set(DOMAINS)
+    assert set(domain_nodes) == set(FAMILIES)
 
     trace = tmp_path / "trace"
     with running_server("--model", "small", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
                         "--record-trace", str(trace)) as proc:
         client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         for i in range(9):
-            domain = list(DOMAINS)[i % 3]
+            domain = list(FAMILIES)[i % 3]
             response = client.completions.create(model="small", prompt=domain_prompt(domain, 100 + i), max_tokens=4 + i % 3,
                                                  temperature=0.7, seed=i, stream=i % 2 == 0,
                                                  extra_headers={"x-locus-domain": domain})
