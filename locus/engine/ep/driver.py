@@ -36,6 +36,13 @@ from locus.routing.plan.grouping_spec import spec_of
 log = logging.getLogger("locus.engine")
 
 
+def serving_grouper(plan) -> Grouper | None:
+    """The grouper rank 0 admits requests with under `plan`: the plan's own when it has a grouping (no
+    cost model: it never moves a request), with the stream cap (ranks step in lockstep, so one rank
+    with an extra sequence slows all); None when the plan has none (balanced admission)."""
+    return Grouper(plan.topology, spec_of(plan), balance_streams=True) if plan.grouping else None
+
+
 class SummedExpertLoad:
     """Every rank's expert load, summed: rank 0's own counter plus the increments the others report."""
 
@@ -63,9 +70,7 @@ class EPDriver:
         self.worker = worker
         self.core, self.runtime = worker.core, worker.runtime
         plan = self.runtime.placement.plan
-        # the plan's grouper when it has one (no cost model: it never moves a request); else balanced
-        # (with the stream cap: ranks step in lockstep, so one rank with an extra sequence slows all)
-        self.grouper = Grouper(plan.topology, spec_of(plan), balance_streams=True) if plan.grouping else None
+        self.grouper = serving_grouper(plan)  # None: balanced
         self.world = worker.world
         self._pending: dict[int, Commands] = {}
         self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
@@ -295,7 +300,7 @@ class EPDriver:
             return
         for request_id in self._owner:
             self._grouper_of.setdefault(request_id, self.grouper)
-        self.grouper = Grouper(plan.topology, spec_of(plan), balance_streams=True)
+        self.grouper = serving_grouper(plan)
 
     def tokens_run(self) -> int:
         """Tokens every rank has run through the MoE layers so far."""

@@ -56,17 +56,26 @@ def survivor_topology(old: Topology, survivors: list[int], slots: int) -> Topolo
     return Topology(len(survivors), 1, slots)
 
 
+def survivor_slots(num_experts: int, slots_per_gpu: int, survivors: int, max_slots: int) -> int:
+    """The expert slots each of `survivors` ranks needs for every expert to keep one (at least the
+    plan's own); LocusError when that is more than `max_slots`."""
+    need = max(slots_per_gpu, -(-num_experts // survivors))
+    if need > max_slots:
+        raise LocusError(f"the {survivors} surviving ranks need {need} expert slots each to hold all {num_experts} "
+                         f"experts, more than --ep-max-slots {max_slots}")
+    return need
+
+
 def plan_onto(plan: PlacementPlan, survivors: list[int], max_slots: int) -> PlacementPlan:
     """`plan` re-laid onto the surviving old ranks: each keeps its slots; experts no survivor holds
     take spare slots, replacing the most replicated experts first, then growing every rank's slot count
     (up to `max_slots`) when there is nothing left to replace."""
     E, L = plan.num_experts, len(plan.moe_layers)
     S = plan.topology.slots_per_gpu
-    need = -(-E // len(survivors))  # slots a rank needs at least for every expert to have one
-    slots_per = max(S, need)
-    if slots_per > max_slots:
-        raise LocusError(f"the {len(survivors)} surviving ranks need {slots_per} expert slots each to hold all {E} "
-                         f"experts, more than --ep-max-slots {max_slots}; the server cannot continue")
+    try:
+        slots_per = survivor_slots(E, S, len(survivors), max_slots)
+    except LocusError as exc:
+        raise LocusError(f"{exc}; the server cannot continue") from None
     topology = survivor_topology(plan.topology, survivors, slots_per)
     table = np.full((L, len(survivors), slots_per), -1, dtype=np.int64)
     for row in range(L):
@@ -121,12 +130,8 @@ def rendezvous_members(store, generation: int, rank: int, previous: list[int], g
 
 
 def join_group(store, generation: int, members: list[int], rank: int, backend: str, timeout: timedelta) -> int:
-    """Leave the old process group (if still in it) and join the survivors' new one; returns the new rank."""
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group may refuse a clean teardown; it is gone either way
-            pass
+    """Join the survivors' new process group (the old one was left before the rendezvous, regroup);
+    returns the new rank."""
     new_rank = members.index(rank)
     dist.init_process_group(backend, store=dist.PrefixStore(f"locus/ep/g{generation}/pg/", store), rank=new_rank,
                             world_size=len(members), timeout=timeout)

@@ -140,11 +140,13 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
         where = setup.plan_path or "the placement plan"
         raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
     if setup.elastic:  # refuse now what a loss would refuse later: survivors must be able to hold every expert
-        E, S = config.num_local_experts, plan.topology.slots_per_gpu
-        need = -(-E // max(1, setup.world - 1))
-        if max(S, need) > (setup.max_slots or E):
-            raise LocusError(f"--ep-elastic: after losing one of {setup.world} ranks the others need {need} expert slots "
-                             f"each for the {E} experts, more than --ep-max-slots {setup.max_slots}")
+        from locus.engine.ep.elastic import survivor_slots
+
+        E = config.num_local_experts
+        try:
+            survivor_slots(E, plan.topology.slots_per_gpu, setup.world - 1, setup.max_slots or E)
+        except LocusError as exc:
+            raise LocusError(f"--ep-elastic: after losing one of {setup.world} ranks, {exc}") from None
     device = device or default_device()
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = timedelta(seconds=setup.timeout_s)

@@ -257,14 +257,13 @@ class Replanner:
 
 def assignment_of(plan, reader, recorded):
     """The requests' ranks under `plan`: its grouper's choices, simulated over the window, when it has one."""
-    if plan.grouping is None:
-        return recorded
-    from locus.routing.grouping.grouper import Grouper
+    from locus.engine.ep.driver import serving_grouper
     from locus.routing.grouping.simulation import simulate_grouper
-    from locus.routing.plan.grouping_spec import spec_of
 
-    # built as the driver builds it (no cost model: it never moves a request)
-    return simulate_grouper(Grouper(plan.topology, spec_of(plan), balance_streams=True), reader, 0, len(reader.requests))
+    grouper = serving_grouper(plan)
+    if grouper is None:
+        return recorded
+    return simulate_grouper(grouper, reader, 0, len(reader.requests))
 
 
 def check_target(current, target) -> None:
