@@ -125,7 +125,8 @@ if grep -q '^add_subdirectory(${CMAKE_CURRENT_SOURCE_DIR}/extern/yaml-cpp yaml-c
 fi
 
 # Chakra f37c2bb declares the ETFeeder alias inside Chakra::FeederV3; astra-sim 518bd51 names it
-# Chakra::ETFeeder (0e3cd40 has it there). Add the alias at namespace Chakra when it is missing.
+# Chakra::ETFeeder (the missing pin 0e3cd40 presumably declares it there). Add the alias at namespace
+# Chakra when it is missing.
 FEEDER_H="$SRC/extern/graph_frontend/chakra/src/feeder_v3/et_feeder.h"
 after_ns=$(sed -n '/^} \/\/ namespace FeederV3/,$p' "$FEEDER_H")
 if ! grep -q 'using ETFeeder = FeederV3::ETFeeder' <<<"$after_ns"; then
