@@ -61,6 +61,11 @@ def register(subparsers) -> None:
     p.add_argument("--chakra-us-per-pair", type=float, default=0.0, metavar="US",
                    help="Chakra compute model: microseconds of expert compute per (token, expert) pair a rank "
                    "computes; adds a COMP node per step, layer and rank (default 0: no compute nodes)")
+    p.add_argument("--astra-intra-latency-ns", type=float, default=250.0, metavar="NS",
+                   help="ASTRA-sim network written with --chakra: intra-node link latency in ns (default 250; a "
+                   "message crosses two links of its switch). Bandwidths are --intra-gbps / --inter-gbps")
+    p.add_argument("--astra-inter-latency-ns", type=float, default=1000.0, metavar="NS",
+                   help="ASTRA-sim network written with --chakra: inter-node link latency in ns (default 1000)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(func=run_replay)
 
@@ -80,6 +85,12 @@ def run_replay(args: argparse.Namespace) -> int:
         raise LocusError(f"--chakra-us-per-pair must be a non-negative number, got {args.chakra_us_per_pair}")
     if args.chakra_us_per_pair and not args.chakra:
         raise LocusError("--chakra-us-per-pair applies to the Chakra traces: add --chakra OUT_PREFIX")
+    astra_net = None
+    if args.chakra:
+        from locus.routing.replay.astra_config import AstraNetwork
+
+        astra_net = AstraNetwork(args.intra_gbps, args.inter_gbps, args.astra_intra_latency_ns,
+                                 args.astra_inter_latency_ns)  # refuses a bad latency before the replay runs
     try:
         from locus.traces.reader import TraceReader
 
@@ -132,6 +143,7 @@ def run_replay(args: argparse.Namespace) -> int:
     print(report.format_table())
     if pairs is not None:
         _write_chakra(args, reader.meta, plan.topology, pairs)
+        _write_astra_configs(args.chakra, plan.topology, astra_net)
     if plan_range is not None and plan_range[0] < stop and start < plan_range[1]:
         print(f"note: the {plan.planner} plan was computed on requests {plan_range[0]}:{plan_range[1]}, which overlap "
               f"the replayed {start}:{stop}; figures on planning data are not results (see --plan-requests)",
@@ -155,6 +167,21 @@ def _write_chakra(args, meta, topology, pairs) -> None:
     print(f"Chakra traces ({traffic.steps} steps x {len(meta.moe_layers)} MoE layers, one file per rank):")
     for path, nodes in files:
         print(f"  {path}  {nodes:,} nodes, {path.stat().st_size:,} bytes")
+
+
+def _write_astra_configs(prefix, topology, net) -> None:
+    """Write the ASTRA-sim network, system and remote-memory files beside the traces; print the command."""
+    from locus.routing.replay.astra_config import astra_command, shell_command, write_astra_configs
+
+    try:
+        files = write_astra_configs(prefix, topology, net)
+    except OSError as exc:
+        raise LocusError(f"cannot write the ASTRA-sim configs {prefix}.*: {exc.strerror or exc}") from None
+    print(f"ASTRA-sim configs ({topology.nodes}x{topology.gpus_per_node}): {files.network}, {files.system}, "
+          f"{files.remote_memory}")
+    print("run them with ASTRA-sim's analytical backend (docs/interop.md):")
+    argv = astra_command("ASTRA_SIM_BIN", prefix, files)
+    print('  "${ASTRA_SIM_BIN:-AstraSim_Analytical_Congestion_Unaware}" ' + shell_command(argv[1:]))
 
 
 def _write(path: str, write) -> None:

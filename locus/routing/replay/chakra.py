@@ -19,7 +19,8 @@ COMM_RECV in the receiver's, both with the exact bytes (rows x hidden x dtype by
 not an equal-split all-to-all, so no COMM_COLL_NODE. The replay's inter_node_bytes are the sum of the
 tier-1 sends (both directions), its intra_node_bytes the sum of the tier-2 sends.
 
-Attributes, named and typed as Chakra's feeder reads them (src/feeder/et_feeder_node.cpp):
+Attributes, named and typed as ASTRA-sim's Chakra feeder reads them (src/feeder_v3/et_feeder_node_attr.h;
+the older src/feeder reads the same names):
     is_cpu_op bool (false on every node: ASTRA-sim refuses a comm node on the CPU), comm_src int32,
     comm_dst int32, comm_size int64 (bytes), comm_tag int32.
 comm_tag = (((step * L + layer) * 4 + phase) * R + src) * R + dst, phase 0..3 = tier-1 dispatch,
