@@ -372,10 +372,20 @@ class RequestStream:
             await self.aclose(abort=False)
         return item
 
+    def listen(self, listener: Callable[[object], bool] | None) -> None:
+        """Have `listener` called, on this event loop, with each output or error as the engine
+        delivers it (outputs that waited, merged, first) instead of iterating. It returns False when
+        it cannot take one now; call `drain` when it can. The listener must not raise."""
+        self._sink.listen(listener)
+
+    def drain(self) -> None:
+        self._sink.drain()
+
     async def aclose(self, abort: bool = True) -> None:
         if self._done:
             return
         self._done = True
+        self._sink.listen(None)
         if abort:
             self.engine.abort(self.request_id)
         self.engine._sinks.pop(self.request_id, None)
@@ -391,16 +401,23 @@ class _Sink:
     """One request's outputs, from the engine thread (through call_soon_threadsafe) to its single
     reader on the event loop. Lighter than asyncio.Queue, which the loop would pay for per token
     per stream, on the cores the forward needs; outputs waiting when the reader comes back are
-    merged into one, so a lagging stream catches up with one frame."""
+    merged into one, so a lagging stream catches up with one frame.
 
-    __slots__ = ("_items", "_waiter", "_final_only")
+    A reader may instead listen: its callback gets each output as it is put, on the event loop, with
+    no task to wake (the server writes a stream's frames from there). A callback that cannot take an
+    output now returns False; the output then waits, merged with later ones, until `drain`."""
+
+    __slots__ = ("_items", "_waiter", "_final_only", "_listener")
 
     def __init__(self, final_only: bool = False):
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._final_only = final_only  # keep only the latest output; wake the reader when it is the last
+        self._listener: Callable[[object], bool] | None = None
 
     def put(self, item) -> None:  # on the event loop
+        if self._listener is not None and not self._items and self._listener(item):
+            return
         if self._final_only and isinstance(item, RequestOutput):
             if self._items and isinstance(self._items[-1], RequestOutput):
                 self._items[-1] = item  # a later output holds everything an earlier one did
@@ -424,6 +441,9 @@ class _Sink:
                 await self._waiter
             finally:
                 self._waiter = None
+        return self._take()
+
+    def _take(self):
         items = self._items
         first = items[0]
         if len(items) == 1 or isinstance(first, BaseException):
@@ -435,6 +455,20 @@ class _Sink:
             count += 1
         del items[:count]  # an error after the outputs stays for the next get()
         return first
+
+    def listen(self, listener: Callable[[object], bool] | None) -> None:
+        """Hand every output to `listener` as it is put (None: back to get()); what waits now goes first."""
+        self._listener = listener
+        if listener is not None:
+            self.drain()
+
+    def drain(self) -> None:
+        """Offer what waits to the listener (merged, as get() would) until it declines or nothing is left."""
+        while self._items and self._listener is not None:
+            item = self._take()
+            if not self._listener(item):
+                self._items.insert(0, item)
+                return
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -13,9 +13,17 @@ DEFAULT_MODEL_HELP = (
 )
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+# generate and serve default to the shipped trained model, as a newcomer expects readable text
+SHIPPED_DEFAULT_HELP = (
+    "checkpoint directory (HuggingFace Llama-4 format), 'mini' (the small trained model shipped in "
+    "locus/assets/mini), or preset name (tiny, small, scout-2l: seeded RANDOM weights, gibberish). "
+    "Default: 'mini' ('tiny' where it is not installed)"
+)
+
+
+def add_model_args(p: argparse.ArgumentParser, model_help: str = DEFAULT_MODEL_HELP) -> None:
     """Flags shared by every command that loads a model (generate, serve, bench)."""
-    p.add_argument("--model", default=None, help=DEFAULT_MODEL_HELP)
+    p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: the checkpoint's, or the preset's: float32, bfloat16 for scout-2l)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -26,8 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="generate a continuation of a prompt",
-                                description="Generate text from a prompt. " + DEFAULT_MODEL_HELP + ".")
-    add_model_args(gen)
+                                description="Generate text from a prompt. " + SHIPPED_DEFAULT_HELP + ".")
+    add_model_args(gen, SHIPPED_DEFAULT_HELP)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -65,7 +73,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except InvalidParameter as exc:
         print(f"locus: error: {exc}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, moe_backend=args.moe_backend)
+    from locus.engine.checkpoint.loader import default_serve_model
+
+    llm = LLM(args.model or default_serve_model(), dtype=args.dtype, device=args.device, moe_backend=args.moe_backend)
     tok = llm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tok.encode(text, add_special_tokens=not args.chat)

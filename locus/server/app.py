@@ -17,14 +17,16 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from locus.engine.async_engine import AsyncEngine
+from locus.engine.outputs import RequestOutput
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.grammar_limits import CompilePools
 from locus.engine.ep.driver import EPDriver
@@ -37,6 +39,7 @@ from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
+from locus.server.event_stream import Block, EventStreamResponse, ListenedEventStream
 from locus.server.metrics import ServerMetrics
 from locus.traces.merge import merge_traces
 from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
@@ -446,9 +449,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                stream_events(streams, params.n, request_id, fmt, include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if len(streams) == 1:  # the usual case: written from the engine's per-step delivery
+                return ListenedEventStream(streams[0], frame_renderer(fmt, request_id, params.n, include_usage), sse_error,
+                                           "".join(fmt.stream_start(request_id, 1, params.n)), headers)
+            return EventStreamResponse(stream_events(streams, params.n, request_id, fmt, include_usage), headers)
         finals = await until_disconnected(raw, collect_all(streams))
         if finals is None:
             return Response(status_code=499)  # client gone; nobody reads this
@@ -498,48 +503,47 @@ async def wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool):
-    """SSE frames for the prompts' output streams; an error inside a stream becomes one error frame.
-    Closing this generator (client gone) closes the streams, which aborts their requests."""
+def frame_renderer(fmt, request_id: str, n: int, include_usage: bool) -> Callable[[RequestOutput], Block]:
+    """One prompt's outputs -> SSE text: every frame of an output in one block; the finished output's
+    block also carries the usage chunk (if asked) and `[DONE]`, and ends the body."""
     usage = responses.Usage()
-    for frame in fmt.stream_start(request_id, len(streams), n):
-        yield frame
 
-    def frames(i: int, out) -> list[str]:
-        return fmt.stream_chunk(request_id, i, n, out, usage)
+    def render(out: RequestOutput) -> Block:
+        text = "".join(fmt.stream_chunk(request_id, 0, n, out, usage))
+        if not out.finished:
+            return text, False
+        if include_usage:
+            text += fmt.usage_chunk(request_id, usage)
+        return text + "data: [DONE]\n\n", True
 
-    if len(streams) == 1:
-        # One prompt (the usual case) is read directly: no merging generator between the engine's
-        # stream and the response, whose every layer the event loop pays per token per stream.
-        stream = streams[0]
-        try:
-            async for out in stream:
-                for frame in frames(0, out):
-                    yield frame
-        except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
-            yield sse_error(exc)
-            return
-        finally:
-            await stream.aclose()
-    else:
-        merged = merge_streams(streams)
-        try:
-            async for i, item in merged:
-                if isinstance(item, BaseException):
-                    yield sse_error(item)
-                    return
-                try:
-                    batch = frames(i, item)
-                except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
-                    yield sse_error(exc)
-                    return
-                for frame in batch:
-                    yield frame
-        finally:
-            await merged.aclose()
-    if include_usage:
-        yield fmt.usage_chunk(request_id, usage)
-    yield "data: [DONE]\n\n"
+    return render
+
+
+async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool) -> AsyncIterator[Block]:
+    """The SSE text of several prompts' output streams, one block per engine output (one write
+    each); the block that ends the body carries the usage chunk and `[DONE]`. An error inside a
+    stream becomes one error frame, which ends the body. Closing this generator (client gone)
+    closes the streams, which aborts their requests."""
+    usage = responses.Usage()
+    start = "".join(fmt.stream_start(request_id, len(streams), n))
+    if start:
+        yield start, False
+    merged = merge_streams(streams)
+    try:
+        async for i, item in merged:
+            if isinstance(item, BaseException):
+                yield sse_error(item), True
+                return
+            try:
+                text = "".join(fmt.stream_chunk(request_id, i, n, item, usage))
+            except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
+                yield sse_error(exc), True
+                return
+            if text:
+                yield text, False
+    finally:
+        await merged.aclose()
+    yield (fmt.usage_chunk(request_id, usage) if include_usage else "") + "data: [DONE]\n\n", True
 
 
 async def merge_streams(streams):

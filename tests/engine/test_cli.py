@@ -10,16 +10,19 @@ def locus(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "locus.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_generate_on_embedded_default_prints_text():
+def test_generate_defaults_to_the_shipped_trained_model():
     r = locus("generate", "--prompt", "Hello", "--max-tokens", "8", "--seed", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello")
-    assert "random weights" in r.stderr
+    assert "random weights" not in r.stderr
+    assert r.stdout == locus("generate", "--model", "mini", "--prompt", "Hello", "--max-tokens", "8", "--seed", "0").stdout
 
 
-def test_help_says_default_weights_are_random():
-    r = locus("generate", "--help")
-    assert r.returncode == 0 and "RANDOM" in r.stdout.replace("\n", " ")
+def test_a_preset_says_its_weights_are_random():
+    r = locus("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "8", "--seed", "0")
+    assert r.returncode == 0 and "random weights" in r.stderr
+    h = locus("generate", "--help").stdout.replace("\n", " ")
+    assert "RANDOM" in h and "Default: 'mini'" in " ".join(h.split())
 
 
 def test_init_model_then_generate_from_directory_is_deterministic(tmp_path):
@@ -27,7 +30,7 @@ def test_init_model_then_generate_from_directory_is_deterministic(tmp_path):
     r = locus("init-model", "--preset", "tiny", "--out", str(out), "--seed", "0")
     assert r.returncode == 0, r.stderr
     from_dir = locus("generate", "--model", str(out), "--prompt", "abc", "--max-tokens", "6")
-    embedded = locus("generate", "--prompt", "abc", "--max-tokens", "6")
+    embedded = locus("generate", "--model", "tiny", "--prompt", "abc", "--max-tokens", "6")
     assert from_dir.returncode == 0 and from_dir.stdout == embedded.stdout
 
 

@@ -171,3 +171,34 @@ def test_compare_constrained_runs_the_workload_twice_and_reports_the_ratio(serve
     assert constrained["fraction"] == 0.5 and len(constrained["rounds"]) == 2
     assert all(row["failed"] == 0 and row["free"] > 0 and row["constrained"] > 0 for row in constrained["rounds"])
     assert constrained["median_ratio"] > 0
+
+
+def test_the_client_skips_decoding_only_chunks_that_carry_a_token_and_nothing_else():
+    """The load client leaves plain token chunks undecoded; every chunk our formats produce, even
+    with text that looks like the keys it looks for, is classified as decoding it would."""
+    from tests.bench_scripts import BENCH
+    sys.path.insert(0, str(BENCH))
+    from serve_lib.load import carries_token, plain_token_chunk
+
+    from locus.engine.checkpoint.loader import load
+    from locus.engine.outputs import CompletionOutput, RequestOutput
+    from locus.server import responses
+
+    tok = load("tiny").tokenizer
+    texts = ["hi", '"usage": {}', '"error": 1', '"role": "x"', "\n\n", ""]
+    for fmt, chat in ((responses.CompletionFormat("m", tok), False), (responses.ChatFormat("m", tok), True)):
+        usage = responses.Usage()
+        frames = fmt.stream_start("r", 1, 1)
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            out = RequestOutput("r", [1], [CompletionOutput(0, "", [], text, [5], finish_reason="length" if last else None)],
+                                last, metrics=None)
+            frames += fmt.stream_chunk("r", 0, 1, out, usage)
+        frames.append(fmt.usage_chunk("r", usage))
+        for frame in frames:
+            data = frame[len("data: "):].strip().encode()
+            chunk = json.loads(data)
+            if plain_token_chunk(data, chat):  # skipping the decode loses nothing
+                assert carries_token(chunk, chat) and "usage" not in chunk and "error" not in chunk, frame
+        # every token chunk, the finishing one too, skips it (not the role chunk nor the usage chunk)
+        assert sum(plain_token_chunk(f[6:].strip().encode(), chat) for f in frames) == len(texts)
