@@ -39,7 +39,7 @@ from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
-from locus.server.event_stream import Block, EventStreamResponse, ListenedEventStream
+from locus.server.event_stream import Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
 from locus.server.metrics import ServerMetrics
 from locus.traces.merge import merge_traces
 from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
@@ -483,7 +483,7 @@ async def until_disconnected(raw: Request, coro):
     per request ran an anyio cancel scope on the event loop, which shares the cores (and the GIL)
     with the forward pass."""
     task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_for_disconnect(raw))
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -496,13 +496,6 @@ async def until_disconnected(raw: Request, coro):
                 t.cancel()
 
 
-async def wait_for_disconnect(raw: Request) -> None:
-    """Return when the client is gone. The body has been read, so the server's next message is
-    http.disconnect (uvicorn sends it when the connection drops, or once the response is complete)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
 def frame_renderer(fmt, request_id: str, n: int, include_usage: bool) -> Callable[[RequestOutput], Block]:
     """One prompt's outputs -> SSE text: every frame of an output in one block; the finished output's
     block also carries the usage chunk (if asked) and `[DONE]`, and ends the body."""
@@ -512,11 +505,14 @@ def frame_renderer(fmt, request_id: str, n: int, include_usage: bool) -> Callabl
         text = "".join(fmt.stream_chunk(request_id, 0, n, out, usage))
         if not out.finished:
             return text, False
-        if include_usage:
-            text += fmt.usage_chunk(request_id, usage)
-        return text + "data: [DONE]\n\n", True
+        return text + stream_end(fmt, request_id, usage, include_usage), True
 
     return render
+
+
+def stream_end(fmt, request_id: str, usage: "responses.Usage", include_usage: bool) -> str:
+    """What closes every stream: the usage chunk (when asked for), then `[DONE]`."""
+    return (fmt.usage_chunk(request_id, usage) if include_usage else "") + "data: [DONE]\n\n"
 
 
 async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool) -> AsyncIterator[Block]:
@@ -543,7 +539,7 @@ async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bo
                 yield text, False
     finally:
         await merged.aclose()
-    yield (fmt.usage_chunk(request_id, usage) if include_usage else "") + "data: [DONE]\n\n", True
+    yield stream_end(fmt, request_id, usage, include_usage), True
 
 
 async def merge_streams(streams):

@@ -44,8 +44,7 @@ class EventStreamResponse(Response):
         async def watch() -> None:
             # After the last write the server answers receive() with http.disconnect too: `ending`
             # tells the two apart.
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await wait_for_disconnect(receive)
             if not state["ending"]:
                 state["gone"] = True
                 writer.cancel()
@@ -92,14 +91,13 @@ class ListenedEventStream(Response):
             await send({"type": "http.response.body", "body": self.start.encode(), "more_body": True})
         loop = asyncio.get_running_loop()
         writer = _Writer(send, self.render, self.error_frame, loop.create_future(), self.stream)
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             self.stream.listen(writer.take)
             await asyncio.wait({writer.done, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if writer.done.done():
                 writer.done.result()  # a failed write raises here
         finally:
-            self.stream.listen(None)
             watcher.cancel()
             if writer.pending is not None:
                 writer.pending.cancel()
@@ -198,6 +196,8 @@ async def _resume(coro, waiting_on) -> None:
             return
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client is gone: the server's next message after the request body is
+    http.disconnect (uvicorn sends it when the connection drops, or once the response is complete)."""
     while (await receive())["type"] != "http.disconnect":
         pass
