@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="untimed short requests sent at once before each run, offline too (default: the run's "
                            "batch width, min(--num-prompts, --concurrency), so the timed batch shapes are warm)")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    load.add_argument("--client", choices=["raw", "aiohttp"], default="raw",
+                      help="the load's HTTP client: raw (a connection per request parsed in the transport's "
+                           "callback; least CPU, which matters when client and server share cores) or aiohttp "
+                           "(pooled keep-alive connections, as vLLM's benchmark)")
 
     engine = p.add_argument_group("engine (for --compare-offline and --launch-model; match the server's)")
     engine.add_argument("--compare-offline", action="store_true",
@@ -163,8 +167,9 @@ def base_url(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:  # checked here so a missing client library is one line, not a traceback
-        import aiohttp  # noqa: F401 - the load
         import httpx  # noqa: F401 - setup requests
+        if args.client == "aiohttp":
+            import aiohttp  # noqa: F401 - the load
     except ImportError as exc:
         print(f"{PROG}: error: needs {exc.name} (pip install aiohttp httpx)", file=sys.stderr)
         return 2

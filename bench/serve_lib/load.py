@@ -1,9 +1,10 @@
-"""The HTTP load of bench/serve.py: streaming requests with aiohttp, timing them, and their summary."""
+"""The HTTP load of bench/serve.py: streaming requests (raw_http.py or aiohttp), timing them, and their summary."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -114,51 +115,77 @@ def plain_token_chunk(data: bytes, chat: bool) -> bool:
     return b'"choices": [{' in data or b'"choices":[{' in data
 
 
+class StreamTally:
+    """One streamed response, read as its bytes arrive: SSE events are split on blank lines, each
+    `data:` line is one chunk; token-carrying chunks are timed (TTFT, ITL) and counted, the usage
+    chunk is kept, an error chunk ends the request. Both load clients feed it."""
+
+    def __init__(self, chat: bool, start: float):
+        self.chat, self.start = chat, start
+        self.ttft: float | None = None
+        self.last, self.itl, self.chunks, self.usage = start, [], 0, None
+        self.pending = b""
+        self.error: str | None = None  # a stream error chunk: the request failed
+        self.done = False  # [DONE] seen
+
+    def feed(self, received: bytes) -> None:
+        """Whatever bytes have arrived, at once (one call per read, not per line). Raises
+        json.JSONDecodeError (a ValueError) on a chunk that is not JSON."""
+        *events, self.pending = (self.pending + received).split(b"\n\n")
+        for event in events:
+            now = time.perf_counter()  # per event, as when reading line by line
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    self.done = True
+                    break
+                if plain_token_chunk(data, self.chat):
+                    token = True
+                else:
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        self.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                        return
+                    if chunk.get("usage"):
+                        self.usage = chunk["usage"]
+                    token = carries_token(chunk, self.chat)
+                if token:
+                    if self.ttft is None:
+                        self.ttft = now - self.start
+                    else:
+                        self.itl.append(now - self.last)
+                    self.last, self.chunks = now, self.chunks + 1
+
+    def result(self, prompt_len: int | None) -> RequestResult:
+        """The request's result once its stream has ended."""
+        if self.error is not None:
+            return RequestResult(False, error=self.error)
+        e2e = time.perf_counter() - self.start
+        if self.ttft is None:
+            return RequestResult(False, error="the stream ended without a generated token")
+        output = self.usage["completion_tokens"] if self.usage else self.chunks
+        prompt = self.usage["prompt_tokens"] if self.usage else (prompt_len or 0)
+        return RequestResult(True, prompt, output, self.ttft, e2e, self.itl)
+
+
 async def send_request(session, url: str, body: dict, chat: bool, prompt_len: int | None) -> RequestResult:
+    """One streamed request through aiohttp (`--client aiohttp`)."""
     import aiohttp
 
-    start = time.perf_counter()
-    ttft, last, itl, chunks, usage = None, start, [], 0, None
+    tally = StreamTally(chat, time.perf_counter())
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
                 return RequestResult(False, error=f"HTTP {resp.status}: {error_message(await resp.read())}")
-            # Whatever bytes have arrived, at once (one await per read, not per line): events end
-            # with a blank line; each `data:` line is one chunk.
-            pending = b""
             async for received in resp.content.iter_any():
-                *events, pending = (pending + received).split(b"\n\n")
-                for event in events:
-                    now = time.perf_counter()  # per event, as when reading line by line
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            break
-                        if plain_token_chunk(data, chat):
-                            token = True
-                        else:
-                            chunk = json.loads(data)
-                            if "error" in chunk:
-                                return RequestResult(False, error=f"stream error: {chunk['error'].get('message', chunk['error'])}")
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            token = carries_token(chunk, chat)
-                        if token:
-                            if ttft is None:
-                                ttft = now - start
-                            else:
-                                itl.append(now - last)
-                            last, chunks = now, chunks + 1
+                tally.feed(received)
+                if tally.error is not None:
+                    break
     except (aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
-    e2e = time.perf_counter() - start
-    if ttft is None:
-        return RequestResult(False, error="the stream ended without a generated token")
-    output = usage["completion_tokens"] if usage else chunks
-    prompt = usage["prompt_tokens"] if usage else (prompt_len or 0)
-    return RequestResult(True, prompt, output, ttft, e2e, itl)
+    return tally.result(prompt_len)
 
 
 def error_message(raw: bytes) -> str:
@@ -189,19 +216,12 @@ class LoadRun:
 async def run_load(args: argparse.Namespace, url: str, bodies: list[dict], prompt_lens: list[int | None],
                    warmup: list[dict], server_pid: int | None) -> LoadRun:
     """Warm up, then send every request (at most --concurrency in flight)."""
-    # aiohttp, not httpx, for the load itself: its C parser costs a third of httpx's CPU per streamed
-    # token (0.05 vs 0.18 CPU s for 32 x 64 tokens), and on a small machine the client shares the
-    # cores with the server it measures.
-    import aiohttp
-
     chat = args.endpoint == "chat"
     width = args.concurrency or len(bodies)
-    connector = aiohttp.TCPConnector(limit=width)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.request_timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
+    async with load_client(args, url, chat, width) as send:
         async def bounded(body: dict, prompt_len: int | None) -> RequestResult:
-            try:  # the session's timeout bounds each read; this bounds the whole request
-                return await asyncio.wait_for(send_request(client, url, body, chat, prompt_len), args.request_timeout)
+            try:  # the client's own timeout bounds each read (aiohttp); this bounds the whole request
+                return await asyncio.wait_for(send(body, prompt_len), args.request_timeout)
             except asyncio.TimeoutError:
                 return RequestResult(False, error=f"no complete response within {args.request_timeout:.0f}s")
 
@@ -227,3 +247,28 @@ async def run_load(args: argparse.Namespace, url: str, bodies: list[dict], promp
     server_cpu = server1 - server0 if server0 is not None and server1 is not None else None
     # without a server of ours its CPU is unknown, and so is everyone else's
     return LoadRun(list(results), duration, client_cpu, server_cpu, others_cpu(busy0, busy1, client_cpu, server_cpu))
+
+
+@contextlib.asynccontextmanager
+async def load_client(args: argparse.Namespace, url: str, chat: bool, width: int):
+    """`send(body, prompt_len) -> RequestResult` of the chosen --client.
+
+    raw (the default): serve_lib/raw_http.py, a connection per request parsed in the transport's
+    callback, ~3x less client CPU per streamed token than aiohttp (docs/serving.md). aiohttp: a pooled
+    keep-alive client with a C parser, the common choice of serving benchmarks (vLLM's among them);
+    httpx's async client costs 3x aiohttp's CPU per streamed token (0.18 vs 0.05 CPU s for 32 x 64)."""
+    if args.client == "raw":
+        from serve_lib.raw_http import encode_request, send_request_raw
+
+        try:
+            encode_request(url, {})
+        except ValueError as exc:  # https://, say: one line, before any request
+            raise BenchError(str(exc)) from None
+        yield lambda body, prompt_len: send_request_raw(url, body, chat, prompt_len)
+        return
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=width)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as session:
+        yield lambda body, prompt_len: send_request(session, url, body, chat, prompt_len)

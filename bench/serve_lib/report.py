@@ -54,7 +54,7 @@ def print_report(args: argparse.Namespace, load: LoadReport, offline: list[Offli
         print(f"{name:<10}" + "".join(f"{'-' if v is None else f'{v:.1f}':>12}" for v in (pct.mean, pct.median, pct.p90, pct.p99)))
     server_cpu = f", server {load.server_cpu_s:.1f}" if load.server_cpu_s is not None else ""
     other = f", other processes {load.other_cpu_s:.1f}" if load.other_cpu_s is not None else ""
-    print(f"CPU seconds during the run: client {load.client_cpu_s:.1f} ({load.client_loop} loop){server_cpu}{other} (wall {load.duration_s:.1f})")
+    print(f"CPU seconds during the run: client {load.client_cpu_s:.1f} ({args.client}, {load.client_loop} loop){server_cpu}{other} (wall {load.duration_s:.1f})")
     for error in load.errors:
         print(f"  failure: {error}")
     if offline:
@@ -89,7 +89,7 @@ def write_json(path: str, args: argparse.Namespace, url: str, model: str, rounds
         "bench": "serve", "base_url": url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "concurrency": args.concurrency, "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "seed": args.seed, "warmup": args.warmup, "load": asdict(load),
+        "seed": args.seed, "warmup": args.warmup, "client": args.client, "load": asdict(load),
         # load/offline: the last round. offline[0]: the server's engine flags; offline[1], if present:
         # max_num_seqs = --concurrency. The ratios are medians over the rounds.
         "offline": [asdict(o) for o in offline],

@@ -39,7 +39,7 @@ from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
-from locus.server.event_stream import Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
+from locus.server.event_stream import SERVER_SEND, Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
 from locus.server.metrics import ServerMetrics
 from locus.traces.merge import merge_traces
 from locus.server.prompts import check_text_size, lone_surrogate_path, off_loop_if_large, text_chars
@@ -65,6 +65,7 @@ class ServerConfig:
     seed: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)  # KV cache, batch limits, prefix caching
     max_waiting: int | None = None
+    burst_wait_ms: float = 2.0  # an idle engine's wait for the rest of a burst (AsyncEngine.burst_wait_s)
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
@@ -143,7 +144,8 @@ class ServerState:
                 loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
             if grouping is not None:  # the grouper learns each request's expert signature from its prefill
                 core.routing.subscribe(grouping.observe)
-            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver)
+            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver,
+                                 burst_wait_s=c.burst_wait_ms / 1000.0)
             self.metrics = ServerMetrics(engine, self.model_name)
             engine.on_finished = self.metrics.observe_output
             engine.start()
@@ -188,10 +190,18 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
 
+class LocusAPI(FastAPI):
+    """FastAPI that keeps the server's own `send` in the scope, for streamed bodies (event_stream.body_send)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def reject_lone_surrogates(body) -> None:
     """400 for text that is not Unicode (a JSON "\\ud800" escape with no pair): it could be neither
     tokenized nor written back, and the error message must not echo it."""
-    path = lone_surrogate_path(body.model_dump())
+    path = lone_surrogate_path(body)
     if path is not None:
         raise InvalidParameter(path, f"{path} contains a lone UTF-16 surrogate, which is not valid Unicode text")
 
@@ -266,7 +276,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                     shutil.rmtree(part, ignore_errors=True)
                 log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, len(ranks))
 
-    app = FastAPI(title="Locus", lifespan=lifespan)
+    app = LocusAPI(title="Locus", lifespan=lifespan)
     app.state.locus = state
     install_handlers(app)
 

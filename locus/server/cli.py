@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=None, help="reject new requests with 503 beyond this many waiting")
+    p.add_argument("--burst-wait-ms", type=float, default=2.0,
+                   help="an idle engine that gets a request waits until none has arrived for this long (at most "
+                        "10x as long) before its first step, so a burst is prefilled in one step; a lone request's "
+                        "TTFT grows by at most this (0: start at once; not used under expert parallelism)")
     p.add_argument("--record-trace", default=None, metavar="DIR",
                    help="record every request's expert routing into a locus-trace directory (written at shutdown; "
                         "prefix caching is bypassed while recording)")
@@ -188,6 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
                        args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots)
+    if not 0 <= args.burst_wait_ms <= 1000:
+        raise LocusError(f"--burst-wait-ms must be between 0 and 1000 (got {args.burst_wait_ms})")
     if setup is None and (args.replan_every or args.replan_api):
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and setup.rank != 0:
@@ -197,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
+        burst_wait_ms=args.burst_wait_ms,
         record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template,
         trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=parse_memory(args.trace_max_bytes)))
 

@@ -26,6 +26,19 @@ if TYPE_CHECKING:
 # A block of SSE text, and whether it is the last of the body.
 Block = tuple[str, bool]
 
+# The scope key under which LocusAPI keeps the server's own `send` (see body_send).
+SERVER_SEND = "locus.server_send"
+
+
+def body_send(scope: Scope, send: Send) -> Send:
+    """Where a stream writes its body chunks: the server's own `send`, past the send wrappers of
+    Starlette's and FastAPI's middleware (server errors, exception handlers, body limit), which
+    each look only at `http.response.start` and pass every body message through. That start
+    message still goes through them. Each wrapper is a coroutine per call, and the body is written
+    once per token per stream, on the event loop that shares the cores with the forward pass. An
+    app that adds a middleware which rewrites bodies (gzip, say) must not use this."""
+    return scope.get(SERVER_SEND, send)
+
 
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
@@ -90,7 +103,7 @@ class ListenedEventStream(Response):
         if self.start:
             await send({"type": "http.response.body", "body": self.start.encode(), "more_body": True})
         loop = asyncio.get_running_loop()
-        writer = _Writer(send, self.render, self.error_frame, loop.create_future(), self.stream)
+        writer = _Writer(body_send(scope, send), self.render, self.error_frame, loop.create_future(), self.stream)
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             self.stream.listen(writer.take)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, TypeVar
 
+from pydantic import BaseModel
+
 from locus.engine.sampling import InvalidParameter
 from locus.engine.checkpoint.tokenizer import Tokenizer
 
@@ -52,7 +54,8 @@ async def off_loop_if_large(chars: int, work: Callable[[], T]) -> T:
 
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """Where a lone UTF-16 surrogate (JSON "\\ud800" with no pair) sits in a parsed body, or None.
+    """Where a lone UTF-16 surrogate (JSON "\\ud800" with no pair) sits in a parsed body (a pydantic
+    model, or plain dicts and lists), or None.
     Such a string is not Unicode text: it cannot be tokenized, nor written back as UTF-8. Iterative,
     depth-first in document order, for the same reason as text_chars."""
     stack = [(value, path)]
@@ -68,6 +71,8 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
             continue
         if isinstance(item, dict):
             children = list(item.items())
+        elif isinstance(item, BaseModel):  # its fields (and extras) as they are: no model_dump per request
+            children = list(item.__dict__.items()) + list((item.model_extra or {}).items())
         elif isinstance(item, (list, tuple)):
             children = list(enumerate(item))
         else:

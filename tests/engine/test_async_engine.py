@@ -1,10 +1,13 @@
 """AsyncEngine's hand-over to the event loop: a reader that falls behind gets its backlog as one
-merged output, and nothing is lost or reordered on the way."""
+merged output, and nothing is lost or reordered on the way; an idle engine gathers a burst of
+arrivals into its first step."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+from locus.engine import async_engine
 from locus.engine.async_engine import AsyncEngine, _Sink
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.generate import generate_tokens
@@ -98,3 +101,54 @@ def test_a_final_only_reader_gets_just_the_finished_output(tiny, tok):
     assert len(streamed) > 1 and len(whole) == 1 and whole[0].finished
     assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids == generate_tokens(tiny, prompt, 12)
     assert whole[0].outputs[0].text == streamed[-1].outputs[0].text
+
+
+def burst_run(tiny, tok, burst_wait_s: float, gaps: list[float]) -> tuple[float, list[tuple[float, int]]]:
+    """A fresh engine gets one request, then one more after each gap; every request is read to the
+    end. Returns when the first was added and (time, number of outputs) of every step (monotonic)."""
+    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    steps, step = [], core.step
+
+    def counted():
+        outputs = step()
+        steps.append((time.monotonic(), len(outputs)))
+        return outputs
+
+    core.step = counted
+    engine = AsyncEngine(core, burst_wait_s=burst_wait_s)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def main():
+        start = time.monotonic()
+        streams = [engine.add(tok.encode("burst 0"), params)]
+        for i, gap in enumerate(gaps, 1):
+            await asyncio.sleep(gap)
+            streams.append(engine.add(tok.encode(f"burst {i}"), params))
+        for stream in streams:
+            async with stream:
+                async for _ in stream:
+                    pass
+        return start
+
+    engine.start()
+    try:
+        return asyncio.run(main()), steps
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_engine_prefills_a_burst_in_one_step_and_a_trickle_by_the_cap(tiny, tok, monkeypatch):
+    # a burst: gaps shorter than the quiet period, so all three are in the first step
+    _, steps = burst_run(tiny, tok, 0.15, [0.03, 0.03])
+    assert steps[0][1] == 3, steps
+    # a lone request waits one quiet period, not more
+    start, steps = burst_run(tiny, tok, 0.15, [])
+    assert steps[0][1] == 1 and 0.1 < steps[0][0] - start < 0.15 * async_engine.BURST_WAIT_CAP
+    # without the wait the first arrival is stepped at once, alone
+    _, steps = burst_run(tiny, tok, 0.0, [0.03, 0.03])
+    assert steps[0][1] == 1, steps
+    # a trickle that never goes quiet starts at the cap with what has come
+    monkeypatch.setattr(async_engine, "BURST_WAIT_CAP", 4)
+    start, steps = burst_run(tiny, tok, 0.1, [0.04] * 15)  # 0.6 s of arrivals, never 0.1 s apart
+    waited = steps[0][0] - start
+    assert 0.4 <= waited < 0.6 and 5 <= steps[0][1] < 16, (waited, steps[:3])

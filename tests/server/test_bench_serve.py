@@ -61,15 +61,18 @@ def bench(*args: str, via_cli: bool = False, timeout: int = 120) -> subprocess.C
     return subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp_path):
+@pytest.mark.parametrize("client", ["raw", "aiohttp"])
+def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp_path, client):
     out = tmp_path / "serve.json"
     r = bench("--base-url", server_url, "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
-              "--concurrency", "2", "--out", str(out))
+              "--concurrency", "2", "--client", client, "--out", str(out))
     assert r.returncode == 0, r.stderr
+    assert f"({client}, " in r.stdout  # the CPU line names the client
     assert "Output token throughput" in r.stdout and "TTFT" in r.stdout
     result = json.loads(out.read_text())
     load = result["load"]
     assert result["model"] == "tiny" and result["endpoint"] == "completions" and result["request_rate"] == "inf"
+    assert result["client"] == client
     assert (load["successful"], load["failed"], load["errors"]) == (4, 0, [])
     assert (load["prompt_tokens"], load["output_tokens"]) == (4 * 8, 4 * 5)  # token-id prompts + ignore_eos: exact
     assert load["duration_s"] > 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from fastapi import Request
+
 from locus.engine.async_engine import _Sink
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.server.event_stream import ListenedEventStream
@@ -60,7 +62,7 @@ async def never_disconnects():
 async def respond(stream: Stream, transport: Transport, receive=never_disconnects, start: str = "") -> asyncio.Task:
     """The response running in its own task, as the server runs it."""
     response = ListenedEventStream(stream, render, lambda exc: f"data: error {exc}\n\n", start=start)
-    task = asyncio.create_task(response(None, receive, transport.send))
+    task = asyncio.create_task(response({"type": "http"}, receive, transport.send))
     await asyncio.sleep(0)
     return task
 
@@ -136,5 +138,61 @@ def test_outputs_before_the_response_starts_go_out_first_and_a_client_that_leave
         assert stream.closed_with_abort is True
         stream.sink.put(output("late"))  # nobody listens any more: it waits in the sink, unwritten
         assert len(transport.bodies) == 2
+
+    asyncio.run(main())
+
+
+def test_body_chunks_go_to_the_servers_own_send_past_the_middleware_wrappers():
+    """The start message passes the app's send (with its middleware wrappers); the per-token body
+    writes go to the server's send that LocusAPI kept in the scope, with the same bytes."""
+    from locus.server.event_stream import SERVER_SEND
+
+    async def main():
+        stream, server, wrapped = Stream(), Transport(), []
+
+        async def through_middleware(message):
+            wrapped.append(message["type"])
+            await server.send(message)
+
+        response = ListenedEventStream(stream, render, lambda exc: f"data: error {exc}\n\n")
+        task = asyncio.create_task(response({"type": "http", SERVER_SEND: server.send}, never_disconnects,
+                                            through_middleware))
+        await asyncio.sleep(0)
+        stream.sink.put(output("a"))
+        stream.sink.put(output("b", finished=True))
+        await asyncio.wait_for(task, 1)
+        assert wrapped == ["http.response.start"]
+        assert server.bodies == [(b"data: a\n\n", True), (b"data: b\n\ndata: [DONE]\n\n", False)]
+
+    asyncio.run(main())
+
+
+def test_the_app_keeps_the_servers_send_in_the_scope():
+    """Over a real ASGI call: LocusAPI puts the server's send in the scope its routes see."""
+    from locus.server.app import LocusAPI
+    from locus.server.event_stream import SERVER_SEND
+
+    app = LocusAPI()
+    seen = {}
+
+    @app.get("/probe")
+    async def probe(request: Request):
+        seen["send"] = request.scope.get(SERVER_SEND)
+        return {}
+
+    async def main():
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app({"type": "http", "method": "GET", "path": "/probe", "headers": [], "query_string": b"",
+                   "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "server": ("t", 80),
+                   "root_path": ""}, receive, send)
+        assert sent[0]["status"] == 200
+        assert seen["send"] is send
 
     asyncio.run(main())

@@ -1,0 +1,203 @@
+"""The default load client (`--client raw`): one HTTP/1.1 POST per connection on an asyncio
+Protocol, its streamed response parsed in `data_received` as the bytes arrive.
+
+Why not aiohttp: on a small machine the client shares the cores with the server it measures, so its
+CPU per streamed token comes out of the server's forward passes. aiohttp wakes a task and runs its
+stream reader for every read (one per token per stream); here the bytes are de-chunked and handed
+to the `StreamTally` inside the transport's callback, and a task wakes once, when the response ends.
+What it speaks is what the benchmark needs and no more: `Connection: close` (a fresh connection per
+request, no pool), a status line and headers, then a chunked, Content-Length or until-close body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from urllib.parse import urlsplit
+
+from serve_lib.load import RequestResult, StreamTally, error_message
+
+MAX_HEAD_BYTES = 64 * 1024  # a response head larger than this is refused, not buffered forever
+
+
+class ResponseError(Exception):
+    """The server's bytes are not a well-formed HTTP/1.1 response."""
+
+
+class StreamedResponse(asyncio.Protocol):
+    """One request's connection: writes the request on connect, then parses the response.
+
+    States: reading the head (status line + headers), then the body. A 200 body is de-chunked and
+    fed to the tally as it arrives; any other status's body is kept whole for its error message.
+    `finished` gets the RequestResult when the body ends, the connection drops or the bytes break
+    HTTP."""
+
+    def __init__(self, request: bytes, tally: StreamTally, prompt_len: int | None, finished: asyncio.Future):
+        self.request, self.tally, self.prompt_len, self.finished = request, tally, prompt_len, finished
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""  # head bytes, or chunked-framing bytes not yet complete
+        self.status: int | None = None  # None: still reading the head
+        self.framing = "close"  # "chunked", "length" or "close" (the body ends with the connection)
+        self.remaining = 0  # "length": body bytes still to come; "chunked": bytes left in the current chunk
+        self.in_chunk = False  # "chunked": inside a chunk's data (else: before a size line)
+        self.error_body = b""  # a non-200 body
+
+    # -- transport callbacks --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self.finished.done():
+            return
+        try:
+            if self.status is None:
+                data = self.read_head(data)
+                if self.status is None:
+                    return
+            self.read_body(data)
+        except (ResponseError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            self.finish(RequestResult(False, error=f"{type(exc).__name__}: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.finished.done():
+            return
+        if self.status is not None and self.framing == "close":  # the body ends with the connection
+            self.end_body()
+        else:
+            reason = f": {exc}" if exc else ""
+            self.finish(RequestResult(False, error=f"the server closed the connection before the response ended{reason}"))
+
+    # -- parsing --------------------------------------------------------------------------------------
+    def read_head(self, data: bytes) -> bytes:
+        """Buffer until the blank line after the headers; parse them; return the body bytes after it."""
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD_BYTES:
+                raise ResponseError(f"no end of the response head within {MAX_HEAD_BYTES} bytes")
+            return b""
+        head, rest = self.buffer[:end].decode("latin-1"), self.buffer[end + 4:]
+        self.buffer = b""
+        status_line, *header_lines = head.split("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise ResponseError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        headers = {}
+        for line in header_lines:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ResponseError(f"a header line without ':': {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self.framing = "chunked"
+        elif "content-length" in headers:
+            self.framing, self.remaining = "length", int(headers["content-length"])
+        self.status = int(parts[1])
+        return rest
+
+    def read_body(self, data: bytes) -> None:
+        if self.framing == "chunked":
+            self.read_chunks(data)
+        elif self.framing == "length":
+            data = data[:self.remaining]
+            self.remaining -= len(data)
+            self.take(data)
+            if self.remaining == 0:
+                self.end_body()
+        else:
+            self.take(data)
+
+    def read_chunks(self, data: bytes) -> None:
+        """De-chunk what has arrived: every complete piece of chunk data goes to `take` at once (a
+        server's write of one token's frame is usually one chunk in one read)."""
+        buf, payload = self.buffer + data, []
+        pos = 0
+        while pos < len(buf):
+            if self.in_chunk:
+                piece = buf[pos:pos + self.remaining]
+                payload.append(piece)
+                pos += len(piece)
+                self.remaining -= len(piece)
+                if self.remaining:
+                    break  # the rest of this chunk is in a later read
+                self.in_chunk = False
+                continue
+            line_end = buf.find(b"\r\n", pos)
+            if line_end < 0:
+                if len(buf) - pos > 1024:
+                    raise ResponseError("a chunk size line longer than 1024 bytes")
+                break
+            size_text = buf[pos:line_end].split(b";", 1)[0].strip()
+            if not size_text:  # the CRLF that ends the previous chunk's data
+                pos = line_end + 2
+                continue
+            size = int(size_text, 16)  # ValueError: not chunked framing
+            pos = line_end + 2
+            if size == 0:  # the last chunk (trailers, if any, are ignored)
+                self.buffer = b""
+                self.take(b"".join(payload))
+                self.end_body()
+                return
+            self.in_chunk, self.remaining = True, size
+        self.buffer = buf[pos:]
+        if payload:
+            self.take(b"".join(payload))
+
+    def take(self, body: bytes) -> None:
+        if not body:
+            return
+        if self.status != 200:
+            self.error_body += body
+            return
+        self.tally.feed(body)
+        if self.tally.error is not None:
+            self.finish(self.tally.result(self.prompt_len))
+
+    def end_body(self) -> None:
+        if self.status != 200:
+            self.finish(RequestResult(False, error=f"HTTP {self.status}: {error_message(self.error_body)}"))
+        else:
+            self.finish(self.tally.result(self.prompt_len))
+
+    def finish(self, result: RequestResult) -> None:
+        if not self.finished.done():
+            self.finished.set_result(result)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def encode_request(url: str, body: dict) -> tuple[str, int, bytes]:
+    """(host, port, the request's bytes) of a JSON POST to url."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"the raw load client speaks plain http:// only, not {url!r} (use --client aiohttp)")
+    port = parts.port or 80
+    payload = json.dumps(body).encode()
+    host = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
+    head = (f"POST {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: {len(payload)}\r\n"
+            "Connection: close\r\n\r\n")
+    return parts.hostname, port, head.encode("latin-1") + payload
+
+
+async def send_request_raw(url: str, body: dict, chat: bool, prompt_len: int | None) -> RequestResult:
+    """One streamed request on a connection of its own. Cancelling it (the request timeout) closes
+    the connection, which the server sees as a disconnect."""
+    loop = asyncio.get_running_loop()
+    host, port, request = encode_request(url, body)
+    finished: asyncio.Future = loop.create_future()
+    tally = StreamTally(chat, time.perf_counter())
+    try:
+        transport, _ = await loop.create_connection(lambda: StreamedResponse(request, tally, prompt_len, finished),
+                                                    host, port)
+    except OSError as exc:
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+    try:
+        return await finished
+    finally:
+        transport.close()

@@ -1,0 +1,107 @@
+"""bench/serve_lib/raw_http.py, the load client of bench/serve.py: against a loopback server that
+writes scripted responses (split at every byte, or in one piece), what it reports for a stream,
+an error status, a connection cut mid-stream and bytes that are not HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+from tests.bench_scripts import BENCH
+
+sys.path.insert(0, str(BENCH))
+from serve_lib.raw_http import encode_request, send_request_raw  # noqa: E402
+
+
+def chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+def sse(*chunks: dict | str) -> list[bytes]:
+    return [f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode() for c in chunks]
+
+
+TOKEN = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+USAGE = {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def serve_once(response: bytes, split: bool, close_early: bool = False):
+    """A server that reads one request, answers `response` (one byte a write when split) and closes."""
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int([line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")][0].split(b":")[1])
+        requests.append(head + await reader.readexactly(length))
+        for piece in ([response[i:i + 1] for i in range(len(response))] if split else [response]):
+            writer.write(piece)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions", requests
+
+
+def fetch(response: bytes, split: bool = False):
+    async def main():
+        server, url, requests = await serve_once(response, split)
+        async with server:
+            result = await asyncio.wait_for(send_request_raw(url, {"prompt": [1, 2], "stream": True}, False, 2), 10)
+        return result, requests
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_chunked_event_stream_is_counted_and_timed_however_it_is_split(split):
+    body = sse(TOKEN, TOKEN, dict(TOKEN, choices=[{"index": 0, "text": "y", "finish_reason": "length"}]), USAGE, "[DONE]")
+    result, requests = fetch(HEAD + chunked(body[0], body[1] + body[2], *body[3:]), split)
+    assert result.ok, result.error
+    assert (result.output_tokens, result.prompt_tokens, len(result.itl)) == (3, 5, 2)
+    assert 0 < result.ttft <= result.e2e
+    head, _, payload = requests[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n") and b"Connection: close" in head
+    assert json.loads(payload) == {"prompt": [1, 2], "stream": True}
+
+
+def test_an_error_status_reports_the_servers_message():
+    error = json.dumps({"error": {"message": "max_tokens is too large", "type": "invalid_request_error"}}).encode()
+    for framing in (b"content-length: %d\r\n" % len(error), b"transfer-encoding: chunked\r\n"):
+        body = error if b"length" in framing else chunked(error[:10], error[10:])
+        result, _ = fetch(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n" + framing + b"\r\n" + body, split=True)
+        assert not result.ok and result.error == "HTTP 400: max_tokens is too large"
+
+
+def test_a_stream_error_chunk_fails_the_request():
+    body = sse(TOKEN, {"error": {"message": "engine step failed", "type": "server_error"}}, "[DONE]")
+    result, _ = fetch(HEAD + chunked(*body))
+    assert not result.ok and result.error == "stream error: engine step failed"
+
+
+def test_a_connection_cut_mid_stream_and_bytes_that_are_not_http_are_errors():
+    result, _ = fetch(HEAD + chunked(*sse(TOKEN))[:-5])  # no last chunk: cut
+    assert not result.ok and "closed the connection before the response ended" in result.error
+    result, _ = fetch(b"SSH-2.0-OpenSSH\r\n\r\n")
+    assert not result.ok and "not an HTTP/1.x status line" in result.error
+    result, _ = fetch(HEAD + b"zz\r\n")
+    assert not result.ok and result.error.startswith("ValueError")
+    result, _ = fetch(HEAD + chunked(b"data: {not json}\n\n"))
+    assert not result.ok and "JSONDecodeError" in result.error
+
+
+def test_a_refused_connection_and_an_https_url_are_errors_not_exceptions():
+    async def refused():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        return await send_request_raw(f"http://127.0.0.1:{port}/v1/completions", {}, False, None)
+
+    result = asyncio.run(refused())
+    assert not result.ok and "ConnectionRefusedError" in result.error
+    with pytest.raises(ValueError, match="plain http"):
+        encode_request("https://example.com/v1/completions", {})
