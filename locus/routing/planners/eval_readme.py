@@ -22,7 +22,8 @@ def readme_table(results, settings: dict) -> str:
     note = rule_note(settings)
     lines = [f"{note[0].upper()}{note[1:]}; expert-load cap "
              f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}; in-sample = the "
-             "same planner planned on the replayed half itself (the ceiling of a perfect forecast, not a result).", "",
+             "same planner planned on the replayed half itself (what a perfect forecast gives this heuristic under the "
+             "same caps; not a result, and not a bound: docs/traces.md).", "",
              "| Case | Plan | Inter-node B/token | vs EPLB | in-sample vs EPLB | Locality | Expert imb. mean / worst "
              "| Attention imb. | Plan time |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:

@@ -169,8 +169,8 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
                  f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens, {rule_note(settings)}. "
                  "Imbalances are whole-replay "
                  f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes. "
-                 "In-sample: the same planner planned on the replayed half itself and replayed there (the ceiling "
-                 "a perfect forecast of the replayed traffic would reach; not a result).")
+                 "In-sample: the same planner planned on the replayed half itself and replayed there (what a perfect "
+                 "forecast gives this heuristic under the same caps; not a result, and not a bound: docs/traces.md).")
     lines.append("")
     for res in results:
         c = res.case
