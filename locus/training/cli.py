@@ -22,7 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="windows a step (default 16)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
     p.add_argument("--aux-coef", type=float, default=None, help="load-balancing loss weight (default 0.01)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (in total, when resuming)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps (in total, when resuming); default for --size mini: 1325, the "
+                        "shipped model's, so a run reproduces it on any machine that gets there within --max-minutes; "
+                        "0: no step budget (train until --max-minutes)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this much training time (in total)")
     p.add_argument("--checkpoint-minutes", type=float, default=None, help="checkpoint this often (default 5; 0 = only at the end)")
     p.add_argument("--checkpoint-steps", type=int, default=None, help="also checkpoint every N steps")

@@ -299,6 +299,10 @@ def sample(model: Llama4ForCausalLM, prompt_ids: list[int], max_tokens: int, sto
 
 # --- the loop -----------------------------------------------------------------------------------------
 
+# Steps of the shipped locus/assets/mini run (its training.json); the default step budget of a mini run.
+SHIPPED_STEPS = 1325
+
+
 def lr_at(args: TrainArgs, step: int, elapsed: float) -> float:
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
@@ -557,7 +561,15 @@ has the details. The weights are a statistical summary of these texts; the licen
 
 
 def parse_args(argv_args: argparse.Namespace) -> TrainArgs:
+    """TrainArgs from `locus train`'s flags. A `mini` run without --max-steps gets the shipped run's step
+    count (SHIPPED_STEPS), so `--max-minutes 60` trains what was shipped on any machine that gets there
+    within the hour, instead of however many steps its CPU manages (a time budget is not reproducible);
+    `--max-steps 0` removes the step budget."""
     names = {f for f in TrainArgs.__dataclass_fields__}
     values = {k: v for k, v in vars(argv_args).items() if k in names and v is not None}
+    if "max_steps" not in values and values.get("size", "mini") == "mini":
+        values["max_steps"] = SHIPPED_STEPS
+    elif values.get("max_steps") == 0:
+        values["max_steps"] = None
     values["command"] = "locus " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "locus train"
     return TrainArgs(**values)

@@ -121,3 +121,21 @@ def test_resume_ends_where_an_uninterrupted_run_does(smoke, tmp_path, corpus_dir
     for name, tensor in whole["model"].items():
         assert torch.allclose(resumed["model"][name], tensor, atol=1e-6), name
     assert report["heldout_loss"] == pytest.approx(whole["history"][-1]["heldout_loss"], abs=1e-5)
+
+
+def test_a_mini_run_defaults_to_the_shipped_step_count_and_0_removes_the_budget():
+    """`locus train --max-minutes 60` trains the shipped run's steps (reproducible on any machine that
+    gets there within the hour), not as many as the clock allows."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from locus.training.train import SHIPPED_STEPS, parse_args
+
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "locus/assets/mini/training.json").read_text())
+    assert SHIPPED_STEPS == shipped["step"]
+    args = parse_args(argparse.Namespace(out="x", max_minutes=60.0, max_steps=None, size=None))
+    assert (args.max_steps, args.max_minutes) == (SHIPPED_STEPS, 60.0)
+    assert parse_args(argparse.Namespace(out="x", max_minutes=60.0, max_steps=0, size=None)).max_steps is None
+    assert parse_args(argparse.Namespace(out="x", max_minutes=None, max_steps=300, size=None)).max_steps == 300
+    assert parse_args(argparse.Namespace(out="x", max_minutes=5.0, max_steps=None, size="smoke")).max_steps is None
