@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from serve_lib.load import RequestResult, StreamTally, error_message
@@ -171,30 +172,40 @@ class StreamedResponse(asyncio.Protocol):
             self.transport.close()
 
 
-def encode_request(url: str, body: dict) -> tuple[str, int, bytes]:
-    """(host, port, the request's bytes) of a JSON POST to url."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"the raw load client speaks plain http:// only, not {url!r} (use --client aiohttp)")
-    port = parts.port or 80
-    payload = json.dumps(body).encode()
-    host = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
-    head = (f"POST {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.1\r\nHost: {host}\r\n"
-            f"Content-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: {len(payload)}\r\n"
-            "Connection: close\r\n\r\n")
-    return parts.hostname, port, head.encode("latin-1") + payload
+@dataclass(frozen=True)
+class HttpTarget:
+    """Where the requests go, parsed once: host, port and the request head up to its length."""
+    host: str
+    port: int
+    head: str  # request line and headers, up to (not including) Content-Length
+
+    @classmethod
+    def of(cls, url: str) -> "HttpTarget":
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"the raw load client speaks plain http:// only, not {url!r} (use --client aiohttp)")
+        port = parts.port or 80
+        host = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
+        head = (f"POST {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.1\r\nHost: {host}\r\n"
+                "Content-Type: application/json\r\nAccept: text/event-stream\r\nConnection: close\r\n")
+        return cls(parts.hostname, port, head)
+
+    def request(self, body: dict) -> bytes:
+        """The bytes of a JSON POST of body."""
+        payload = json.dumps(body).encode()
+        return f"{self.head}Content-Length: {len(payload)}\r\n\r\n".encode("latin-1") + payload
 
 
-async def send_request_raw(url: str, body: dict, chat: bool, prompt_len: int | None) -> RequestResult:
+async def send_request_raw(target: HttpTarget, body: dict, chat: bool, prompt_len: int | None) -> RequestResult:
     """One streamed request on a connection of its own. Cancelling it (the request timeout) closes
     the connection, which the server sees as a disconnect."""
     loop = asyncio.get_running_loop()
-    host, port, request = encode_request(url, body)
+    request = target.request(body)
     finished: asyncio.Future = loop.create_future()
     tally = StreamTally(chat, time.perf_counter())
     try:
         transport, _ = await loop.create_connection(lambda: StreamedResponse(request, tally, prompt_len, finished),
-                                                    host, port)
+                                                    target.host, target.port)
     except OSError as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     try:

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-waiting", type=int, default=None, help="reject new requests with 503 beyond this many waiting")
     p.add_argument("--burst-wait-ms", type=float, default=2.0,
                    help="an idle engine that gets a request waits until none has arrived for this long (at most "
-                        "10x as long) before its first step, so a burst is prefilled in one step; a lone request's "
+                        "20x as long) before its first step, so a burst is prefilled in one step; a lone request's "
                         "TTFT grows by at most this (0: start at once; not used under expert parallelism)")
     p.add_argument("--record-trace", default=None, metavar="DIR",
                    help="record every request's expert routing into a locus-trace directory (written at shutdown; "

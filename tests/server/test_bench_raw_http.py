@@ -13,7 +13,7 @@ import pytest
 from tests.bench_scripts import BENCH
 
 sys.path.insert(0, str(BENCH))
-from serve_lib.raw_http import encode_request, send_request_raw  # noqa: E402
+from serve_lib.raw_http import HttpTarget, send_request_raw  # noqa: E402
 
 
 def chunked(*pieces: bytes) -> bytes:
@@ -50,7 +50,7 @@ def fetch(response: bytes, split: bool = False):
     async def main():
         server, url, requests = await serve_once(response, split)
         async with server:
-            result = await asyncio.wait_for(send_request_raw(url, {"prompt": [1, 2], "stream": True}, False, 2), 10)
+            result = await asyncio.wait_for(send_request_raw(HttpTarget.of(url), {"prompt": [1, 2], "stream": True}, False, 2), 10)
         return result, requests
 
     return asyncio.run(main())
@@ -99,9 +99,9 @@ def test_a_refused_connection_and_an_https_url_are_errors_not_exceptions():
         port = server.sockets[0].getsockname()[1]
         server.close()
         await server.wait_closed()
-        return await send_request_raw(f"http://127.0.0.1:{port}/v1/completions", {}, False, None)
+        return await send_request_raw(HttpTarget.of(f"http://127.0.0.1:{port}/v1/completions"), {}, False, None)
 
     result = asyncio.run(refused())
     assert not result.ok and "ConnectionRefusedError" in result.error
     with pytest.raises(ValueError, match="plain http"):
-        encode_request("https://example.com/v1/completions", {})
+        HttpTarget.of("https://example.com/v1/completions")

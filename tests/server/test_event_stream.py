@@ -54,6 +54,11 @@ class Transport:
         if message["type"] == "http.response.body":
             self.bodies.append((message["body"], message["more_body"]))
 
+    def release(self) -> None:
+        """Unpause: the write waiting finishes, later ones go through at once."""
+        stalled, self.stalled = self.stalled, None
+        stalled.set()
+
 
 async def never_disconnects():
     await asyncio.Event().wait()
@@ -79,8 +84,7 @@ def test_outputs_are_written_from_the_callback_and_merged_behind_a_stalled_write
         stream.sink.put(output("d"))  # these two wait in the sink
         await asyncio.sleep(0)
         assert len(transport.bodies) == 1
-        stalled, transport.stalled = transport.stalled, None
-        stalled.set()
+        transport.release()
         await asyncio.sleep(0.01)
         assert transport.bodies[1:] == [(b"data: b\n\n", True), (b"data: cd\n\n", True)]  # c and d merged
         stream.sink.put(output("e", finished=True))
@@ -98,8 +102,7 @@ def test_the_end_waiting_behind_a_stalled_write_still_ends_the_body():
         transport.stalled = asyncio.Event()
         stream.sink.put(output("x"))
         stream.sink.put(output("y", finished=True))
-        stalled, transport.stalled = transport.stalled, None
-        stalled.set()
+        transport.release()
         await asyncio.wait_for(task, 1)
         assert transport.bodies == [(b"data: x\n\n", True), (b"data: y\n\ndata: [DONE]\n\n", False)]
         assert stream.closed_with_abort is False
