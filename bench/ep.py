@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 from serve_lib.common import BenchError
+from serve_lib.domain_text import DomainText
 
 from locus.traces.prompt_families import FAMILIES, family_prompt
 from serve_lib.table import print_table as markdown_table
@@ -57,16 +58,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep-timeout", type=float, default=120.0)
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
+    add_prompt_args(p)
     return p.parse_args(argv)
 
 
-def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES)) -> list[tuple[str, str]]:
-    """(family, prompt) of each request, in sending order, the families taken in turn."""
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default="auto", choices=("auto", "families", "text"),
+                   help="families: synthetic prompt families (what a random preset routes by); text: held-out text "
+                        "of a trained model's domains (heldout_sample.json, or --corpus); auto (default): text when "
+                        "the model ships held-out text (mini), else families")
+    p.add_argument("--corpus", default=None, help="a `locus train` corpus directory: text prompts from its held-out split")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="text prompts: tokens a prompt (default: 32)")
+
+
+def prompt_source(args: argparse.Namespace) -> DomainText | None:
+    """The text prompts the bench sends, or None for the synthetic families."""
+    from locus.engine.checkpoint.loader import shipped_model
+
+    model_dir = shipped_model(args.model) or Path(args.model)
+    has_text = (model_dir / "heldout_sample.json").is_file() or args.corpus is not None
+    if args.prompts == "families" or (args.prompts == "auto" and not has_text):
+        return None
+    try:
+        return DomainText.load(model_dir, args.corpus, args.prompt_tokens)
+    except BenchError as exc:
+        raise SystemExit(f"{PROG}: {exc}") from None
+
+
+def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES),
+             text: DomainText | None = None) -> list[tuple[str, str]]:
+    """(domain, prompt) of each request, in sending order, the families (or text domains) taken in turn."""
+    if text is not None:
+        return text.take(count, offset)
     return [(families[i % len(families)], family_prompt(families[i % len(families)], offset + i)) for i in range(count)]
 
 
 def record_planning_trace(model: str, path: Path, requests: int, output_len: int,
-                          families: tuple[str, ...] = tuple(FAMILIES)) -> None:
+                          families: tuple[str, ...] = tuple(FAMILIES), text: DomainText | None = None) -> None:
     """One process, no expert parallelism: the routing the planners plan from."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.loader import load
@@ -76,7 +104,8 @@ def record_planning_trace(model: str, path: Path, requests: int, output_len: int
     core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig())
     core.start_recording(path, Path(model).name)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    for i, (family, prompt) in enumerate(workload(requests, offset=10_000, families=families)):
+    items = text.take(requests, 0, planning=True) if text is not None else workload(requests, 10_000, families)
+    for i, (family, prompt) in enumerate(items):
         core.add_request(f"plan-{i}", loaded.tokenizer.encode(prompt), params, family)
     while core.has_unfinished():
         core.step()
@@ -90,7 +119,7 @@ def locus(*args: str, timeout: float = 600) -> str:
     return done.stdout
 
 
-def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Path) -> dict:
+def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Path, text: DomainText | None) -> dict:
     nodes, gpus = (int(x) for x in args.topology.lower().split("x"))
     port = free_port()
     cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", args.model, "--ep-ranks", str(nodes * gpus),
@@ -111,11 +140,11 @@ def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Pa
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
-        send(workload(1, offset=20_000)[0])  # warm-up: first-call costs stay out of the timed window
+        send(workload(1, offset=20_000, text=text)[0])  # warm-up: first-call costs stay out of the timed window
         before = httpx.get(f"{base}/ep/stats").json()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            out_tokens = sum(pool.map(send, workload(args.requests, offset=0)))
+            out_tokens = sum(pool.map(send, workload(args.requests, offset=0, text=text)))
         seconds = time.perf_counter() - start
         stats = httpx.get(f"{base}/ep/stats").json()
     except BenchError as exc:
@@ -144,18 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     if bad := [p for p in plans if p not in PLANS]:
         raise SystemExit(f"{PROG}: unknown plan(s) {bad}; choose from {', '.join(PLANS)}")
+    text = prompt_source(args)
     work = Path(tempfile.mkdtemp(prefix="locus-bench-ep-"))
+    prompts = text.source if text is not None else f"{len(FAMILIES)} families"
     print(f"{PROG}: model {args.model}, {args.topology} ranks, {args.slots} slots per rank; workload: {args.requests} "
-          f"requests x {args.output_len} tokens, {len(FAMILIES)} families, concurrency {args.concurrency}; work dir {work}",
+          f"requests x {args.output_len} tokens, {prompts}, concurrency {args.concurrency}; work dir {work}",
           flush=True)
     planning = work / "planning-trace"
-    record_planning_trace(args.model, planning, args.planning_requests, args.output_len)
+    record_planning_trace(args.model, planning, args.planning_requests, args.output_len, text=text)
     results = []
     for name in plans:
         plan = work / f"{name}.json"
         locus("plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", name, "-o", str(plan))
         trace = work / f"{name}-trace"
-        run = serve_and_measure(args, plan, trace, work / f"{name}-server.log")
+        run = serve_and_measure(args, plan, trace, work / f"{name}-server.log", text)
         locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(work / f"{name}-replay.json"))
         replayed = json.loads((work / f"{name}-replay.json").read_text())
         stats = run["stats"]

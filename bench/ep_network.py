@@ -22,8 +22,14 @@ cluster, the trace it recorded is replayed (`locus replay --assign recorded`): t
 bytes must equal the replay's, to the byte.
 
 Rates: `--rates auto` (default) runs round_robin unshaped first and picks the three rates at which
-the link's own time would be about 25%, 50% and 75% of its step (from the bytes per step that
-crossed the link and the unshaped step); or give them, e.g. `--rates 20mbit,5mbit,2mbit`.
+the link's own time would be about 25%, 50% and 75% of its decode step (from the bytes one decode
+step puts on the link, measured as the difference of a full and a short wave, and the unshaped TPOT);
+or give them, e.g. `--rates 20mbit,5mbit,2mbit`.
+
+Prompts: a random preset (`small`) is sent synthetic prompt families, which its random router tells
+apart by alphabet; a trained model that ships held-out text (`mini`) is sent that text by domain
+(`--corpus DIR` for the training corpus' held-out split; the plan is made from other prompts than
+the measured ones). For `mini` (8 experts) give `--slots 3`: with 6 slots a node holds every expert.
 
     sudo python bench/ep_network.py --out results/ep_network.json
 """
@@ -47,7 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from ep import locus, record_planning_trace, step_split, workload
+from ep import add_prompt_args, locus, prompt_source, record_planning_trace, step_split, workload
+from serve_lib.domain_text import DomainText
 from serve_lib.load import send_request
 from serve_lib.table import print_table as markdown_table
 
@@ -82,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "for before/after figures taken with this same harness")
     p.add_argument("--out")
     p.add_argument("--keep", action="store_true")
+    add_prompt_args(p)
     return p.parse_args(argv)
 
 
@@ -102,10 +110,10 @@ def rate_bytes(rate: str) -> int:
     raise SystemExit(f"{PROG}: cannot read the rate {rate!r} (e.g. 5mbit, 800kbit)")
 
 
-def require_namespaces() -> None:
+def require_namespaces(prog: str = PROG) -> None:
     """Exit 2 with the reason when this machine cannot build the network."""
     def unable(reason: str) -> None:
-        print(f"{PROG}: needs {reason}", file=sys.stderr)
+        print(f"{prog}: needs {reason}", file=sys.stderr)
         sys.exit(2)
 
     if os.geteuid() != 0:
@@ -301,16 +309,16 @@ class Job:
     delay: float  # seconds after the run starts
 
 
-def wave_jobs(args: argparse.Namespace, offset: int) -> list[Job]:
-    return [Job(f, p, args.output_len, 0.0) for f, p in workload(args.streams, offset)]
+def wave_jobs(args: argparse.Namespace, offset: int, text: DomainText | None) -> list[Job]:
+    return [Job(f, p, args.output_len, 0.0) for f, p in workload(args.streams, offset, text=text)]
 
 
-def mixed_jobs(args: argparse.Namespace, offset: int, seed: int) -> list[Job]:
+def mixed_jobs(args: argparse.Namespace, offset: int, seed: int, text: DomainText | None) -> list[Job]:
     import random
 
     rng = random.Random(seed)
     t, jobs = 0.0, []
-    for i, (f, p) in enumerate(workload(args.mixed_requests, offset)):
+    for i, (f, p) in enumerate(workload(args.mixed_requests, offset, text=text)):
         jobs.append(Job(f, p, (16, 32, 48, 64)[i % 4], t))
         t += rng.expovariate(args.mixed_rate)
     return jobs
@@ -365,7 +373,22 @@ def measure(net: Network, cluster: Cluster, model: str, jobs: list[Job]) -> dict
         "wire_per_token": (stats1["wire_bytes"] - stats0["wire_bytes"]) / max(tokens, 1) if "wire_bytes" in stats1 else None,
         "link_bytes_per_step": max(link) / max(steps, 1), "link_bytes": link, "steps": steps,
         **step_split(stats1, stats0),
+        "per_rank_ms": per_rank_split(stats1, stats0),
     }
+
+
+def per_rank_split(stats: dict, before: dict) -> list[dict]:
+    """Each rank's ms per step in compute / exchange / control: in lockstep the slowest rank's compute
+    is every other rank's exchange wait, so this shows which rank a step waits for."""
+    rows = []
+    for now, then in zip(stats["per_rank"], before["per_rank"]):
+        steps = max(now["steps"] - then["steps"], 1)
+        row = {part: round(1e3 * (now[f"{part}_s"] - then[f"{part}_s"]) / steps, 2) for part in ("compute", "exchange", "control")}
+        for load in ("token_layers", "expert_pairs"):  # own tokens entering an exchange; pairs its experts computed
+            if load in now:
+                row[load] = now[load] - then[load]
+        rows.append(row)
+    return rows
 
 
 def medians(runs: list[dict]) -> dict:
@@ -377,13 +400,34 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
+def decode_calibration(net: Network, cluster: Cluster, model: str, args: argparse.Namespace, text: DomainText | None,
+                       long_wave: dict) -> dict:
+    """What one decode step of a wave puts on the link, unshaped: a second, short wave (a quarter of
+    the output length, prompts of the same kind that the cluster has not seen) has the long wave's
+    prefill and fewer decode steps, so the difference of the two is decode alone. A run's average
+    per step would be mostly its prefill's bytes, which decode latency does not pay."""
+    short_len = max(2, args.output_len // 4)
+    pairs = text.take(args.streams, 4, planning=True) if text is not None else workload(args.streams, 80_000)
+    short = measure(net, cluster, model, [Job(f, p, short_len, 0.0) for f, p in pairs])
+    long_runs = long_wave["runs"]
+    long = min(long_runs, key=lambda r: abs(r["tpot_p50_ms"] - long_wave["tpot_p50_ms"]))
+    steps = long["steps"] - short["steps"]
+    if steps <= 0:
+        raise RuntimeError(f"calibration: the {args.output_len}-token wave took {long['steps']} steps, the "
+                           f"{short_len}-token wave {short['steps']}: cannot separate decode from prefill")
+    per_step = max(max(b - a, 0) for a, b in zip(short["link_bytes"], long["link_bytes"])) / steps
+    return {"decode_link_bytes_per_step": per_step, "decode_step_ms": long_wave["tpot_p50_ms"], "short_wave": short,
+            "long_wave_steps": long["steps"], "short_wave_steps": short["steps"]}
+
+
 def auto_rates(calibration: dict) -> list[str]:
-    """Rates at which the link's own time would be about 25/50/75% of round_robin's step: link time
-    X per step with X / (S0 + X) = s, S0 the unshaped step, X = bytes per step over the link / rate.
+    """Rates at which the link's own time would be about 25/50/75% of round_robin's decode step:
+    link time X per step with X / (S0 + X) = s, S0 the unshaped decode step (its TPOT p50), X = the
+    bytes one decode step puts on the link (per direction, framing and control included) / rate.
     (The unshaped step's own "exchange" share is mostly waiting for other ranks' compute on shared
     cores, not the link, so the share the link adds is what the rates are chosen by.)"""
-    step_s = calibration["step_ms"] / 1e3
-    per_step = calibration["link_bytes_per_step"]
+    step_s = calibration["decode_step_ms"] / 1e3
+    per_step = calibration["decode_link_bytes_per_step"]
     rates = []
     for share in SHARES:
         link_s = share / (1 - share) * step_s
@@ -402,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{PROG}: unknown plan(s) {bad}")
     if args.rates == "auto" and (plans[0] != "round_robin" or overlaps[0]):
         raise SystemExit(f"{PROG}: --rates auto calibrates on round_robin without overlap: list them first")
+    if args.rates == "auto" and "wave" not in workloads:
+        raise SystemExit(f"{PROG}: --rates auto calibrates on the wave workload: include it in --workloads")
     if bad := [w for w in workloads if w not in ("wave", "mixed")]:
         raise SystemExit(f"{PROG}: unknown workload(s) {bad}")
     work = Path(tempfile.mkdtemp(prefix="locus-bench-epnet-"))
@@ -410,11 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))  # runs the finally blocks and atexit
     topology = f"{args.nodes}x{args.gpus_per_node}"
+    text = prompt_source(args)
     print(f"{PROG}: {args.model} on {topology} ranks ({args.nodes} network namespaces), {args.slots} slots per rank, "
-          f"exchange {args.exchange}; work dir {work}", flush=True)
+          f"exchange {args.exchange}; prompts: {text.source if text is not None else 'synthetic families'}; "
+          f"work dir {work}", flush=True)
     planning = work / "planning-trace"
-    record_planning_trace(args.model, planning, args.planning_requests, args.output_len)
-    results, sessions = [], []
+    record_planning_trace(args.model, planning, args.planning_requests, args.output_len, text=text)
+    results, sessions, calibration = [], [], None
     rates = None if args.rates == "auto" else [r.strip() for r in args.rates.split(",") if r.strip() not in ("", "unshaped")]
     try:
         net.create()
@@ -428,15 +476,20 @@ def main(argv: list[str] | None = None) -> int:
                 cluster = start_cluster(net, args, plan, trace, overlap, work, tag)
                 try:
                     model = httpx.get(f"{cluster.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-                    asyncio.run(run_jobs(cluster.base_url, model, wave_jobs(args, 30_000)[:4]))  # warm-up
-                    for rate in [None, *(rates or [])]:  # before calibration: unshaped only
-                        results += measure_rate(net, cluster, model, args, name, overlap, rate)
+                    warm = [Job(f, p, args.output_len, 0.0) for f, p in text.take(4, 0, planning=True)] if text else \
+                        wave_jobs(args, 90_000, None)[:4]
+                    asyncio.run(run_jobs(cluster.base_url, model, warm))  # warm-up
+                    for index, rate in enumerate([None, *(rates or [])]):  # before calibration: unshaped only
+                        results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text)
                     if rates is None:  # calibrate on the first cluster (round_robin, unshaped)
                         wave = next(r for r in results if r["plan"] == name and r["workload"] == "wave")
-                        rates = auto_rates(wave)
-                        print(f"rates at which the link would take ~25/50/75% of round_robin's step: {', '.join(rates)}", flush=True)
-                        for rate in rates:
-                            results += measure_rate(net, cluster, model, args, name, overlap, rate)
+                        calibration = decode_calibration(net, cluster, model, args, text, wave)
+                        rates = auto_rates(calibration)
+                        print(f"a decode step puts {calibration['decode_link_bytes_per_step'] / 1e3:.1f} KB on the link "
+                              f"(TPOT {calibration['decode_step_ms']:.1f} ms unshaped); rates at which the link would "
+                              f"take ~25/50/75% of round_robin's decode step: {', '.join(rates)}", flush=True)
+                        for index, rate in enumerate(rates, start=1):
+                            results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text)
                     final = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
                 finally:
                     net.shape(None)
@@ -450,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"bench": "ep_network", "args": vars(args), "rates": rates, "machine": {
+        out.write_text(json.dumps({"bench": "ep_network", "args": vars(args), "rates": rates, "calibration": calibration, "machine": {
             "cpus": os.cpu_count(), "python": platform.python_version()}, "results": results, "sessions": sessions},
             indent=1) + "\n")
         print(f"wrote {out}")
@@ -463,13 +516,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Namespace, plan: str, overlap: bool,
-                 rate: str | None) -> list[dict]:
+                 rate: str | None, index: int, text: DomainText | None) -> list[dict]:
+    """The workloads at one link rate, --repeats times each. Every run sends prompts this cluster has
+    not seen (consecutive request offsets by rate and repeat), so no run's prefill is served from the
+    prefix cache of an earlier one (text prompts: until a domain's pool wraps around, which the corpus'
+    pools do not in a default run); every plan gets the same prompts at the same rate."""
     net.shape(rate)
     rows = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         runs = []
         for repeat in range(args.repeats):
-            jobs = wave_jobs(args, 1000 * repeat) if name == "wave" else mixed_jobs(args, 1000 * repeat, seed=repeat)
+            offset = (repeat + args.repeats * index) * (args.streams + args.mixed_requests) + \
+                (args.streams if name == "mixed" else 0)
+            jobs = wave_jobs(args, offset, text) if name == "wave" else mixed_jobs(args, offset, repeat, text)
             runs.append(measure(net, cluster, model, jobs))
         row = {"plan": plan, "overlap": overlap, "rate": rate or "unshaped", "workload": name, **medians(runs)}
         rows.append(row)

@@ -22,32 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def domain_prompts(tok, corpus: str | None, sample_path: Path, per_domain: int, prompt_tokens: int) -> list[tuple[str, str]]:
-    """(domain, prompt text) pairs, per_domain a domain, in domain-interleaved order."""
-    if corpus:
-        from locus.training.corpus import read_corpus
-
-        docs: dict[str, list[str]] = {}
-        for d in read_corpus(corpus):
-            if d["split"] == "heldout":
-                docs.setdefault(d["domain"], []).append(d["text"])
-    else:
-        docs = json.loads(sample_path.read_text())["documents"]
-    prompts: dict[str, list[str]] = {}
-    for domain, texts in docs.items():
-        out = prompts.setdefault(domain, [])
-        for text in texts:
-            ids = tok.encode(text, add_special_tokens=False).ids
-            # a long document (code) gives several prompts; a short one (a fortune) one
-            for start in range(0, max(1, len(ids) - prompt_tokens // 2), prompt_tokens):
-                piece = ids[start:start + prompt_tokens]
-                if len(piece) >= 8 and len(out) < per_domain:
-                    out.append(tok.decode(piece))
-    order = []
-    for i in range(per_domain):
-        order.extend((domain, p[i]) for domain, p in prompts.items() if i < len(p))
-    return order
+from serve_lib.domain_text import domain_prompts  # noqa: E402
 
 
 def record(model: str, prompts: list[tuple[str, str]], out: Path, max_tokens: int, seed: int) -> dict:

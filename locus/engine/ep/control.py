@@ -6,8 +6,12 @@ iteration at most.
    rank 0, stop, the length of the commands it sends each rank and the prompt tokens they add. From
    the headers every rank derives the same decisions: whether anyone steps, and the step's largest
    token count (the fixed-capacity exchange's block size).
-2. `all_to_all_single` of exactly the announced bytes: commands from rank 0 to each rank, each rank's
-   report (its previous step's outputs and counters) to rank 0. Skipped when nobody has anything to say.
+2. One batch of point-to-point messages (`batch_isend_irecv`) of exactly the announced bytes:
+   commands from rank 0 to each rank that has some, each rank's report (its previous step's outputs
+   and counters) to rank 0. Only the announced messages travel: an all-to-all would also send an
+   empty message between every other pair of ranks, and each message costs ~400 bytes on the wire
+   (gloo's framing and acknowledgements; bench/ep_wire.py), most of them over the inter-node link.
+   Skipped when nobody has anything to say.
 
 No step-count agreement, no separate "any work?" vote, no object broadcast with its own size
 collective: that is what the header is for.
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import irecv, isend  # bound at import: P2POp accepts only these two functions
+
+MESSAGES_TAG = 31  # the control plane's point-to-point messages
 
 WORK, PENDING, REPORT, STOP = 0, 1, 2, 3
 FIXED_FIELDS = 4  # then, from rank 0: command bytes for each rank, then prompt tokens added on each rank
@@ -104,15 +111,18 @@ class ControlPlane:
         incoming: dict[int, bytes] = {}
         everything = int(agreement.headers[:, REPORT].sum()) + int(agreement.headers[0, FIXED_FIELDS:FIXED_FIELDS + self.world].sum())
         if everything:
-            payload = b"".join(outgoing.get(r, b"") for r in range(self.world) if send[r])
-            out_buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-            in_buf = torch.empty(sum(receive), dtype=torch.uint8)
-            dist.all_to_all_single(in_buf, out_buf, receive, send, group=self.group)
-            self.collectives += 1
-            data, offset = in_buf.numpy().tobytes(), 0
-            for r, n in enumerate(receive):
-                if n:
-                    incoming[r] = data[offset:offset + n]
-                    offset += n
+            ops, buffers = [], {}
+            for r in range(self.world):
+                if send[r]:
+                    data = torch.frombuffer(bytearray(outgoing[r]), dtype=torch.uint8)
+                    ops.append(dist.P2POp(isend, data, group=self.group, tag=MESSAGES_TAG, group_peer=r))
+                if receive[r]:
+                    buffers[r] = torch.empty(receive[r], dtype=torch.uint8)
+                    ops.append(dist.P2POp(irecv, buffers[r], group=self.group, tag=MESSAGES_TAG, group_peer=r))
+            if ops:  # a rank with nothing to send or receive takes no part in this iteration's messages
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                self.collectives += 1
+            incoming = {r: buf.numpy().tobytes() for r, buf in buffers.items()}
         self.seconds += time.perf_counter() - start
         return agreement, incoming

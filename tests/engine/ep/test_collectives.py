@@ -2,7 +2,8 @@
 torch.distributed call wrapped in the worker processes): per MoE layer and forward on 2x2, 2 tiers x
 (dispatch, combine) = 4 in the fixed-capacity mode and 6 in the exact mode (each tier's count
 exchange, then the rows, then the combine); on the control plane at most 2 per iteration (headers,
-then the announced messages), wherever a step runs."""
+then the announced messages as one batch of point-to-point operations, which is one call here:
+its sends and receives are not torch.distributed calls of their own), wherever a step runs."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.engine.ep.test_expert_parallel import end_rank, free_port
 
 COUNTED = ("all_to_all_single", "all_to_all", "all_gather_single", "all_gather_into_tensor", "all_gather",
            "all_reduce", "broadcast", "gather", "scatter", "reduce", "barrier", "broadcast_object_list",
-           "gather_object", "all_gather_object", "send", "recv", "isend", "irecv")
+           "gather_object", "all_gather_object", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def count_collectives(control_group) -> collections.Counter:
@@ -37,7 +38,10 @@ def count_collectives(control_group) -> collections.Counter:
         original = getattr(dist, name)
 
         def counted(*args, _original=original, **kwargs):
-            counts["control" if kwargs.get("group") is control_group else "exchange"] += 1
+            group = kwargs.get("group")
+            if args and isinstance(args[0], list) and args[0] and isinstance(args[0][0], dist.P2POp):
+                group = args[0][0].group  # batch_isend_irecv: the group is in its operations
+            counts["control" if group is control_group else "exchange"] += 1
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
