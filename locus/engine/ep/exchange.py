@@ -12,11 +12,13 @@ and are added on the source.
 
 One collective per tier and direction carries a row's hidden state and its routing metadata packed
 into one byte row (`RowFormat`). How the rows travel is the transport's business (transport.py):
-- `exact`: a small all-to-all of row counts first, then exactly the rows (3 collectives a tier);
+- `exact`: a small all-to-all of row counts first, then exactly the rows (at most 3 collectives a
+  tier: rows and combine are point-to-point batches between the members that exchange something);
 - `fixed`: every member's block has a capacity agreed for the step (the largest token count of any
   rank, DeepEP's low-latency layout): no size exchange and no host sync, padding rows on the wire
   (2 collectives a tier).
-A rank with no tokens takes part with empty tensors, so no rank ever waits on one that skipped a layer.
+A rank with no tokens takes part with empty tensors (in every collective; exact's point-to-point
+batches pair up from the counts), so no rank ever waits on one that skipped a layer.
 
 Bytes are counted as DESIGN.md defines them, on the token's source rank: payload rows of
 H * dtype_bytes, dispatch and combine each; tier 1 is the inter-node figure, tier 2 (own and proxied

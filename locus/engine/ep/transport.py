@@ -9,6 +9,10 @@ own in tier 2):
 
 - `ExactTransport`: the rows' per-member counts go first (one small all_to_all), then exactly the
   rows; combine sends back exactly the received rows. Wire bytes = payload + metadata (+ counts).
+  Rows and combine travel as one batch of point-to-point messages between the members that really
+  exchange something (the counts say which, on both sides): an all_to_all would also send an empty
+  message to every member it has nothing for, ~400 bytes each on the wire with gloo (bench/ep_wire.py),
+  and a rank with nothing to send or receive in a tier skips the batch.
 - `FixedTransport`: each member's block holds `capacity` rows, agreed for the whole step, so no
   count exchange and no host sync; unused rows are padding (slots -1), which the receiver computes to
   zero and which cost wire bytes but are never payload.
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import irecv, isend  # bound at import: P2POp accepts only these two functions
 
 from locus.engine.ep.counters import DeviceTally, ExchangeCounters
 
@@ -111,8 +116,43 @@ class _ExactRoute:
     rows: int  # N, the sender's row count
 
 
+ROWS_TAG = 41  # the exact transport's point-to-point messages (a tier's group carries nothing else p2p)
+
+
+def exchange_rows(send: torch.Tensor, receive: torch.Tensor, sent: list[int], received: list[int], group, me: int) -> bool:
+    """all_to_all_single(receive, send, received, sent) as point-to-point messages between the members
+    that exchange something; this rank's own block is a local copy. Both sides know every message's
+    size from the counts, so the sends and receives always pair up. Returns whether any was issued."""
+    ops, at_send, at_receive = [], 0, 0
+    for member, (s, r) in enumerate(zip(sent, received)):
+        if member == me:
+            if s:
+                receive[at_receive:at_receive + r].copy_(send[at_send:at_send + s])
+        else:
+            if s:
+                ops.append(dist.P2POp(isend, send[at_send:at_send + s], group=group, tag=ROWS_TAG, group_peer=member))
+            if r:
+                ops.append(dist.P2POp(irecv, receive[at_receive:at_receive + r], group=group, tag=ROWS_TAG,
+                                      group_peer=member))
+        at_send += s
+        at_receive += r
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return bool(ops)
+
+
 class ExactTransport(Transport):
     name = "exact"
+
+    def __init__(self):
+        self._members: dict[object, int] = {}  # this rank's place in each group it exchanges on
+
+    def _me(self, group) -> int:
+        me = self._members.get(group)
+        if me is None:
+            me = self._members[group] = dist.get_group_rank(group, dist.get_rank())
+        return me
 
     def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
         hit = hits(member_of, size)
@@ -123,9 +163,8 @@ class ExactTransport(Transport):
         sent, received = sent_counts.tolist(), received_counts.tolist()
         packed = fmt.pack(x, slots, weights)[row]
         buf = packed.new_empty((sum(received), fmt.row_bytes))
-        dist.all_to_all_single(buf, packed, received, sent, group=group)
         pairs = len(row)
-        counters.collectives += 2
+        counters.collectives += 1 + exchange_rows(packed, buf, sent, received, group, self._me(group))
         _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + pairs * fmt.row_bytes + 8 * (size - 1))
@@ -135,8 +174,7 @@ class ExactTransport(Transport):
     def combine(self, values, delivery, group, tier, counters):
         route: _ExactRoute = delivery.route
         back = values.new_empty((sum(route.sent), values.shape[1]))
-        dist.all_to_all_single(back, values.contiguous(), route.sent, route.received, group=group)
-        counters.collectives += 1
+        counters.collectives += exchange_rows(values.contiguous(), back, route.received, route.sent, group, self._me(group))
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
                 + values.shape[0] * values.shape[1] * values.element_size())
         out = values.new_zeros((route.rows, values.shape[1]))

@@ -1,7 +1,8 @@
 """How many collectives an expert-parallel step issues, counted where they are issued (every
 torch.distributed call wrapped in the worker processes): per MoE layer and forward on 2x2, 2 tiers x
-(dispatch, combine) = 4 in the fixed-capacity mode and 6 in the exact mode (each tier's count
-exchange, then the rows, then the combine); on the control plane at most 2 per iteration (headers,
+(dispatch, combine) = 4 in the fixed-capacity mode and at most 6 in the exact mode (each tier's
+count exchange, always, then the rows and the combine, point-to-point batches that a rank with
+nothing to exchange in the tier skips); on the control plane at most 2 per iteration (headers,
 then the announced messages as one batch of point-to-point operations, which is one call here:
 its sends and receives are not torch.distributed calls of their own), wherever a step runs."""
 
@@ -41,7 +42,9 @@ def count_collectives(control_group) -> collections.Counter:
             group = kwargs.get("group")
             if args and isinstance(args[0], list) and args[0] and isinstance(args[0][0], dist.P2POp):
                 group = args[0][0].group  # batch_isend_irecv: the group is in its operations
-            counts["control" if group is control_group else "exchange"] += 1
+            plane = "control" if group is control_group else "exchange"
+            counts[plane] += 1
+            counts[f"{plane}:{_original.__name__}"] += 1
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
@@ -85,5 +88,13 @@ def test_collectives_per_layer_and_per_step(mode, per_layer, tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         steps, layers = got["steps"], got["layers"]
         assert steps >= 12  # rank 3's longest request: prefill + 14 decode steps
-        assert got["counts"]["exchange"] == per_layer * layers * steps  # one forward a step, idle or not
-        assert got["counts"]["control"] <= 2 * got["iterations"]
+        counts = got["counts"]
+        if mode == "fixed":
+            assert counts["exchange"] == per_layer * layers * steps  # one forward a step, idle or not
+        else:
+            # every forward, idle or not, both tiers' counts; the rows and the combine are point-to-point
+            # batches that a rank with nothing to exchange in a tier skips: at most 2 more a tier
+            assert counts["exchange:all_to_all_single"] == 2 * layers * steps
+            assert 0 < counts["exchange:batch_isend_irecv"] <= 4 * layers * steps
+            assert counts["exchange"] <= per_layer * layers * steps
+        assert counts["control"] <= 2 * got["iterations"]
