@@ -61,6 +61,7 @@ from serve_lib.table import print_table as markdown_table
 PROG = "bench/ep_network.py"
 PLANS = ("round_robin", "eplb", "locality")
 SHARES = (0.25, 0.5, 0.75)
+WARM_UP = 4  # requests a new cluster serves before anything is measured
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -313,6 +314,13 @@ def wave_jobs(args: argparse.Namespace, offset: int, text: DomainText | None) ->
     return [Job(f, p, args.output_len, 0.0) for f, p in workload(args.streams, offset, text=text)]
 
 
+def unseen_jobs(text: DomainText | None, count: int, output_len: int, skip: int = 0) -> list[Job]:
+    """Jobs whose prompts no measured run sends (warm-up, calibration): the planning pool's for text
+    (recorded offline, never sent to a cluster), offsets far past the measured ones for the families."""
+    pairs = text.take(count, skip, planning=True) if text is not None else workload(count, 80_000 + skip)
+    return [Job(f, p, output_len, 0.0) for f, p in pairs]
+
+
 def mixed_jobs(args: argparse.Namespace, offset: int, seed: int, text: DomainText | None) -> list[Job]:
     import random
 
@@ -407,8 +415,7 @@ def decode_calibration(net: Network, cluster: Cluster, model: str, args: argpars
     prefill and fewer decode steps, so the difference of the two is decode alone. A run's average
     per step would be mostly its prefill's bytes, which decode latency does not pay."""
     short_len = max(2, args.output_len // 4)
-    pairs = text.take(args.streams, 4, planning=True) if text is not None else workload(args.streams, 80_000)
-    short = measure(net, cluster, model, [Job(f, p, short_len, 0.0) for f, p in pairs])
+    short = measure(net, cluster, model, unseen_jobs(text, args.streams, short_len, skip=WARM_UP))
     long_runs = long_wave["runs"]
     long = min(long_runs, key=lambda r: abs(r["tpot_p50_ms"] - long_wave["tpot_p50_ms"]))
     steps = long["steps"] - short["steps"]
@@ -476,9 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 cluster = start_cluster(net, args, plan, trace, overlap, work, tag)
                 try:
                     model = httpx.get(f"{cluster.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-                    warm = [Job(f, p, args.output_len, 0.0) for f, p in text.take(4, 0, planning=True)] if text else \
-                        wave_jobs(args, 90_000, None)[:4]
-                    asyncio.run(run_jobs(cluster.base_url, model, warm))  # warm-up
+                    asyncio.run(run_jobs(cluster.base_url, model, unseen_jobs(text, WARM_UP, args.output_len)))  # warm-up
                     for index, rate in enumerate([None, *(rates or [])]):  # before calibration: unshaped only
                         results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text)
                     if rates is None:  # calibrate on the first cluster (round_robin, unshaped)

@@ -8,6 +8,7 @@ text of the domains it was trained on, which is where a locality plan's savings 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +25,6 @@ def domain_prompts(tok, corpus: str | None, sample_path: Path, per_domain: int, 
             if d["split"] == "heldout":
                 docs.setdefault(d["domain"], []).append(d["text"])
     else:
-        import json
-
         docs = json.loads(sample_path.read_text())["documents"]
     prompts: dict[str, list[str]] = {}
     for domain, texts in docs.items():
@@ -79,6 +78,6 @@ class DomainText:
         domains = list(pools)
         out = []
         for k in range(offset, offset + count):
-            pool = pools[domains[k % len(domains)]]
-            out.append((domains[k % len(domains)], pool[(k // len(domains)) % len(pool)]))
+            domain = domains[k % len(domains)]
+            out.append((domain, pools[domain][(k // len(domains)) % len(pools[domain])]))
         return out

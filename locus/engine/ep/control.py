@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed import irecv, isend  # bound at import: P2POp accepts only these two functions
 
-MESSAGES_TAG = 31  # the control plane's point-to-point messages
+from locus.engine.ep.transport import sparse_all_to_all
 
 WORK, PENDING, REPORT, STOP = 0, 1, 2, 3
 FIXED_FIELDS = 4  # then, from rank 0: command bytes for each rank, then prompt tokens added on each rank
@@ -111,18 +110,15 @@ class ControlPlane:
         incoming: dict[int, bytes] = {}
         everything = int(agreement.headers[:, REPORT].sum()) + int(agreement.headers[0, FIXED_FIELDS:FIXED_FIELDS + self.world].sum())
         if everything:
-            ops, buffers = [], {}
-            for r in range(self.world):
-                if send[r]:
-                    data = torch.frombuffer(bytearray(outgoing[r]), dtype=torch.uint8)
-                    ops.append(dist.P2POp(isend, data, group=self.group, tag=MESSAGES_TAG, group_peer=r))
-                if receive[r]:
-                    buffers[r] = torch.empty(receive[r], dtype=torch.uint8)
-                    ops.append(dist.P2POp(irecv, buffers[r], group=self.group, tag=MESSAGES_TAG, group_peer=r))
-            if ops:  # a rank with nothing to send or receive takes no part in this iteration's messages
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-                self.collectives += 1
-            incoming = {r: buf.numpy().tobytes() for r, buf in buffers.items()}
+            payload = b"".join(outgoing.get(r, b"") for r in range(self.world) if send[r])
+            out_buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+            in_buf = torch.empty(sum(receive), dtype=torch.uint8)
+            # a rank with nothing to send or receive takes no part in this iteration's messages
+            self.collectives += sparse_all_to_all(out_buf, in_buf, send, receive, self.group, self.rank)
+            data, offset = in_buf.numpy().tobytes(), 0
+            for r, n in enumerate(receive):
+                if n:
+                    incoming[r] = data[offset:offset + n]
+                    offset += n
         self.seconds += time.perf_counter() - start
         return agreement, incoming

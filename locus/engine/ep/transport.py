@@ -116,13 +116,16 @@ class _ExactRoute:
     rows: int  # N, the sender's row count
 
 
-ROWS_TAG = 41  # the exact transport's point-to-point messages (a tier's group carries nothing else p2p)
+P2P_TAG = 41  # sparse_all_to_all's messages (no other point-to-point traffic shares its groups)
 
 
-def exchange_rows(send: torch.Tensor, receive: torch.Tensor, sent: list[int], received: list[int], group, me: int) -> bool:
-    """all_to_all_single(receive, send, received, sent) as point-to-point messages between the members
-    that exchange something; this rank's own block is a local copy. Both sides know every message's
-    size from the counts, so the sends and receives always pair up. Returns whether any was issued."""
+def sparse_all_to_all(send: torch.Tensor, receive: torch.Tensor, sent: list[int], received: list[int], group,
+                      me: int) -> bool:
+    """all_to_all_single(receive, send, received, sent) as one batch of point-to-point messages
+    between the members that exchange something; this rank's own block is a local copy. Every member
+    must know the sizes it sends and receives (from counts or headers exchanged before), so the
+    sends and receives pair up. Returns whether any message was issued (a collective to count).
+    Used by the exact transport's rows and combine and by the control plane's messages."""
     ops, at_send, at_receive = [], 0, 0
     for member, (s, r) in enumerate(zip(sent, received)):
         if member == me:
@@ -130,9 +133,9 @@ def exchange_rows(send: torch.Tensor, receive: torch.Tensor, sent: list[int], re
                 receive[at_receive:at_receive + r].copy_(send[at_send:at_send + s])
         else:
             if s:
-                ops.append(dist.P2POp(isend, send[at_send:at_send + s], group=group, tag=ROWS_TAG, group_peer=member))
+                ops.append(dist.P2POp(isend, send[at_send:at_send + s], group=group, tag=P2P_TAG, group_peer=member))
             if r:
-                ops.append(dist.P2POp(irecv, receive[at_receive:at_receive + r], group=group, tag=ROWS_TAG,
+                ops.append(dist.P2POp(irecv, receive[at_receive:at_receive + r], group=group, tag=P2P_TAG,
                                       group_peer=member))
         at_send += s
         at_receive += r
@@ -164,7 +167,7 @@ class ExactTransport(Transport):
         packed = fmt.pack(x, slots, weights)[row]
         buf = packed.new_empty((sum(received), fmt.row_bytes))
         pairs = len(row)
-        counters.collectives += 1 + exchange_rows(packed, buf, sent, received, group, self._me(group))
+        counters.collectives += 1 + sparse_all_to_all(packed, buf, sent, received, group, self._me(group))
         _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + pairs * fmt.row_bytes + 8 * (size - 1))
@@ -174,7 +177,7 @@ class ExactTransport(Transport):
     def combine(self, values, delivery, group, tier, counters):
         route: _ExactRoute = delivery.route
         back = values.new_empty((sum(route.sent), values.shape[1]))
-        counters.collectives += exchange_rows(values.contiguous(), back, route.received, route.sent, group, self._me(group))
+        counters.collectives += sparse_all_to_all(values.contiguous(), back, route.received, route.sent, group, self._me(group))
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
                 + values.shape[0] * values.shape[1] * values.element_size())
         out = values.new_zeros((route.rows, values.shape[1]))
