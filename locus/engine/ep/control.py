@@ -114,7 +114,7 @@ class ControlPlane:
             out_buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
             in_buf = torch.empty(sum(receive), dtype=torch.uint8)
             # a rank with nothing to send or receive takes no part in this iteration's messages
-            self.collectives += sparse_all_to_all(out_buf, in_buf, send, receive, self.group, self.rank)
+            self.collectives += sparse_all_to_all(out_buf, in_buf, send, receive, self.group)
             data, offset = in_buf.numpy().tobytes(), 0
             for r, n in enumerate(receive):
                 if n:

@@ -213,6 +213,24 @@ def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int)
     return read
 
 
+def leave_groups(worker) -> timedelta:
+    """Leave every old process group, for good: drop this rank's every reference to them and destroy
+    them, so their connections close and a peer blocked in a collective or a point-to-point send with
+    this rank fails at once instead of at the timeout (a send only completes once its peer posts the
+    receive; a survivor that left never will). Nothing else may hold a group (no cache keyed by one).
+    Returns the groups' timeout."""
+    runtime = worker.runtime
+    timeout = runtime.groups.timeout
+    runtime.groups, runtime.lanes, worker.control = None, [], None
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may refuse a clean teardown
+            pass
+    gc.collect()
+    return timeout
+
+
 def regroup(worker) -> dict[int, int]:
     """After a failed collective, on every survivor: leave the old group, meet the survivors, join their
     new group, re-plan onto them and refill this rank's expert slots. Returns {old rank: new rank}."""
@@ -222,16 +240,7 @@ def regroup(worker) -> dict[int, int]:
     from locus.engine.ep.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime
-    # Leave first, and for good: drop every reference to the old groups so their connections close, and
-    # peers blocked in a collective with this rank fail at once instead of at the timeout.
-    timeout = runtime.groups.timeout
-    runtime.groups, runtime.lanes, worker.control = None, [], None
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group may refuse a clean teardown
-            pass
-    gc.collect()
+    timeout = leave_groups(worker)
     generation = worker.generation + 1
     members = rendezvous_members(opts.store, generation, worker.identity, worker.members, opts.grace_s,
                                  timeout.total_seconds(), opts.is_alive)

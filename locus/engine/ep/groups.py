@@ -33,6 +33,11 @@ class Groups:
     control: object | None = None  # every rank, on gloo: step agreement, requests in, outputs out
     timeout: timedelta = field(default=timedelta(seconds=60))
 
+    def all(self) -> list:
+        """Every process group held here (the lanes' tiers and the control group)."""
+        held = [g for lane in self.lanes for g in (lane.inter, lane.intra)] + [self.control]
+        return [g for g in held if g is not None]
+
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node

@@ -119,14 +119,14 @@ class _ExactRoute:
 P2P_TAG = 41  # sparse_all_to_all's messages (no other point-to-point traffic shares its groups)
 
 
-def sparse_all_to_all(send: torch.Tensor, receive: torch.Tensor, sent: list[int], received: list[int], group,
-                      me: int) -> bool:
+def sparse_all_to_all(send: torch.Tensor, receive: torch.Tensor, sent: list[int], received: list[int],
+                      group) -> bool:
     """all_to_all_single(receive, send, received, sent) as one batch of point-to-point messages
     between the members that exchange something; this rank's own block is a local copy. Every member
     must know the sizes it sends and receives (from counts or headers exchanged before), so the
     sends and receives pair up. Returns whether any message was issued (a collective to count).
     Used by the exact transport's rows and combine and by the control plane's messages."""
-    ops, at_send, at_receive = [], 0, 0
+    ops, at_send, at_receive, me = [], 0, 0, group.rank()
     for member, (s, r) in enumerate(zip(sent, received)):
         if member == me:
             if s:
@@ -148,15 +148,6 @@ def sparse_all_to_all(send: torch.Tensor, receive: torch.Tensor, sent: list[int]
 class ExactTransport(Transport):
     name = "exact"
 
-    def __init__(self):
-        self._members: dict[object, int] = {}  # this rank's place in each group it exchanges on
-
-    def _me(self, group) -> int:
-        me = self._members.get(group)
-        if me is None:
-            me = self._members[group] = dist.get_group_rank(group, dist.get_rank())
-        return me
-
     def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
         hit = hits(member_of, size)
         member, row = hit.t().nonzero(as_tuple=True)  # pairs sorted by member, rows ascending within one
@@ -167,7 +158,7 @@ class ExactTransport(Transport):
         packed = fmt.pack(x, slots, weights)[row]
         buf = packed.new_empty((sum(received), fmt.row_bytes))
         pairs = len(row)
-        counters.collectives += 1 + sparse_all_to_all(packed, buf, sent, received, group, self._me(group))
+        counters.collectives += 1 + sparse_all_to_all(packed, buf, sent, received, group)
         _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + pairs * fmt.row_bytes + 8 * (size - 1))
@@ -177,7 +168,7 @@ class ExactTransport(Transport):
     def combine(self, values, delivery, group, tier, counters):
         route: _ExactRoute = delivery.route
         back = values.new_empty((sum(route.sent), values.shape[1]))
-        counters.collectives += sparse_all_to_all(values.contiguous(), back, route.received, route.sent, group, self._me(group))
+        counters.collectives += sparse_all_to_all(values.contiguous(), back, route.received, route.sent, group)
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
                 + values.shape[0] * values.shape[1] * values.element_size())
         out = values.new_zeros((route.rows, values.shape[1]))
