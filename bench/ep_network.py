@@ -31,6 +31,10 @@ apart by alphabet; a trained model that ships held-out text (`mini`) is sent tha
 (`--corpus DIR` for the training corpus' held-out split; the plan is made from other prompts than
 the measured ones). For `mini` (8 experts) give `--slots 3`: with 6 slots a node holds every expert.
 
+`--pin-nodes` keeps each virtual node on its own share of the cores (taskset), so that one node's
+compute cannot fill the time another node's messages spend on the link (by default all ranks share
+every core, which real nodes do not).
+
     sudo python bench/ep_network.py --out results/ep_network.json
 """
 
@@ -71,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=2, help="ranks per virtual node (default: 2)")
     p.add_argument("--slots", type=int, default=6, help="expert slots per rank, every plan (default: 6)")
     p.add_argument("--plans", default=",".join(PLANS))
+    p.add_argument("--pin-nodes", action="store_true",
+                   help="run each virtual node on its own CPU cores (taskset; the cores split evenly between the "
+                        "nodes): no node's compute can hide another node's wait on the link, as on real machines")
     p.add_argument("--overlap", default="off,on", help="comma-separated: off, on (default: both)")
     p.add_argument("--exchange", default="exact", choices=("exact", "fixed"), help="--ep-exchange of the servers")
     p.add_argument("--rates", default="auto", help="'auto', or comma-separated link rates (e.g. 20mbit,5mbit); "
@@ -228,6 +235,18 @@ class Cluster:
     logs: list[Path]
 
 
+def node_cpus(node: int, args: argparse.Namespace) -> list[str]:
+    """The `taskset` prefix that keeps a virtual node on its share of the cores (--pin-nodes), else
+    nothing."""
+    if not args.pin_nodes:
+        return []
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // args.nodes
+    if per == 0:
+        raise SystemExit(f"{PROG}: --pin-nodes needs at least one CPU per node ({len(cpus)} CPUs, {args.nodes} nodes)")
+    return ["taskset", "-c", ",".join(str(c) for c in cpus[node * per:(node + 1) * per])]
+
+
 def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Path, overlap: bool, work: Path, tag: str) -> Cluster:
     port, master = 8000, 29500
     serve = ["-m", "locus.cli", "serve", "--model", args.model, "--plan", str(plan), "--record-trace", str(trace),
@@ -247,7 +266,8 @@ def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Pat
     agents, logs = [], []
     for node in range(args.nodes):
         log = work / f"{tag}-node{node}.log"
-        cmd = ["ip", "netns", "exec", net.ns(node), "env", f"GLOO_SOCKET_IFNAME={net.device(node)}", torchrun,
+        cmd = [*node_cpus(node, args), "ip", "netns", "exec", net.ns(node), "env",
+               f"GLOO_SOCKET_IFNAME={net.device(node)}", torchrun,
                "--nnodes", str(args.nodes), "--nproc-per-node", str(args.gpus_per_node), "--node-rank", str(node),
                "--master-addr", net.address(0), "--master-port", str(master), *serve]
         with open(log, "wb") as f:

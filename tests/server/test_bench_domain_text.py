@@ -1,5 +1,5 @@
 """The prompts of the expert-parallel benches for a trained model (bench/serve_lib/domain_text.py,
-bench/ep.py's prompt_source) and bench/ep_network.py's decode-step rate calibration."""
+bench/ep.py's prompt_source), bench/ep_network.py's decode-step rate calibration and its node pinning."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.bench_scripts import BENCH
 
 sys.path.insert(0, str(BENCH))
 from ep import prompt_source, workload  # noqa: E402
-from ep_network import auto_rates  # noqa: E402
+from ep_network import auto_rates, node_cpus  # noqa: E402
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.domain_text import DomainText  # noqa: E402
 
@@ -59,3 +59,16 @@ def test_rates_put_the_link_at_a_quarter_half_and_three_quarters_of_the_decode_s
     for share, rate in zip((0.25, 0.5, 0.75), kbit):
         link_s = 10_000 * 8 / (rate * 1000)
         assert link_s / (0.040 + link_s) == pytest.approx(share, rel=0.01)
+
+
+def test_pinned_nodes_get_disjoint_equal_shares_of_the_cores(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    pinned = argparse.Namespace(pin_nodes=True, nodes=2)
+    assert node_cpus(0, pinned) == ["taskset", "-c", "0,1"]
+    assert node_cpus(1, pinned) == ["taskset", "-c", "2,3"]
+    assert node_cpus(1, argparse.Namespace(pin_nodes=False, nodes=2)) == []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7})
+    with pytest.raises(SystemExit, match="at least one CPU per node"):
+        node_cpus(0, pinned)
