@@ -101,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
     require_namespaces(PROG)
     net = Network(2)
-    outputs = []
+    outputs, procs = [], []
     try:
         net.create()
-        procs = []
         for rank in range(4):
             node = rank // 2
             cmd = ["ip", "netns", "exec", net.ns(node), sys.executable, str(Path(__file__).resolve()), "--rank", str(rank),
@@ -117,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{PROG}: a rank exited with {p.returncode}")
             outputs += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     finally:
+        for p in procs:  # a rank still running after another failed (or timed out) ends here too
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         net.remove()
     by_rank = {o["rank"]: o["rows"] for o in outputs}
     print(f"bytes a node sends over the inter-node link per call (framing, gloo's protocol and TCP acknowledgements "
