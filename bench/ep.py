@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--ep-timeout", type=float, default=120.0)
+    p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string (e.g. '--ep-loop-nice 0')")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
     add_prompt_args(p)
@@ -124,7 +126,8 @@ def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Pa
     port = free_port()
     cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", args.model, "--ep-ranks", str(nodes * gpus),
            "--gpus-per-node", str(gpus), "--plan", str(plan), "--record-trace", str(trace), "--moe-backend", "torch",
-           "--ep-timeout", str(args.ep_timeout), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+           "--ep-timeout", str(args.ep_timeout), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+           *shlex.split(args.extra_serve_args)]
     base = f"http://127.0.0.1:{port}"
     server = start_server(cmd, threads=1, log_path=str(log))  # one torch thread per rank
     try:

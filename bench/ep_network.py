@@ -58,6 +58,7 @@ from pathlib import Path
 
 import httpx
 from ep import add_prompt_args, locus, prompt_source, record_planning_trace, step_split, workload
+from serve_lib.cpu import machine_busy_seconds, process_cpu_seconds
 from serve_lib.domain_text import DomainText
 from serve_lib.load import send_request
 from serve_lib.table import print_table as markdown_table
@@ -383,7 +384,9 @@ def percentile(values: list[float], q: float) -> float:
 def measure(net: Network, cluster: Cluster, model: str, jobs: list[Job]) -> dict:
     stats0 = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
     link0 = net.link_bytes()
+    busy0, own0 = machine_busy_seconds(), process_cpu_seconds(os.getpid())
     results, seconds = asyncio.run(run_jobs(cluster.base_url, model, jobs))
+    busy1, own1 = machine_busy_seconds(), process_cpu_seconds(os.getpid())
     stats1 = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
     link1 = net.link_bytes()
     failed = [r.error for r in results if not r.ok]
@@ -400,9 +403,22 @@ def measure(net: Network, cluster: Cluster, model: str, jobs: list[Job]) -> dict
         "inter_per_token": (stats1["inter_node_bytes"] - stats0["inter_node_bytes"]) / max(tokens, 1),
         "wire_per_token": (stats1["wire_bytes"] - stats0["wire_bytes"]) / max(tokens, 1) if "wire_bytes" in stats1 else None,
         "link_bytes_per_step": max(link) / max(steps, 1), "link_bytes": link, "steps": steps,
+        **cpu_use(busy0, busy1, own0, own1, seconds, steps),
         **step_split(stats1, stats0),
         "per_rank_ms": per_rank_split(stats1, stats0),
     }
+
+
+def cpu_use(busy0: float | None, busy1: float | None, own0: float | None, own1: float | None, seconds: float,
+            steps: int) -> dict:
+    """The machine's CPU during a run: `cpu_busy_cores`, how many cores were busy on average (all of
+    them: the cluster's steps are CPU-bound, a lockstep step cannot be shorter than its CPU over the
+    cores), and `cpu_ms_per_step`, what every process but this bench's client spent per step (the
+    ranks, their agents, the kernel's network stack). Linux /proc; empty elsewhere."""
+    if None in (busy0, busy1, own0, own1):
+        return {}
+    busy = busy1 - busy0
+    return {"cpu_busy_cores": busy / seconds, "cpu_ms_per_step": 1e3 * max(0.0, busy - (own1 - own0)) / max(steps, 1)}
 
 
 def per_rank_split(stats: dict, before: dict) -> list[dict]:
@@ -443,7 +459,10 @@ def decode_calibration(net: Network, cluster: Cluster, model: str, args: argpars
         raise RuntimeError(f"calibration: the {args.output_len}-token wave took {long['steps']} steps, the "
                            f"{short_len}-token wave {short['steps']}: cannot separate decode from prefill")
     per_step = max(max(b - a, 0) for a, b in zip(short["link_bytes"], long["link_bytes"])) / steps
-    return {"decode_link_bytes_per_step": per_step, "decode_step_ms": long_wave["tpot_p50_ms"], "short_wave": short,
+    cpu = {}
+    if "cpu_ms_per_step" in long and "cpu_ms_per_step" in short:  # the same difference, of the machine's CPU
+        cpu["decode_cpu_ms_per_step"] = (long["cpu_ms_per_step"] * long["steps"] - short["cpu_ms_per_step"] * short["steps"]) / steps
+    return {"decode_link_bytes_per_step": per_step, "decode_step_ms": long_wave["tpot_p50_ms"], **cpu, "short_wave": short,
             "long_wave_steps": long["steps"], "short_wave_steps": short["steps"]}
 
 
@@ -558,7 +577,9 @@ def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Name
         row = {"plan": plan, "overlap": overlap, "rate": rate or "unshaped", "workload": name, **medians(runs)}
         rows.append(row)
         print(f"{plan}{' +overlap' if overlap else ''} @ {row['rate']} {name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
-              f"{row['out_tok_s']:.0f} tok/s, step {row['step_ms']:.1f} ms (exchange {row['exchange']:.0%})", flush=True)
+              f"{row['out_tok_s']:.0f} tok/s, step {row['step_ms']:.1f} ms (exchange {row['exchange']:.0%}), "
+              f"CPU {row.get('cpu_ms_per_step', float('nan')):.1f} ms/step on {row.get('cpu_busy_cores', float('nan')):.2f} busy cores",
+              flush=True)
     return rows
 
 
@@ -578,10 +599,12 @@ def check_replay(work: Path, tag: str, plan: Path, trace: Path, final: dict) -> 
 
 def print_table(results: list[dict]) -> None:
     head = ("plan", "overlap", "link", "workload", "TPOT p50", "TPOT p99", "TTFT p50", "out tok/s", "step ms",
-            "compute", "exchange", "control", "inter B/tok", "link KB/step")
+            "compute", "exchange", "control", "CPU ms/step", "cores busy", "inter B/tok", "link KB/step")
     rows = [(r["plan"], "on" if r["overlap"] else "off", r["rate"], r["workload"], f"{r['tpot_p50_ms']:.1f}",
              f"{r['tpot_p99_ms']:.1f}", f"{r['ttft_p50_ms']:.0f}", f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}",
-             f"{r['compute']:.0%}", f"{r['exchange']:.0%}", f"{r['control']:.0%}", f"{r['inter_per_token']:.0f}",
+             f"{r['compute']:.0%}", f"{r['exchange']:.0%}", f"{r['control']:.0%}",
+             f"{r['cpu_ms_per_step']:.1f}" if "cpu_ms_per_step" in r else "-",
+             f"{r['cpu_busy_cores']:.2f}" if "cpu_busy_cores" in r else "-", f"{r['inter_per_token']:.0f}",
              f"{r['link_bytes_per_step'] / 1e3:.1f}") for r in results]
     markdown_table(head, rows)
 

@@ -67,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the wire; DeepEP's low-latency layout). See docs/expert_parallel.md for which is faster where")
     p.add_argument("--ep-max-tokens-per-rank", type=int, default=256, metavar="N",
                    help="the fixed exchange's bound: a step where a rank may run more tokens uses the exact exchange")
+    p.add_argument("--ep-loop-nice", type=int, default=19, metavar="N",
+                   help="the nice value (0-19) of gloo's event-loop threads in every rank: they spin while a rank's "
+                        "own thread holds a connection, and where ranks share cores the spin slows that thread "
+                        "(docs/expert_parallel.md); 0 leaves them at the rank's priority (default: 19)")
     p.add_argument("--ep-elastic", action="store_true",
                    help="survive a lost rank: the survivors regroup, re-plan onto themselves and resume its requests "
                         "from what they streamed (docs/expert_parallel.md); without it a lost rank ends the server")
@@ -191,7 +195,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
-                       args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots)
+                       args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots,
+                       args.ep_loop_nice)
     if not 0 <= args.burst_wait_ms <= 1000:
         raise LocusError(f"--burst-wait-ms must be between 0 and 1000 (got {args.burst_wait_ms})")
     if setup is None and (args.replan_every or args.replan_api):

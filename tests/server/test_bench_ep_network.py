@@ -37,6 +37,8 @@ def test_bench_ep_network_runs_and_cleans_up(tmp_path):
     assert [(r["rate"], r["workload"]) for r in rows] == [("unshaped", "wave"), ("20mbit", "wave")]
     for r in rows:
         assert r["tpot_p50_ms"] > 0 and r["out_tok_s"] > 0 and r["steps"] > 0
+        # the machine's CPU during the run: the ranks spent some per step, and no more cores were busy than exist
+        assert r["cpu_ms_per_step"] > 0 and 0 < r["cpu_busy_cores"] <= os.cpu_count() * 1.05
     shaped = rows[1]
     assert all(sum(run["link_bytes"]) > 0 for run in shaped["runs"])  # inter-node traffic crossed the veth link
     assert namespaces() == before, "the bench left network namespaces behind"

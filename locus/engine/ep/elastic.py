@@ -240,6 +240,7 @@ def regroup(worker) -> dict[int, int]:
     from locus.engine.ep.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime
+    loop_nice = runtime.groups.loop_nice
     timeout = leave_groups(worker)
     generation = worker.generation + 1
     members = rendezvous_members(opts.store, generation, worker.identity, worker.members, opts.grace_s,
@@ -251,7 +252,7 @@ def regroup(worker) -> dict[int, int]:
     plan = new_plan_of(opts.store, generation, new_rank, lambda: plan_onto(current.plan, survivors, opts.max_slots),
                        timeout.total_seconds())
     topo = plan.topology
-    groups = make_groups(topo.nodes, topo.gpus_per_node, opts.lanes, timeout)
+    groups = make_groups(topo.nodes, topo.gpus_per_node, opts.lanes, timeout, loop_nice)
     read = refill_experts(runtime, plan, new_rank, opts.read_experts)
     device = current.start.device
     runtime.regroup(groups, ExpertPlacement.build(plan, new_rank, current.epoch + 1, device), device)

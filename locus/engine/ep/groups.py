@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from locus.engine.ep.loop_priority import lower_loop_threads
+
 
 @dataclass
 class TierGroups:
@@ -32,6 +34,7 @@ class Groups:
     lanes: list[TierGroups]
     control: object | None = None  # every rank, on gloo: step agreement, requests in, outputs out
     timeout: timedelta = field(default=timedelta(seconds=60))
+    loop_nice: int = 0  # the nice value of gloo's event-loop threads (loop_priority.py), kept for a regroup
 
     def all(self) -> list:
         """Every process group held here (the lanes' tiers and the control group)."""
@@ -51,8 +54,10 @@ class Groups:
         return self.rank % self.gpus_per_node
 
 
-def make_groups(nodes: int, gpus_per_node: int, lanes: int = 1, timeout: timedelta = timedelta(seconds=60)) -> Groups:
-    """Create every lane's sub-groups and the control group. A collective call: every rank creates
+def make_groups(nodes: int, gpus_per_node: int, lanes: int = 1, timeout: timedelta = timedelta(seconds=60),
+                loop_nice: int = 0) -> Groups:
+    """Create every lane's sub-groups and the control group, then set the gloo transport's event-loop
+    threads to `loop_nice` (loop_priority.py; 0 leaves them). A collective call: every rank creates
     all of them, in one order."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != nodes * gpus_per_node:
@@ -70,4 +75,5 @@ def make_groups(nodes: int, gpus_per_node: int, lanes: int = 1, timeout: timedel
                 intra = group
         made.append(TierGroups(inter, intra))
     control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
-    return Groups(rank, nodes, gpus_per_node, made, control, timeout)
+    lower_loop_threads(loop_nice)  # the groups just made started new transport threads
+    return Groups(rank, nodes, gpus_per_node, made, control, timeout, loop_nice)

@@ -52,6 +52,7 @@ class EPSetup:
     replan_layers_per_step: int = 1  # MoE layers a placement move switches per iteration
     elastic: bool = False  # survive a lost rank (elastic.py)
     max_slots: int | None = None  # a survivor's expert slots at most (default: every expert)
+    loop_nice: int = 19  # gloo's event-loop threads' nice value (loop_priority.py); 0 leaves them
     is_alive: object = None  # rank 0 of --ep-ranks: rank -> is its process running (set once spawned)
 
     @property
@@ -66,7 +67,8 @@ class EPSetup:
 def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_path: str | None,
                mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False,
                replan_every: str | None = None, replan_api: bool = False, replan_window: int = 4096,
-               replan_layers_per_step: int = 1, elastic: bool = False, max_slots: int | None = None) -> EPSetup | None:
+               replan_layers_per_step: int = 1, elastic: bool = False, max_slots: int | None = None,
+               loop_nice: int = 19) -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
     from locus.engine.ep.replan import ReplanSchedule
@@ -80,9 +82,11 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
         raise LocusError(f"--ep-max-tokens-per-rank must be at least 1, not {max_tokens_per_rank}")
     if timeout_s <= 0:
         raise LocusError(f"--ep-timeout must be positive, not {timeout_s}")
+    if not 0 <= loop_nice <= 19:  # raising a thread's priority (below 0) needs privileges a server should not ask for
+        raise LocusError(f"--ep-loop-nice must be between 0 (leave the threads as they are) and 19, not {loop_nice}")
     options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap, replan_every=replan_every,
                    replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step,
-                   elastic=elastic, max_slots=max_slots)
+                   elastic=elastic, max_slots=max_slots, loop_nice=loop_nice)
     if max_slots is not None and max_slots < 1:
         raise LocusError(f"--ep-max-slots must be at least 1, not {max_slots}")
     env = os.environ
@@ -153,7 +157,7 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     dist.init_process_group(backend, init_method="env://", rank=setup.rank, world_size=setup.world, timeout=timeout)
     loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
     topo = plan.topology
-    groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, timeout)
+    groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, timeout, setup.loop_nice)
     runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank)
     runtime.memory = expert_memory(loaded.model)
     log.info("rank %d of %d (node %d, local %d): %s", setup.rank, setup.world, groups.node, groups.local,
