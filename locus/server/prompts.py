@@ -19,6 +19,7 @@ from locus.engine.sampling import InvalidParameter
 from locus.engine.checkpoint.tokenizer import Tokenizer
 
 OFF_LOOP_CHARS = 32 * 1024  # texts above this many characters are tokenized in a worker thread
+_SCALARS = frozenset({int, float, bool, type(None)})  # JSON values that hold no text
 
 T = TypeVar("T")
 
@@ -34,7 +35,7 @@ def text_chars(value: Any) -> int:
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            stack.extend(child for child in item if type(child) not in _SCALARS)
     return total
 
 
@@ -74,9 +75,12 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
         elif isinstance(item, BaseModel):  # its fields (and extras) as they are: no model_dump per request
             children = list(item.__dict__.items()) + list((item.model_extra or {}).items())
         elif isinstance(item, (list, tuple)):
-            children = list(enumerate(item))
+            # token ids and other scalars hold no text: a 100k-id prompt costs no path strings
+            children = [(i, child) for i, child in enumerate(item) if type(child) not in _SCALARS]
         else:
             continue
         for key, child in reversed(children):
+            if type(child) in _SCALARS or (isinstance(child, str) and child.isascii()):
+                continue  # nothing to find below it
             stack.append((child, f"{where}.{key}" if where else str(key)))
     return None
