@@ -75,12 +75,11 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
         elif isinstance(item, BaseModel):  # its fields (and extras) as they are: no model_dump per request
             children = list(item.__dict__.items()) + list((item.model_extra or {}).items())
         elif isinstance(item, (list, tuple)):
-            # token ids and other scalars hold no text: a 100k-id prompt costs no path strings
-            children = [(i, child) for i, child in enumerate(item) if type(child) not in _SCALARS]
+            children = list(enumerate(item))
         else:
             continue
         for key, child in reversed(children):
-            if type(child) in _SCALARS or (isinstance(child, str) and child.isascii()):
-                continue  # nothing to find below it
+            if type(child) in _SCALARS:
+                continue  # token ids and other scalars hold no text: a 100k-id prompt costs no path strings
             stack.append((child, f"{where}.{key}" if where else str(key)))
     return None
