@@ -127,12 +127,13 @@ class StreamTally:
         self.pending = b""
         self.error: str | None = None  # a stream error chunk: the request failed
 
-    def feed(self, received: bytes) -> None:
-        """Whatever bytes have arrived, at once (one call per read, not per line). Raises
-        json.JSONDecodeError (a ValueError) on a chunk that is not JSON."""
+    def feed(self, received: bytes, now: float | None = None) -> None:
+        """Whatever bytes have arrived, at once (one call per read, not per line), and when they
+        arrived (default: now). Raises json.JSONDecodeError (a ValueError) on a chunk that is not JSON."""
+        if now is None:
+            now = time.perf_counter()
         *events, self.pending = (self.pending + received).split(b"\n\n")
         for event in events:
-            now = time.perf_counter()  # per event, as when reading line by line
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue
@@ -156,11 +157,11 @@ class StreamTally:
                         self.itl.append(now - self.last)
                     self.last, self.chunks = now, self.chunks + 1
 
-    def result(self, prompt_len: int | None) -> RequestResult:
-        """The request's result once its stream has ended."""
+    def result(self, prompt_len: int | None, end: float | None = None) -> RequestResult:
+        """The request's result once its stream has ended (at `end`, default now)."""
         if self.error is not None:
             return RequestResult(False, error=self.error)
-        e2e = time.perf_counter() - self.start
+        e2e = (time.perf_counter() if end is None else end) - self.start
         if self.ttft is None:
             return RequestResult(False, error="the stream ended without a generated token")
         output = self.usage["completion_tokens"] if self.usage else self.chunks
@@ -223,7 +224,7 @@ async def run_load(args: argparse.Namespace, url: str, bodies: list[dict], promp
             except asyncio.TimeoutError:
                 return RequestResult(False, error=f"no complete response within {args.request_timeout:.0f}s")
 
-        for result in await asyncio.gather(*(bounded(body, None) for body in warmup)):
+        for result in map(settle, await asyncio.gather(*(bounded(body, None) for body in warmup))):
             if not result.ok:
                 raise BenchError(f"a warm-up request failed: {result.error}")
         gate = asyncio.Semaphore(width)
@@ -242,17 +243,24 @@ async def run_load(args: argparse.Namespace, url: str, bodies: list[dict], promp
         results = await asyncio.gather(*tasks)
         duration, client_cpu, busy1 = time.perf_counter() - start, time.process_time() - cpu0, machine_busy_seconds()
         server1 = process_cpu_seconds(server_pid) if server_pid else None
+    results = [settle(r) for r in results]  # parsed now, outside the timed part
     server_cpu = server1 - server0 if server0 is not None and server1 is not None else None
     # without a server of ours its CPU is unknown, and so is everyone else's
     return LoadRun(list(results), duration, client_cpu, server_cpu, others_cpu(busy0, busy1, client_cpu, server_cpu))
 
 
+def settle(result) -> RequestResult:
+    """A RequestResult, or a response recorded during the run (raw client) parsed into one."""
+    return result if isinstance(result, RequestResult) else result.parse()
+
+
 @contextlib.asynccontextmanager
 async def load_client(args: argparse.Namespace, url: str, chat: bool, width: int):
-    """`send(body, prompt_len) -> RequestResult` of the chosen --client.
+    """`send(body, prompt_len)` of the chosen --client: a RequestResult, or something `settle` makes one.
 
-    raw (the default): serve_lib/raw_http.py, a connection per request parsed in the transport's
-    callback, ~3x less client CPU per streamed token than aiohttp (docs/serving.md). aiohttp: a pooled
+    raw (the default): serve_lib/raw_http.py, a connection per request whose reads are recorded with
+    their arrival times and parsed after the run, several times less client CPU per streamed token
+    than aiohttp (docs/serving.md). aiohttp: a pooled
     keep-alive client with a C parser, the common choice of serving benchmarks (vLLM's among them);
     httpx's async client costs 3x aiohttp's CPU per streamed token (0.18 vs 0.05 CPU s for 32 x 64)."""
     if args.client == "raw":

@@ -1,12 +1,16 @@
 """The default load client (`--client raw`): one HTTP/1.1 POST per connection on an asyncio
-Protocol, its streamed response parsed in `data_received` as the bytes arrive.
+Protocol that, while the load runs, only records each read with its arrival time; the responses are
+parsed after the timed part, each read timed as it arrived.
 
 Why not aiohttp: on a small machine the client shares the cores with the server it measures, so its
 CPU per streamed token comes out of the server's forward passes. aiohttp wakes a task and runs its
-stream reader for every read (one per token per stream); here the bytes are de-chunked and handed
-to the `StreamTally` inside the transport's callback, and a task wakes once, when the response ends.
+stream reader for every read (one per token per stream); here a read costs an append in the
+transport's callback, and a task wakes once, when the server closes the connection. Parsing the
+reads as they came (de-chunking, splitting the SSE events, timing the token chunks) took about
+half of this client's CPU per streamed token, on the cores of the forward pass it measures.
 What it speaks is what the benchmark needs and no more: `Connection: close` (a fresh connection per
-request, no pool), a status line and headers, then a chunked, Content-Length or until-close body.
+request, no pool; the response ends when the server closes it, as HTTP/1.1 requires of a server
+that gets that header), a status line and headers, then a chunked, Content-Length or until-close body.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from serve_lib.load import RequestResult, StreamTally, error_message
@@ -26,32 +30,73 @@ class ResponseError(Exception):
     """The server's bytes are not a well-formed HTTP/1.1 response."""
 
 
-class StreamedResponse(asyncio.Protocol):
-    """One request's connection: writes the request on connect, then parses the response.
+class RecordedStream(asyncio.Protocol):
+    """One request's connection while the load runs: writes the request on connect, then only
+    records each read with its arrival time. The response ends when the server closes the
+    connection (the request says `Connection: close`); `finished` gets the RecordedResponse."""
+
+    def __init__(self, request: bytes, start: float, finished: asyncio.Future):
+        self.request, self.finished = request, finished
+        self.recorded = RecordedResponse(start)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.recorded.reads.append((time.perf_counter(), data))
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.recorded.lost = exc
+        if not self.finished.done():
+            self.finished.set_result(self.recorded)
+
+
+@dataclass
+class RecordedResponse:
+    """A response as it arrived: (perf_counter time, bytes) per read. Parsed by `result`, after the
+    timed part of the run: the bytes' arrival times are the reads', so the figures are those of
+    parsing each read as it comes, without the parsing's CPU on the cores the server shares."""
+    start: float
+    reads: list[tuple[float, bytes]] = field(default_factory=list)
+    lost: Exception | None = None  # what closed the connection, if it was not a clean close
+
+    def result(self, chat: bool, prompt_len: int | None) -> RequestResult:
+        parser = ResponseParser(StreamTally(chat, self.start), prompt_len)
+        for now, data in self.reads:
+            parser.feed(data, now)
+            if parser.outcome is not None:
+                return parser.outcome
+        parser.closed(self.reads[-1][0] if self.reads else time.perf_counter(), self.lost)
+        return parser.outcome
+
+
+class ResponseParser:
+    """One response's bytes, fed in the pieces they arrived in, each with its arrival time.
 
     States: reading the head (status line + headers), then the body. A 200 body is de-chunked and
-    fed to the tally as it arrives; any other status's body is kept whole for its error message.
-    `finished` gets the RequestResult when the body ends, the connection drops or the bytes break
-    HTTP."""
+    fed to the tally; any other status's body is kept whole for its error message. `outcome` is the
+    RequestResult once the body ends, the bytes break HTTP or the connection closed."""
 
-    def __init__(self, request: bytes, tally: StreamTally, prompt_len: int | None, finished: asyncio.Future):
-        self.request, self.tally, self.prompt_len, self.finished = request, tally, prompt_len, finished
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, tally: StreamTally, prompt_len: int | None):
+        self.tally, self.prompt_len = tally, prompt_len
+        self.outcome: RequestResult | None = None
         self.buffer = b""  # head bytes, or chunked-framing bytes not yet complete
         self.status: int | None = None  # None: still reading the head
         self.framing = "close"  # "chunked", "length" or "close" (the body ends with the connection)
         self.remaining = 0  # "length": body bytes still to come; "chunked": bytes left in the current chunk
         self.in_chunk = False  # "chunked": inside a chunk's data (else: before a size line)
         self.error_body = b""  # a non-200 body
+        self.now = 0.0  # the arrival time of the bytes being parsed
 
-    # -- transport callbacks --------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        transport.write(self.request)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        if self.finished.done():
+    def feed(self, data: bytes, now: float) -> None:
+        if self.outcome is not None:
             return
+        self.now = now
         try:
             if self.status is None:
                 data = self.read_head(data)
@@ -61,12 +106,11 @@ class StreamedResponse(asyncio.Protocol):
         except (ResponseError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
             self.finish(RequestResult(False, error=f"{type(exc).__name__}: {exc}"))
 
-    def eof_received(self) -> bool:
-        return False  # close our side too; connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.finished.done():
+    def closed(self, now: float, exc: Exception | None) -> None:
+        """The connection closed (at `now`, the last bytes' arrival) before the body ended by its framing."""
+        if self.outcome is not None:
             return
+        self.now = now
         if self.status is not None and self.framing == "close":  # the body ends with the connection
             self.end_body()
         else:
@@ -155,21 +199,18 @@ class StreamedResponse(asyncio.Protocol):
         if self.status != 200:
             self.error_body += body
             return
-        self.tally.feed(body)
+        self.tally.feed(body, self.now)
         if self.tally.error is not None:
-            self.finish(self.tally.result(self.prompt_len))
+            self.finish(self.tally.result(self.prompt_len, self.now))
 
     def end_body(self) -> None:
         if self.status != 200:
             self.finish(RequestResult(False, error=f"HTTP {self.status}: {error_message(self.error_body)}"))
         else:
-            self.finish(self.tally.result(self.prompt_len))
+            self.finish(self.tally.result(self.prompt_len, self.now))
 
     def finish(self, result: RequestResult) -> None:
-        if not self.finished.done():
-            self.finished.set_result(result)
-        if self.transport is not None:
-            self.transport.close()
+        self.outcome = result
 
 
 @dataclass(frozen=True)
@@ -196,19 +237,30 @@ class HttpTarget:
         return f"{self.head}Content-Length: {len(payload)}\r\n\r\n".encode("latin-1") + payload
 
 
-async def send_request_raw(target: HttpTarget, body: dict, chat: bool, prompt_len: int | None) -> RequestResult:
-    """One streamed request on a connection of its own. Cancelling it (the request timeout) closes
-    the connection, which the server sees as a disconnect."""
+async def send_request_raw(target: HttpTarget, body: dict, chat: bool, prompt_len: int | None) -> "RequestResult | Unparsed":
+    """One streamed request on a connection of its own: a failed connect's RequestResult, or the
+    recorded response, to be parsed (`Unparsed.parse`) once the timed part is over. Cancelling it
+    (the request timeout) closes the connection, which the server sees as a disconnect."""
     loop = asyncio.get_running_loop()
     request = target.request(body)
     finished: asyncio.Future = loop.create_future()
-    tally = StreamTally(chat, time.perf_counter())
+    start = time.perf_counter()
     try:
-        transport, _ = await loop.create_connection(lambda: StreamedResponse(request, tally, prompt_len, finished),
-                                                    target.host, target.port)
+        transport, _ = await loop.create_connection(lambda: RecordedStream(request, start, finished), target.host, target.port)
     except OSError as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     try:
-        return await finished
+        return Unparsed(await finished, chat, prompt_len)
     finally:
         transport.close()
+
+
+@dataclass(frozen=True)
+class Unparsed:
+    """A recorded response and what its parse needs."""
+    recorded: RecordedResponse
+    chat: bool
+    prompt_len: int | None
+
+    def parse(self) -> RequestResult:
+        return self.recorded.result(self.chat, self.prompt_len)
