@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "batch width, min(--num-prompts, --concurrency), so the timed batch shapes are warm)")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     load.add_argument("--client", choices=["raw", "aiohttp"], default="raw",
-                      help="the load's HTTP client: raw (a connection per request parsed in the transport's "
-                           "callback; least CPU, which matters when client and server share cores) or aiohttp "
+                      help="the load's HTTP client: raw (a connection per request; reads recorded with their arrival "
+                           "times and parsed after the run: least CPU, which matters when client and server "
+                           "share cores) or aiohttp "
                            "(pooled keep-alive connections, as vLLM's benchmark)")
 
     engine = p.add_argument_group("engine (for --compare-offline and --launch-model; match the server's)")
