@@ -56,6 +56,7 @@ class GrammarCompiler:
         self._cache_bytes = 0
         self._json_guard: JsonGuard | None = None
         self._lock = threading.Lock()
+        self._prepare_lock = threading.Lock()  # held while the vocabulary is read: not the cache's lock
 
     def compile(self, so: StructuredOutput):
         with self._lock:
@@ -76,6 +77,23 @@ class GrammarCompiler:
     @property
     def cache_bytes(self) -> int:
         return self._cache_bytes
+
+    @property
+    def prepared(self) -> bool:
+        return self._compiler is not None
+
+    def prepare(self) -> None:
+        """Import xgrammar and read the vocabulary into its compiler, once. A one-time cost of the
+        server, not of a spec (about a second to import xgrammar here, seconds more for a 200k-token
+        vocabulary): the server pays it before it times a request's compile against
+        --max-grammar-compile-seconds, so the first constrained request is not refused for it."""
+        import xgrammar as xgr
+
+        with self._prepare_lock:
+            if self._compiler is None:
+                # one thread (the compile pools run one compile each), no cache of its own (ours is bounded)
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=1,
+                                                     cache_enabled=False)
 
     def matcher(self, so: StructuredOutput):
         import xgrammar as xgr
@@ -107,14 +125,8 @@ class GrammarCompiler:
             raise InvalidParameter(so.param, f"the {so.kind} constraint accepts no output: no token can start it")
 
     def _compile(self, so: StructuredOutput):
-        import xgrammar as xgr
-
-        with self._lock:
-            if self._compiler is None:  # the vocabulary is read once (seconds for a 200k-token one)
-                # one thread (the compile pools run one compile each), no cache of its own (ours is bounded)
-                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=1,
-                                                     cache_enabled=False)
-            c = self._compiler
+        self.prepare()
+        c = self._compiler
         try:
             if so.kind == "json":
                 return c.compile_json_schema(so.spec, any_whitespace=False)

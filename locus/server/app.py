@@ -428,6 +428,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         grammars = engine.core.grammars
         if grammars.is_compiled(so):
             return
+        if not grammars.prepared:  # the server's one-time cost (xgrammar's import, the vocabulary): not timed
+            await asyncio.get_running_loop().run_in_executor(None, grammars.prepare)
         future = state.compile_pools.submit(so, grammars.check_satisfiable)
         seconds = grammars.limits.compile_seconds
         try:

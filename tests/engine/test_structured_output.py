@@ -184,3 +184,22 @@ def test_a_property_named_like_a_keyword_is_fine(llm):
     schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"type": "integer"}}, "required": ["not"]}
     out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput("json", json.dumps(schema))))
     assert isinstance(json.loads(out[0].outputs[0].text)["not"], bool)
+
+
+def test_the_vocabulary_is_read_once_whether_prepared_first_or_on_the_first_compile():
+    from locus.engine.structured_output import GrammarCompiler
+
+    tok = ByteTokenizer()
+    for prepare_first in (True, False):
+        grammars = GrammarCompiler(tok, tok.vocab_size)
+        assert not grammars.prepared
+        if prepare_first:
+            grammars.prepare()
+            assert grammars.prepared
+        compiler = None
+        for spec in ("[0-9]{3}", "[a-z]+"):
+            grammars.compile(StructuredOutput("regex", spec, "guided_regex"))
+            compiler = compiler or grammars._compiler
+            assert grammars._compiler is compiler  # built once, then reused
+        grammars.prepare()
+        assert grammars._compiler is compiler
