@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--device", default=None)
     engine.add_argument("--moe-backend", default="auto")
     engine.add_argument("--model-seed", type=int, default=0, help="weight seed for presets (server --seed)")
+    engine.add_argument("--compile", action="store_true",
+                        help="compiled decode steps (torch.compile per batch-size bucket) in the offline engine and the "
+                             "launched server alike")
+    engine.add_argument("--compile-buckets", default=None, metavar="B1,B2,...",
+                        help="decode batch sizes to compile, both sides (default: the engine's, 1, 2, 4, ... up to "
+                             "--max-num-seqs)")
     engine.add_argument("--threads", type=int, default=None,
                         help="torch threads for the offline engine and the launched server (default: torch's "
                              "default here, passed to the server as OMP_NUM_THREADS so both match)")
@@ -119,6 +125,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency must be positive")
     if args.request_rate <= 0:
         p.error("--request-rate must be positive (inf: all at once)")
+    if args.compile_buckets is not None:
+        from locus.engine.decode_graph import parse_buckets
+
+        try:
+            args.compile_buckets = tuple(parse_buckets(args.compile_buckets))
+        except ValueError as exc:
+            p.error(str(exc))
+        if not args.compile:
+            p.error("--compile-buckets needs --compile")
     if args.launch and args.launch_model:
         p.error("give --launch or --launch-model, not both")
     args.model = args.model or args.launch_model

@@ -99,6 +99,10 @@ def launch_command(args: argparse.Namespace, port: int) -> list[str]:
     for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
         if value:
             cmd += [flag, value]
+    if args.compile:
+        cmd.append("--compile")
+        if args.compile_buckets:
+            cmd += ["--compile-buckets", ",".join(map(str, args.compile_buckets))]
     return cmd
 
 

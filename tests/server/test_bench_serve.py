@@ -114,6 +114,24 @@ def test_unreachable_server_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_compile_reaches_both_sides_and_bad_bucket_flags_are_refused(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import serve as bench_serve
+        from serve_lib.server import launch_command
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = bench_serve.parse_args(["--launch-model", "tiny", "--compare-offline", "--compile", "--compile-buckets", "32,8"])
+    assert args.compile and args.compile_buckets == (8, 32)
+    cmd = launch_command(args, 1234)
+    assert cmd[cmd.index("--compile") + 1:cmd.index("--compile") + 3] == ["--compile-buckets", "8,32"]
+    assert "--compile" not in launch_command(bench_serve.parse_args(["--launch-model", "tiny"]), 1234)
+    for bad, message in ((["--compile-buckets", "8"], "needs --compile"), (["--compile", "--compile-buckets", "0,x"], "comma-separated")):
+        r = bench("--launch-model", "tiny", *bad, "--out", str(tmp_path / "x.json"))
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.slow  # loads the model twice (offline engine, then the launched server)
 def test_launch_model_with_offline_comparison_stops_its_server(tmp_path):
     out = tmp_path / "launch.json"
