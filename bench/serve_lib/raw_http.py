@@ -36,13 +36,10 @@ class RecordedStream(asyncio.Protocol):
     records each read with its arrival time. The response ends when the server closes the
     connection (the request says `Connection: close`); `finished` gets the RecordedResponse."""
 
-    def __init__(self, request: bytes, start: float, finished: asyncio.Future):
-        self.request, self.finished = request, finished
-        self.recorded = RecordedResponse(start)
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, request: bytes, recorded: "RecordedResponse", finished: asyncio.Future):
+        self.request, self.recorded, self.finished = request, recorded, finished
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
         transport.write(self.request)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
@@ -59,15 +56,18 @@ class RecordedStream(asyncio.Protocol):
 
 @dataclass
 class RecordedResponse:
-    """A response as it arrived: (perf_counter time, bytes) per read. Parsed by `result`, after the
-    timed part of the run: the bytes' arrival times are the reads', so the figures are those of
-    parsing each read as it comes, without the parsing's CPU on the cores the server shares."""
+    """A response as it arrived: (perf_counter time, bytes) per read, and what its parse needs.
+    Parsed by `parse`, after the timed part of the run: the bytes' arrival times are the reads', so
+    the figures are those of parsing each read as it comes, without the parsing's CPU on the cores
+    the server shares."""
     start: float
+    chat: bool
+    prompt_len: int | None
     reads: list[tuple[float, bytes]] = field(default_factory=list)
     lost: Exception | None = None  # what closed the connection, if it was not a clean close
 
-    def result(self, chat: bool, prompt_len: int | None) -> RequestResult:
-        parser = ResponseParser(StreamTally(chat, self.start), prompt_len)
+    def parse(self) -> RequestResult:
+        parser = ResponseParser(StreamTally(self.chat, self.start), self.prompt_len)
         for now, data in self.reads:
             parser.feed(data, now)
             if parser.outcome is not None:
@@ -238,30 +238,19 @@ class HttpTarget:
         return f"{self.head}Content-Length: {len(payload)}\r\n\r\n".encode("latin-1") + payload
 
 
-async def send_request_raw(target: HttpTarget, body: dict, chat: bool, prompt_len: int | None) -> "RequestResult | Unparsed":
+async def send_request_raw(target: HttpTarget, body: dict, chat: bool, prompt_len: int | None) -> "RequestResult | RecordedResponse":
     """One streamed request on a connection of its own: a failed connect's RequestResult, or the
-    recorded response, to be parsed (`Unparsed.parse`) once the timed part is over. Cancelling it
-    (the request timeout) closes the connection, which the server sees as a disconnect."""
+    recorded response, to be parsed (`RecordedResponse.parse`) once the timed part is over.
+    Cancelling it (the request timeout) closes the connection, which the server sees as a disconnect."""
     loop = asyncio.get_running_loop()
     request = target.request(body)
     finished: asyncio.Future = loop.create_future()
-    start = time.perf_counter()
+    recorded = RecordedResponse(time.perf_counter(), chat, prompt_len)
     try:
-        transport, _ = await loop.create_connection(lambda: RecordedStream(request, start, finished), target.host, target.port)
+        transport, _ = await loop.create_connection(lambda: RecordedStream(request, recorded, finished), target.host, target.port)
     except OSError as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     try:
-        return Unparsed(await finished, chat, prompt_len)
+        return await finished
     finally:
         transport.close()
-
-
-@dataclass(frozen=True)
-class Unparsed:
-    """A recorded response and what its parse needs."""
-    recorded: RecordedResponse
-    chat: bool
-    prompt_len: int | None
-
-    def parse(self) -> RequestResult:
-        return self.recorded.result(self.chat, self.prompt_len)
