@@ -350,8 +350,12 @@ class AsyncEngine:
             if out.finished:
                 self._note_finished(out)
             target = self._sinks.get(out.request_id)
-            if target is not None:  # a failed request's reader gets its error instead of the output
-                by_loop.setdefault(target[1], []).append((target[0], out.error or out))
+            if target is None:
+                continue
+            if target[0].final_only and not out.finished and out.error is None:
+                continue  # its reader needs only the finished output, which holds everything: no wake-up
+            # a failed request's reader gets its error instead of the output
+            by_loop.setdefault(target[1], []).append((target[0], out.error or out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -437,18 +441,18 @@ class _Sink:
     no task to wake (the server writes a stream's frames from there). A callback that cannot take an
     output now returns False; the output then waits, merged with later ones, until `drain`."""
 
-    __slots__ = ("_items", "_waiter", "_final_only", "_listener")
+    __slots__ = ("_items", "_waiter", "final_only", "_listener")
 
     def __init__(self, final_only: bool = False):
         self._items: list = []
         self._waiter: asyncio.Future | None = None
-        self._final_only = final_only  # keep only the latest output; wake the reader when it is the last
+        self.final_only = final_only  # keep only the latest output; wake the reader when it is the last
         self._listener: Callable[[object], bool] | None = None
 
     def put(self, item) -> None:  # on the event loop
         if self._listener is not None and not self._items and self._listener(item):
             return
-        if self._final_only and isinstance(item, RequestOutput):
+        if self.final_only and isinstance(item, RequestOutput):
             if self._items and isinstance(self._items[-1], RequestOutput):
                 self._items[-1] = item  # a later output holds everything an earlier one did
             else:

@@ -103,6 +103,36 @@ def test_a_final_only_reader_gets_just_the_finished_output(tiny, tok):
     assert whole[0].outputs[0].text == streamed[-1].outputs[0].text
 
 
+def test_a_final_only_request_wakes_the_event_loop_once(tiny, tok):
+    """The engine thread hands a whole-response request only its finished output: one wake-up of
+    the event loop (which shares the cores with the forward) instead of one per step."""
+    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = AsyncEngine(core)
+    engine.start()
+    prompt = tok.encode("one wake-up")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def read(final_only: bool):
+        loop = asyncio.get_running_loop()
+        calls, real = [], loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            calls.append(callback)
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        outs = [out async for out in engine.generate(prompt, params, final_only=final_only)]
+        return outs, calls
+
+    try:
+        (streamed, stream_calls), (whole, whole_calls) = asyncio.run(read(False)), asyncio.run(read(True))
+    finally:
+        engine.shutdown()
+    assert len(stream_calls) >= 12  # a streamed reader is handed every step's output
+    assert len(whole) == 1 and len(whole_calls) == 1
+    assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids == generate_tokens(tiny, prompt, 12)
+
+
 def burst_run(tiny, tok, burst_wait_s: float, gaps: list[float]) -> tuple[float, list[tuple[float, int]]]:
     """A fresh engine gets one request, then one more after each gap; every request is read to the
     end. Returns when the first was added and (time, number of outputs) of every step (monotonic)."""
