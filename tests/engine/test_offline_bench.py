@@ -1,4 +1,4 @@
-"""bench/offline.py and bench/profile_decode.py run end to end on the tiny preset."""
+"""bench/offline.py, bench/profile_decode.py and bench/omp_teams.py run end to end on the tiny preset."""
 
 from __future__ import annotations
 
@@ -41,3 +41,16 @@ def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path)
     for kind in ("eager", "compiled"):
         assert result["step_over_floor"][kind] == pytest.approx(result["step_ms"][kind] / result["floor_ms"])
     assert result["touched_expert_bytes"] > 0 and result["compile_s"] > 0
+
+
+def test_omp_teams_bench_times_each_phase(tmp_path):
+    out = tmp_path / "teams.json"
+    stdout = run("omp_teams.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "4", "--new-tokens", "3",
+                 "--rounds", "2", "--out", str(out))
+    assert "second team alive" in stdout and "vs one team" in stdout
+    result = json.loads(out.read_text())
+    assert result["torch_threads"] == 1  # run_bench's OMP_NUM_THREADS=1: no worker, so no throttling to see
+    assert list(result["runs"]) == ["one team", "second team alive", "second team gone"]
+    for phase, runs in result["runs"].items():
+        assert len(runs) == 2 and all(v > 0 for v in runs)
+        assert result["median"][phase] == pytest.approx(sorted(runs)[0] / 2 + sorted(runs)[1] / 2)
