@@ -84,32 +84,13 @@ def test_a_slow_reader_gets_fewer_outputs_and_every_token_and_logprob_in_order(t
     assert [lp.token_id for lp in final.logprobs] == final.token_ids
 
 
-def test_a_final_only_reader_gets_just_the_finished_output(tiny, tok):
-    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
-    engine = AsyncEngine(core)
-    engine.start()
-    prompt = tok.encode("whole response")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-    async def read(final_only: bool):
-        return [out async for out in engine.generate(prompt, params, final_only=final_only)]
-
-    try:
-        streamed, whole = asyncio.run(read(False)), asyncio.run(read(True))
-    finally:
-        engine.shutdown()
-    assert len(streamed) > 1 and len(whole) == 1 and whole[0].finished
-    assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids == generate_tokens(tiny, prompt, 12)
-    assert whole[0].outputs[0].text == streamed[-1].outputs[0].text
-
-
-def test_a_final_only_request_wakes_the_event_loop_once(tiny, tok):
+def test_a_final_only_reader_gets_just_the_finished_output_with_one_wake_up(tiny, tok):
     """The engine thread hands a whole-response request only its finished output: one wake-up of
     the event loop (which shares the cores with the forward) instead of one per step."""
     core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
     engine = AsyncEngine(core)
     engine.start()
-    prompt = tok.encode("one wake-up")
+    prompt = tok.encode("whole response")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def read(final_only: bool):
@@ -128,9 +109,10 @@ def test_a_final_only_request_wakes_the_event_loop_once(tiny, tok):
         (streamed, stream_calls), (whole, whole_calls) = asyncio.run(read(False)), asyncio.run(read(True))
     finally:
         engine.shutdown()
-    assert len(stream_calls) >= 12  # a streamed reader is handed every step's output
-    assert len(whole) == 1 and len(whole_calls) == 1
+    assert len(streamed) > 1 and len(stream_calls) >= 12  # a streamed reader is handed every step's output
+    assert len(whole) == 1 and whole[0].finished and len(whole_calls) == 1
     assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids == generate_tokens(tiny, prompt, 12)
+    assert whole[0].outputs[0].text == streamed[-1].outputs[0].text
 
 
 def burst_run(tiny, tok, burst_wait_s: float, gaps: list[float]) -> tuple[float, list[tuple[float, int]]]:
