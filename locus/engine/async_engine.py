@@ -446,21 +446,14 @@ class _Sink:
     def __init__(self, final_only: bool = False):
         self._items: list = []
         self._waiter: asyncio.Future | None = None
-        self.final_only = final_only  # keep only the latest output; wake the reader when it is the last
+        # its reader wants only the finished output: the engine thread hands it nothing else (_deliver_step)
+        self.final_only = final_only
         self._listener: Callable[[object], bool] | None = None
 
     def put(self, item) -> None:  # on the event loop
         if self._listener is not None and not self._items and self._listener(item):
             return
-        if self.final_only and isinstance(item, RequestOutput):
-            if self._items and isinstance(self._items[-1], RequestOutput):
-                self._items[-1] = item  # a later output holds everything an earlier one did
-            else:
-                self._items.append(item)
-            if not item.finished:
-                return
-        else:
-            self._items.append(item)
+        self._items.append(item)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
