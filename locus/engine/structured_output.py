@@ -87,6 +87,8 @@ class GrammarCompiler:
         server, not of a spec (about a second to import xgrammar here, seconds more for a 200k-token
         vocabulary): the server pays it before it times a request's compile against
         --max-grammar-compile-seconds, so the first constrained request is not refused for it."""
+        if self._compiler is not None:  # every compile calls this: no import lookup or lock once prepared
+            return
         import xgrammar as xgr
 
         with self._prepare_lock:
