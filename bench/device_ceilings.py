@@ -89,7 +89,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
     c = measure(args.device, getattr(torch, args.dtype))
-    print(f"{c.device}: {c.bandwidth / 1e9:,.0f} GB/s (copy, read + write), "
+    how = "copy, read + write" if args.device.startswith("cuda") else "read"
+    print(f"{c.device}: {c.bandwidth / 1e9:,.0f} GB/s ({how}), "
           f"{c.matmul_flops / 1e12:,.1f} TFLOP/s ({c.dtype} matmul)")
     print(json.dumps(c.to_json()))
 
