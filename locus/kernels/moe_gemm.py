@@ -1,24 +1,39 @@
 """Grouped GEMMs of fused MoE: every BLOCK_M-row block of aligned pairs times its own expert's weights.
 
 After the align step (moe_align.py) the pairs sit expert by expert in BLOCK_M-row blocks. A program
-owns one (block, N-tile): it reads the block's expert id, gathers the block's A rows by pair id, and
-multiplies them by a [H or I, BLOCK_N] slice of that expert's weight. Padding rows (pair id == P) are
-masked on load and never stored; blocks past the padded end return at once. Two kernels:
+owns one (block, N-tile, K-slice): it reads the block's expert id, gathers the block's A rows by pair
+id, and multiplies them by a [slice of H or I, BLOCK_N] piece of that expert's weight. Padding rows
+(pair id == P) are masked on load and never stored; blocks past the padded end return at once.
+Two kernels:
 
-  gate_up:  h[p] = silu(g) * u,  [g | u] = a[p] @ gate_up[e]   a[p] = x[p // K], scaled by w[p] on
-            input. Each program keeps a gate and an up accumulator for the same N columns, so the
-            SwiGLU epilogue needs no second pass and the [P, 2I] product is never written.
+  gate_up:  h[p] = silu(g) * u,  [g | u] = w[p] * (a[p] @ gate_up[e])  (w[p] when the weight goes on
+            the input, a[p] = x[p // K]). Each program keeps a gate and an up accumulator for the same
+            N columns, so the SwiGLU epilogue needs no second pass and the [P, 2I] product is never
+            written. The routing weight scales the fp32 accumulators (a row scale commutes with the
+            product), so the A tile goes from memory to the tensor cores untouched.
   down:     y[p] = h[p] @ down[e], scaled by w[p] when the weight goes on the output.
+
+Split-K (config.split_k = S > 1): a decode batch touches a few experts, so BLOCK_M blocks x N-tiles
+alone leave most SMs idle (one Llama-4 expert, down GEMM, BLOCK_N 64: 80 programs on 132 SMs) and
+each busy SM has too few loads in flight to stream weights at HBM speed. Splitting the reduction
+into S slices gives S times the programs, each streaming 1/S of the weight tile column. Each slice
+writes fp32 partial sums to a workspace [S, P, W]; a reduce pass (one program per block and column
+tile, reading only the block's real rows) adds the S partials in a fixed order and applies the
+epilogue (SwiGLU for gate_up, the routing weight for down), so results are deterministic and do
+not depend on S beyond fp32 rounding. No atomics, so the workspace needs no clearing.
 
 Tiles are visited GROUP_M blocks at a time down M before moving along N (Triton tutorial 03): nearby
 blocks usually share an expert, so a weight tile loaded into L2 serves the whole group.
 Accumulation is fp32. With fp32 inputs tl.dot runs at "ieee" precision (no TF32) so fp32 results
-match the torch reference tightly.
+match the torch reference tightly. Every size these kernels see comes from shapes known on the host
+(T, K, E, BLOCK_M); nothing is read back, so a call can be captured in a CUDA graph. The token-count
+arguments are not specialised on, so one compiled kernel serves every batch size.
 
-Shape legend: T tokens, K slots, P = T*K pairs, E local experts, H hidden, I expert width.
+Shape legend: T tokens, K slots, P = T*K pairs, E local experts, H hidden, I expert width, S splits.
     x        [T, H]        gate_up [E, H, 2I]   (gate = first I columns)
     h        [P, I]        down    [E, I, H]
     y        [P, H]        topk_weights [T, K] (read flat as [P])
+    partials [S, P, 2I] (gate_up) or [S, P, H] (down), fp32
 Rows of h and y belong to pairs; rows of pairs that no block computes are not written.
 """
 
@@ -30,6 +45,8 @@ import triton.language as tl
 
 from locus.kernels.moe_align import AlignedRouting
 from locus.kernels.moe_configs import MoeConfig
+
+REDUCE_TILE = 4096  # elements of one reduce program's [BLOCK_M, columns] tile
 
 
 @triton.jit
@@ -44,38 +61,38 @@ def _tile_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, N, H, max_blocks,
-    stride_xt, stride_xh, stride_we, stride_wh, stride_wn, stride_hp, stride_hn,
+    x_ptr, w_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, N, H, max_blocks, k_per_split,
+    stride_xt, stride_xh, stride_we, stride_wh, stride_wn, stride_os, stride_op, stride_on,
     TOP_K: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    """out: h [P, N] (SPLIT_K == 1) or fp32 partials [SPLIT_K, P, 2N], gate then up columns."""
     pid_m, pid_n = _tile_coords(max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
+    split = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # int64: expert * stride_we can pass 2^31
     pairs = tl.load(sorted_pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
 
+    k_begin = split * k_per_split
+    k_len = tl.minimum(H - k_begin, k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    g_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wh + offs_n[None, :] * stride_wn
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + (k_begin + offs_k)[None, :] * stride_xh
+    g_ptrs = w_ptr + expert * stride_we + (k_begin + offs_k)[:, None] * stride_wh + offs_n[None, :] * stride_wn
     u_ptrs = g_ptrs + N * stride_wn  # up columns sit N = I columns after the gate columns
-    if WEIGHT_ON_INPUT:
-        # Same rounding as the reference, which scales x by w in x's dtype before the GEMM.
-        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(x_ptr.dtype.element_ty)
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(H, BLOCK_K)):
-        k_ok = offs_k < H - k0 * BLOCK_K
+    for k0 in range(0, tl.cdiv(k_len, BLOCK_K)):
+        k_ok = offs_k < k_len - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHT_ON_INPUT:
-            a = a * w[:, None]
         b_mask = k_ok[:, None] & (offs_n[None, :] < N)
         acc_g = tl.dot(a, tl.load(g_ptrs, mask=b_mask, other=0.0), acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, tl.load(u_ptrs, mask=b_mask, other=0.0), acc_u, input_precision=DOT_PRECISION)
@@ -83,45 +100,105 @@ def _gate_up_kernel(
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
 
-    h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) * u, still in fp32
-    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :] * stride_hn
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+    if WEIGHT_ON_INPUT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc_g = acc_g * w[:, None]
+        acc_u = acc_u * w[:, None]
+    rows = pairs.to(tl.int64)
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_on
+    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) * u, still in fp32
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc_g, mask=out_mask)
+        tl.store(out_ptrs + N * stride_on, acc_u, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _down_kernel(
-    h_ptr, w_ptr, y_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, N, I, max_blocks,
-    stride_hp, stride_hk, stride_we, stride_wk, stride_wn, stride_yp, stride_yn,
+    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, N, I, max_blocks, k_per_split,
+    stride_hp, stride_hk, stride_we, stride_wk, stride_wn, stride_os, stride_op, stride_on,
     WEIGHT_ON_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    """out: y [P, N] (SPLIT_K == 1) or fp32 partials [SPLIT_K, P, N] (routing weight not applied yet)."""
     pid_m, pid_n = _tile_coords(max_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
+    split = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
     rows = pairs.to(tl.int64)
 
+    k_begin = split * k_per_split
+    k_len = tl.minimum(I - k_begin, k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None] * stride_hp + offs_k[None, :] * stride_hk
-    b_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    a_ptrs = h_ptr + rows[:, None] * stride_hp + (k_begin + offs_k)[None, :] * stride_hk
+    b_ptrs = w_ptr + expert * stride_we + (k_begin + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
-        k_ok = offs_k < I - k0 * BLOCK_K
+    for k0 in range(0, tl.cdiv(k_len, BLOCK_K)):
+        k_ok = offs_k < k_len - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
 
-    if WEIGHT_ON_OUTPUT:
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_on
+    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        if WEIGHT_ON_OUTPUT:
+            acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _reduce_partials_kernel(
+    part_ptr, out_ptr, weights_ptr, sorted_pair_ptr, num_padded_ptr, num_pairs, N,
+    stride_ps, stride_pp, stride_op,
+    SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[p, :N] = epilogue(sum over splits of part[s, p]) for the real rows of one aligned block.
+
+    SWIGLU: part rows hold [g | u] (2N columns) and out = silu(g) * u; WEIGHTED: out *= w[p]."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    src = part_ptr + rows[:, None] * stride_pp + cols[None, :]
+    slice_stride = stride_ps.to(tl.int64)  # S * P * W can pass 2^31
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on scheduling
+        acc += tl.load(src + s * slice_stride, mask=mask, other=0.0)
+    if SWIGLU:
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            up += tl.load(src + s * slice_stride + N, mask=mask, other=0.0)
+        acc = acc * tl.sigmoid(acc) * up
+    if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rows[:, None] * stride_yp + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+    tl.store(out_ptr + rows[:, None] * stride_op + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_plan(reduce_width: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(slices, elements per slice) for splitting a reduction of `reduce_width` into at most
+    `split_k` slices of whole BLOCK_K steps; never an empty slice (so every partial gets written)."""
+    steps = triton.cdiv(reduce_width, block_k)
+    per_slice = triton.cdiv(steps, max(1, min(split_k, steps))) * block_k
+    return triton.cdiv(reduce_width, per_slice), per_slice
 
 
 def multiply_gate_up(
@@ -143,16 +220,21 @@ def multiply_gate_up(
     if routing.max_blocks == 0:
         return h
     weights = topk_weights.reshape(-1).to(x.dtype).contiguous()  # the reference rounds w to x dtype too
-    grid = (routing.max_blocks * triton.cdiv(I, config.block_n),)
+    splits, per_split = split_plan(H, config.block_k, config.split_k)
+    out = h if splits == 1 else torch.empty(splits, routing.num_pairs, 2 * I, dtype=torch.float32, device=x.device)
+    stride_os = 0 if splits == 1 else out.stride(0)
+    grid = (routing.max_blocks * triton.cdiv(I, config.block_n), splits)
     _gate_up_kernel[grid](
-        x, gate_up, h, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.num_pairs, I, H, routing.max_blocks,
+        x, gate_up, out, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        routing.num_pairs, I, H, routing.max_blocks, per_split,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        h.stride(0), h.stride(1),
+        stride_os, out.stride(-2), out.stride(-1),
         TOP_K=top_k, WEIGHT_ON_INPUT=weight_on_input, DOT_PRECISION=_dot_precision(x.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if splits > 1:
+        _reduce_partials(out, h, weights, routing, swiglu=True, weighted=False)
     return h
 
 
@@ -178,17 +260,38 @@ def multiply_down(
     if routing.max_blocks == 0:
         return out
     weights = topk_weights.reshape(-1).to(h.dtype).contiguous()  # the reference rounds w to x dtype too
-    grid = (routing.max_blocks * triton.cdiv(H, config.block_n),)
+    splits, per_split = split_plan(I, config.block_k, config.split_k)
+    dest = out if splits == 1 else torch.empty(splits, P, H, dtype=torch.float32, device=h.device)
+    stride_os = 0 if splits == 1 else dest.stride(0)
+    grid = (routing.max_blocks * triton.cdiv(H, config.block_n), splits)
     _down_kernel[grid](
-        h, down, out, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        routing.num_pairs, H, I, routing.max_blocks,
+        h, down, dest, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        routing.num_pairs, H, I, routing.max_blocks, per_split,
         h.stride(0), h.stride(1), down.stride(0), down.stride(1), down.stride(2),
-        out.stride(0), out.stride(1),
+        stride_os, dest.stride(-2), dest.stride(-1),
         WEIGHT_ON_OUTPUT=weight_on_output, DOT_PRECISION=_dot_precision(h.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if splits > 1:
+        _reduce_partials(dest, out, weights, routing, swiglu=False, weighted=weight_on_output)
     return out
+
+
+def _reduce_partials(partials: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, routing: AlignedRouting,
+                     swiglu: bool, weighted: bool) -> None:
+    """out rows of the aligned pairs from fp32 partials [S, P, W] (W = 2N with swiglu, else N)."""
+    if out.stride(-1) != 1:
+        raise ValueError("the reduce pass writes rows with unit column stride")
+    splits, _, width = partials.shape
+    n = width // 2 if swiglu else width
+    block_n = max(16, min(triton.next_power_of_2(n), REDUCE_TILE // routing.block_m))
+    grid = (routing.max_blocks, triton.cdiv(n, block_n))
+    _reduce_partials_kernel[grid](
+        partials, out, weights, routing.sorted_pair_ids, routing.num_padded, routing.num_pairs, n,
+        partials.stride(0), partials.stride(1), out.stride(0),
+        SPLIT_K=splits, SWIGLU=swiglu, WEIGHTED=weighted, BLOCK_M=routing.block_m, BLOCK_N=block_n,
+    )
 
 
 def multiply_gate_up_reference(

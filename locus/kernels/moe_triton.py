@@ -1,5 +1,11 @@
 """The Triton fused-MoE path: align -> gate_up GEMM (SwiGLU epilogue) -> down GEMM -> sum over slots.
 
+With config.split_k > 1 (decode batches that touch few experts) each GEMM runs its reduction in
+slices and a reduce pass adds them (moe_gemm.py); the call is otherwise the same. Every launch is
+sized from T, K, E and the config alone, and nothing is read back to the host, so the call is
+sync-free and can be captured in a CUDA graph (the config is looked up from T when the graph is
+captured and stays fixed for its replays).
+
 Same contract as `fused_moe_reference` (moe_reference.py), which it is tested against:
 routed-expert output [T, H] for x [T, H], with the routing weight on the expert's input (Llama-4) or
 on its output (Qwen3 / DeepSeek), and an optional global -> local expert map for expert parallelism.

@@ -49,6 +49,21 @@ def test_align_matches_reference(T, K, E, block_m, kind, with_map):
     assert_same_layout(actual, expected)
 
 
+@pytest.mark.parametrize("T, K, E, block_m, kind", [(1, 1, 4, 16, "random"), (7, 2, 16, 32, "random"),
+                                                    (32, 8, 128, 16, "random"), (300, 1, 16, 16, "one_expert"),
+                                                    (5, 1, 1, 64, "random")])
+@pytest.mark.parametrize("single_program", [True, False], ids=["one_program", "three_kernels"])
+def test_both_align_paths_match_reference(T, K, E, block_m, kind, single_program):
+    ids, _ = make_routing(T, K, E, kind)
+    ids[::3, 0] = -1  # skipped slots
+    expected = align_routing_reference(ids, E, block_m)
+    actual = align_routing(ids, E, block_m, single_program=single_program)
+    assert_same_layout(actual, expected)
+    assert (actual.sorted_pair_ids.cpu()[int(actual.num_padded.item()):] == T * K).all()
+    if single_program:  # no atomics: the layout is the reference's, order within runs included
+        assert torch.equal(actual.sorted_pair_ids, expected.sorted_pair_ids)
+
+
 def test_layout_invariants():
     T, K, E, block_m = 300, 2, 16, 16
     ids, _ = make_routing(T, K, E, "even_only", seed=3)
