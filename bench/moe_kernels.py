@@ -2,6 +2,10 @@
 
     python bench/moe_kernels.py --out results/moe_kernels.json            # CUDA: Llama-4 + small shapes
     python bench/moe_kernels.py --small --out results/moe_kernels.json    # small shapes only (CPU too)
+    python bench/moe_kernels.py --roofline --shapes llama4-scout,llama4-maverick --out FILE.json
+
+--roofline: the Triton kernels against the device's measured ceilings (moe_roofline.py), with the
+GPU targets judged per row; the rest of this docstring is the plain comparison mode.
 
 For each expert shape, token count T and backend it prints the time of one `fused_moe` call and
     TFLOP/s  = 6 * H * I * (T * K) / time        (gate_up is 2*H*2I flops per pair, down 2*I*H)
@@ -33,16 +37,7 @@ if not torch.cuda.is_available():  # must precede the first import of the Triton
 
 from locus.kernels import fused_moe  # noqa: E402
 
-# Expert shapes: E experts, H hidden, I expert width, K experts per token.
-SHAPES = {
-    "llama4-scout": {"E": 16, "H": 5120, "I": 8192, "K": 1},
-    "llama4-maverick": {"E": 128, "H": 5120, "I": 8192, "K": 1},
-    "tiny": {"E": 8, "H": 64, "I": 64, "K": 2},  # the `tiny` preset's experts
-    "small": {"E": 16, "H": 256, "I": 512, "K": 1},  # the `small` preset's experts
-}
-SMALL_SHAPES = ("tiny", "small")
-DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PREFILL_TOKENS = (2048, 4096, 8192, 16384)
+from moe_timing import DECODE_TOKENS, PREFILL_TOKENS, SHAPES, SMALL_SHAPES, triton_version  # noqa: E402
 CPU_TOKENS = (1, 16, 64)  # the interpreter runs every program in Python: keep it short
 
 # Dense 16-bit tensor-core peak (FLOP/s) and HBM bandwidth (B/s), matched on the device name.
@@ -56,6 +51,8 @@ DEVICE_PEAKS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="small shapes only (runs on CPU too)")
+    p.add_argument("--roofline", action="store_true",
+                   help="Triton only, against the measured copy bandwidth and matmul peak, with the GPU targets")
     p.add_argument("--shapes", help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--tokens", help="comma-separated token counts (default: decode + prefill on CUDA)")
     p.add_argument("--backends", default="triton,torch", help="comma-separated, from triton,torch,cpu (cpu: the C decode kernel, CPU only)")
@@ -163,6 +160,10 @@ def _percent(share: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.roofline:
+        from moe_roofline import run_roofline
+
+        return run_roofline(args, argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     names = args.shapes.split(",") if args.shapes else list(SMALL_SHAPES if args.small or not cuda else SHAPES)
@@ -200,20 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "moe_kernels", "device": name, "dtype": str(dtype).removeprefix("torch."),
             "peak_flops": peaks[0], "peak_bytes_per_s": peaks[1], "repeat": repeat,
             "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-            "versions": {"torch": torch.__version__, "triton": _triton_version()},
+            "versions": {"torch": torch.__version__, "triton": triton_version()},
             "rows": rows,
         }
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from bench_scripts import BENCH
 from bench_scripts import run_bench as run
 
 from locus.kernels import argmax_cpu
@@ -29,10 +32,38 @@ def test_moe_kernels_bench_small(tmp_path):
 
 
 def test_tuner_small_writes_a_loadable_table(tmp_path):
-    run("tune_moe.py", "--small", "--repeat", "1", "--out-dir", str(tmp_path))
+    stdout = run("tune_moe.py", "--small", "--repeat", "1", "--budget-seconds", "4", "--out-dir", str(tmp_path))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     name = config_file_name(8, 64, 64, torch.float32, device)
     assert set(load_table(tmp_path, name)) == {1, 16}
+    data = json.loads((tmp_path / name).read_text())
+    assert data["provenance"]["search"].startswith("seeds + coordinate descent")
+    assert set(data["provenance"]["configs_tried"]) == {"1", "16"} and "done in" in stdout
+
+
+def test_roofline_self_check_on_cpu(tmp_path):
+    """The roofline table's CPU self-check: the tiny shape under the interpreter, ceilings given."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the roofline table is the GPU suite's job")
+    out = tmp_path / "roofline.json"
+    stdout = run("moe_kernels.py", "--roofline", "--shapes", "tiny", "--tokens", "1,2", "--repeat", "1",
+                 "--peak-gbps", "10", "--peak-tflops", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "moe_roofline" and result["ceilings"]["bandwidth"] == 10e9
+    assert [r["T"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        assert r["parity"] and r["max_abs_diff"] < 1e-4 and r["pass"] is None  # no target for a preset
+        assert r["bytes"] == r["experts_touched"] * 3 * 64 * 64 * 4 + 2 * r["T"] * 64 * 4
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
+    assert stdout.strip().splitlines()[-3].startswith("| tiny | 2 |")  # the markdown table comes last
+
+
+def test_roofline_without_cuda_exits_2_for_the_llama_shapes():
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-CUDA refusal")
+    done = subprocess.run([sys.executable, str(BENCH / "moe_kernels.py"), "--roofline", "--shapes", "llama4-scout"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.skipif(argmax_cpu.load_library() is None, reason="no C compiler: the kernel is unavailable")
