@@ -1,7 +1,8 @@
-"""Writing result files so that a reader never sees half of one."""
+"""Writing result files so that a reader never sees half of one; reading JSON a user gives us."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,3 +23,29 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json(path: str | Path, what: str = "file") -> object:
+    """A JSON file's value, or a LocusError naming the file and what is wrong with it: unreadable, not
+    UTF-8 (a UTF-16 file, say), not JSON, or nested deeper than the parser's recursion allows."""
+    from locus.errors import LocusError
+
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise LocusError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(raw) > 1 and b"\x00" in raw[:4])
+        hint = " (it looks like UTF-16: save it as UTF-8)" if utf16 else ""
+        raise LocusError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}){hint}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LocusError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise LocusError(f"{path}: JSON nested too deeply to read") from None
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts (4300 digits)
+        raise LocusError(f"{path}: not valid JSON ({exc})") from None

@@ -197,6 +197,7 @@ def _epoch_plans(args, reader) -> dict:
     import numpy as np
 
     from locus.routing.plan.placement import PlanError, load_plan, plan_from_dict
+    from locus.traces.format import plan_file
 
     if args.plans:
         folder = Path(args.plans)
@@ -210,10 +211,12 @@ def _epoch_plans(args, reader) -> dict:
             except ValueError:
                 raise LocusError(f"{path}: the file name must be epoch-<number>.json") from None
     else:
-        try:
-            plans = {epoch: plan_from_dict(data) for epoch, data in reader.plans().items()}
-        except PlanError as exc:
-            raise LocusError(f"{args.trace}: a plan kept with the trace: {exc}") from None
+        plans = {}
+        for epoch, data in reader.plans().items():
+            try:
+                plans[epoch] = plan_from_dict(data)
+            except PlanError as exc:
+                raise LocusError(f"{Path(args.trace) / plan_file(epoch)}: {exc}") from None
         if not plans:
             raise LocusError(f"--plan embedded: {args.trace} keeps no plans (it was not recorded under expert parallelism)")
     if reader.epochs is not None and len(reader.epochs):

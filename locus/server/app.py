@@ -36,7 +36,7 @@ from locus.engine.ep.worker import build_worker
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.tokenizer import read_chat_template
 from locus.engine.sampling import InvalidParameter
-from locus.errors import LocusError
+from locus.errors import LocusError, debug_enabled, one_line
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.event_stream import SERVER_SEND, Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
@@ -157,9 +157,12 @@ class ServerState:
             if loaded.random_weights:
                 log.warning("model %r is a preset with RANDOM weights: its text is gibberish", self.model_name)
             log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, core.blocks.num_blocks, core.blocks.block_size)
-        except Exception as exc:  # reported by /health; the process stays up to say so
-            log.exception("model failed to load")
-            self.load_error = str(exc) if isinstance(exc, LocusError) else f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # reported by /health (and by `locus serve` in one line as it exits)
+            if debug_enabled():
+                log.exception("model failed to load")
+            self.load_error = one_line(exc)
+            if not isinstance(exc, LocusError) and not debug_enabled():
+                self.load_error += " (run with --debug for the traceback)"
             if self.on_load_failed is not None:
                 self.on_load_failed()
 
@@ -209,10 +212,13 @@ def reject_lone_surrogates(body) -> None:
 def load_plan_grouping(path: str, model_config):
     """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
     from locus.engine.observers.plan_grouping import PlanGrouping
-    from locus.routing.plan.placement import load_plan, validate
+    from locus.routing.plan.placement import PlanError, load_plan, validate
 
     plan = load_plan(path)
-    validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
+    try:
+        validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
+    except PlanError as exc:
+        raise PlanError(f"{path}: {exc}") from None
     if not plan.grouping:
         raise LocusError(f"{path}: the plan has no grouping section (make it with --planner locality)")
     return PlanGrouping.from_plan(plan, model_config.moe_layers)

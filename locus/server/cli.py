@@ -193,6 +193,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
         args.model = default_serve_model()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.plan is not None:  # a bad file fails here in one line, before the model loads (its fit to the model: later)
+        from locus.routing.plan.placement import load_plan
+
+        load_plan(args.plan)
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
                        args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots,

@@ -110,8 +110,12 @@ class TraceReader:
             try:
                 epoch = int(path.stem.removeprefix("epoch-"))
                 data = json.loads(path.read_text())
-            except ValueError as exc:
+            except ValueError as exc:  # a bad name, not UTF-8, not JSON
                 raise TraceFormatError(f"{path}: not a plan file of an epoch ({exc})") from None
+            except RecursionError:
+                raise TraceFormatError(f"{path}: not a plan file of an epoch (JSON nested too deeply to read)") from None
+            except OSError as exc:
+                raise TraceFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
             if not isinstance(data, dict):
                 raise TraceFormatError(f"{path}: a plan must be a JSON object")
             out[epoch] = data

@@ -331,8 +331,8 @@ def train(args: TrainArgs, log=print) -> dict:
     if state_path.is_file():
         if not args.resume:
             raise LocusError(f"{state_path} exists: pass --resume to continue that run, or choose another --out")
-        state = torch.load(state_path, weights_only=False)
-        saved = TrainArgs(**state["args"])
+        state = load_state(state_path)
+        saved = state["args"]
         # the run's identity comes from the saved arguments; the limits and logging from this command
         for keep in ("max_steps", "max_minutes", "checkpoint_minutes", "checkpoint_steps", "log_every", "threads", "eval_tokens", "final_eval_tokens"):
             setattr(saved, keep, getattr(args, keep))
@@ -361,10 +361,7 @@ def train(args: TrainArgs, log=print) -> dict:
     rng = np.random.default_rng(args.seed)
     step, elapsed, history = 0, 0.0, []
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(state["torch_rng"])
+        restore_state(state_path, state, model, opt, rng)
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         log(f"resumed {out} at step {step} ({elapsed / 60:.1f} min trained)")
     n_params = sum(p.numel() for p in model.parameters())
@@ -431,6 +428,46 @@ def train(args: TrainArgs, log=print) -> dict:
                log_file, final=True)
     log_file.close()
     return json.loads((out / "model" / "training.json").read_text())
+
+
+STATE_KEYS = ("args", "model", "optimizer", "rng", "torch_rng", "step", "elapsed", "history")
+
+
+def load_state(path: Path) -> dict:
+    """state.pt for --resume, read with weights_only=True (tensors and plain containers only: a crafted
+    file cannot run code) and checked, so a damaged one is a one-line error naming it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad or refused file
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise LocusError(f"{path}: not a readable training state ({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise LocusError(f"{path}: not a training state (it holds a {type(state).__name__}, not a dict)")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise LocusError(f"{path}: not a training state of this Locus (no {', '.join(missing)})")
+    if not isinstance(state["step"], int) or not isinstance(state["elapsed"], (int, float)) or \
+            not isinstance(state["history"], list):
+        raise LocusError(f"{path}: step, elapsed or history has the wrong type")
+    try:
+        state["args"] = TrainArgs(**state["args"])
+    except TypeError as exc:
+        raise LocusError(f"{path}: its saved arguments are not this Locus's ({exc})") from None
+    return state
+
+
+def restore_state(path: Path, state: dict, model: Llama4ForCausalLM, opt: torch.optim.Optimizer,
+                  rng: np.random.Generator) -> None:
+    """Put a loaded state into the model, optimizer and random generators; a part that does not fit
+    (other shapes, other parameters) is an error naming the file and the part."""
+    parts = (("model", lambda v: model.load_state_dict(v)), ("optimizer", lambda v: opt.load_state_dict(v)),
+             ("rng", lambda v: setattr(rng.bit_generator, "state", v)), ("torch_rng", torch.set_rng_state))
+    for key, put in parts:
+        try:
+            put(state[key])
+        except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise LocusError(f"{path}: its {key} does not fit this run ({type(exc).__name__}: {first})") from None
 
 
 def checkpoint(model, opt, rng, args: TrainArgs, step: int, elapsed: float, history: list, streams: dict,

@@ -394,3 +394,75 @@ def test_cli_format_choices_match_the_converters():
     from locus.routing.planners.cli import MAP_FORMATS
 
     assert MAP_FORMATS == FORMATS
+
+
+# ---------------------------------------------------------------- untrusted files (issue 41, finding 8)
+
+
+def import_with_memory_cap(tmp_path, *args: str):
+    """`locus plan import` in a process whose address space is capped at 1 GiB: the old importer sized a
+    bincount by the file's largest id (2e9 -> 16.8 GB RSS, OOM-killed; 1e15 -> MemoryError)."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "locus.cli", "plan", "import", *args, "--topology", "1x1", "--model",
+                           "m", "-o", str(out)], capture_output=True, text=True, timeout=120, preexec_fn=cap)
+    assert not out.exists()
+    return proc
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "deepseek"])
+@pytest.mark.parametrize("value", [2_000_000_000, 10**15])
+def test_a_huge_logical_id_is_refused_before_anything_is_sized_by_it(tmp_path, fmt, value):
+    src = save_json(tmp_path / "m.json", {"physical_to_logical_map": [[value]]} if fmt != "deepseek" else
+                    {"phy2log": [[value]], "log2phy": None, "logcnt": None})
+    proc = import_with_memory_cap(tmp_path, str(src), "--from", fmt)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"locus: error: {src}: logical id {value} implies at least {value + 1} experts, but a "
+                           "layer has only 1 physical experts (every expert needs one in every layer)\n")
+
+
+def test_a_huge_num_experts_flag_is_refused_before_anything_is_sized_by_it(tmp_path):
+    src = save_json(tmp_path / "m.json", {"physical_to_logical_map": [[0, 1]]})
+    proc = import_with_memory_cap(tmp_path, str(src), "--from", "vllm", "--num-experts", str(10**15))
+    assert proc.returncode == 2 and "1000000000000000 experts cannot all have a slot among the 2" in proc.stderr
+
+
+def test_one_expert_holding_most_slots_is_compared_without_a_dense_map(tmp_path):
+    """The logical-side map is checked as (layer, expert, physical) triples: a dense [L, E, X] map of
+    a 60,000-slot file whose expert 0 holds half the slots (X = 30,001) would take 7.2 GB."""
+    P = 60_000
+    p2l = np.concatenate([np.arange(P // 2), np.zeros(P // 2, dtype=np.int64)])[None]
+    l2p = [[[0]] + [[e] for e in range(1, P // 2)]]  # [1, E, 1]: expert 0's other replicas left out
+    src = save_json(tmp_path / "m.json", {"physical_to_logical_map": p2l.tolist(), "logical_to_physical_map": l2p})
+    proc = import_with_memory_cap(tmp_path, str(src), "--from", "vllm")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"layer 0, expert 0: logical_to_physical_map lists physical [0], physical_to_logical_map places it at "
+            f"[0, 30000, 30001, 30002, 30003, 30004, 30005, 30006, 30007, 30008, ...] (30001 in all)") in proc.stderr
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("garbage.json", bytes(range(200, 256)) * 4, "not UTF-8 text (byte 0: invalid continuation byte)"),
+    ("utf16.json", json.dumps({"format": "locus-placement"}).encode("utf-16"), "(it looks like UTF-16: save it as UTF-8)"),
+    ("deep.json", b"[" * 100_000, "JSON nested too deeply to read"),
+    ("digits.json", b"[" + b"9" * 5000 + b"]", "not valid JSON"),
+    ("huge.json", json.dumps({"format": "locus-placement", "version": 1, "model": "m", "num_experts": 2,
+                              "moe_layers": [0], "topology": {"nodes": 10**9, "gpus_per_node": 10**9,
+                                                              "slots_per_gpu": 10**6},
+                              "layers": [{"layer": 0, "slots": [[0, 1]]}]}).encode(),
+     "layer 0: slots lists 1 ranks, topology 1000000000x1000000000 (1000000 slots/GPU) has 1000000000000000000"),
+])
+def test_export_of_a_bad_plan_file_is_one_line(tmp_path, capsys, name, content, message):
+    """Issue 41: garbage, UTF-16 and a huge topology gave raw tracebacks (UnicodeDecodeError; numpy's
+    "array is too big" while allocating for the topology's word, before reading the lists)."""
+    src = tmp_path / name
+    src.write_bytes(content)
+    assert main(["plan", "export", str(src), "--to", "vllm", "-o", str(tmp_path / "v.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"locus: error: {src}: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "v.json").exists()

@@ -108,3 +108,25 @@ def test_a_trace_with_no_routed_token_says_so_instead_of_nan(tmp_path):
     done = locus("replay", str(tmp_path / "t"), "--plan", "round_robin", "--topology", "2x2")
     assert done.returncode == 0, done.stderr
     assert "no token was routed" in done.stdout and "nan" not in done.stdout.split("locality")[1].splitlines()[0]
+
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"format": "locus-placement"}'.encode("utf-16"), "not a plan file of an epoch ('utf-8' codec can't decode"),
+    (b"[" * 100_000, "not a plan file of an epoch (JSON nested too deeply to read)"),
+    (b"\x00\xff" * 64, "not a plan file of an epoch"),
+    (None, "layer 0: slots lists 4 ranks, topology 1000000000x2 (3 slots/GPU) has 2000000000"),
+], ids=["utf16", "deep", "garbage", "huge-topology"])
+def test_a_corrupt_epoch_plan_is_one_line_naming_the_file(tmp_path, content, message):
+    """Issue 41: `replay --plan embedded` with a corrupt epoch file gave a traceback (RecursionError;
+    numpy allocating for the topology's word before reading the lists)."""
+    trace = write_trace(tmp_path / "t")
+    path = trace / "plans" / "epoch-1.json"
+    if content is None:
+        plan = json.loads(path.read_text())
+        plan["topology"]["nodes"] = 10**9
+        content = json.dumps(plan).encode()
+    path.write_bytes(content)
+    done = locus("replay", str(trace), "--plan", "embedded")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert done.stderr.startswith(f"locus: error: {path}: ") and done.stderr.count("\n") == 1, done.stderr

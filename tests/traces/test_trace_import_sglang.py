@@ -92,3 +92,22 @@ def test_sglang_bad_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TraceFormatError, match="no .pt files"):
         import_trace("sglang", tmp_path / "empty", tmp_path / "t", ImportOptions(hidden_size=32))
+
+
+@pytest.mark.parametrize("kind", ["per_pass", "per_token"])
+def test_a_huge_logical_id_in_the_expert_map_is_refused_before_anything_is_sized_by_it(tmp_path, kind):
+    """Issue 41, finding 8 (all importers): a per-pass dump's map sized a [layers, largest id + 1] count
+    array (1e15: numpy's "array is too big"; 2e9: 64 GB)."""
+    p2l = P2L.clone()
+    p2l[2, 3] = 10**15
+    if kind == "per_pass":
+        data = {"records": [{"forward_pass_id": 0, "global_physical_count": torch.ones(4, 6, dtype=torch.int32)}],
+                "last_physical_to_logical_map": p2l}
+    else:
+        data = {**per_token_dump(), "last_physical_to_logical_map": p2l}
+    torch.save(data, tmp_path / "p.pt")
+    with pytest.raises(TraceFormatError, match=r"p.pt: last_physical_to_logical_map holds logical id 1000000000000000, "
+                                               r"outside 0..32766 \(what a trace \(int16 ids\) allows\)"):
+        import_trace("sglang", tmp_path / "p.pt", tmp_path / "c", ImportOptions(hidden_size=32, top_k=2))
+    with pytest.raises(TraceFormatError, match=r"holds logical id 1000000000000000, outside 0..3 \(what --num-experts"):
+        import_trace("sglang", tmp_path / "p.pt", tmp_path / "c", ImportOptions(hidden_size=32, top_k=2, num_experts=4))

@@ -139,3 +139,62 @@ def test_a_mini_run_defaults_to_the_shipped_step_count_and_0_removes_the_budget(
     assert parse_args(argparse.Namespace(out="x", max_minutes=60.0, max_steps=0, size=None)).max_steps is None
     assert parse_args(argparse.Namespace(out="x", max_minutes=None, max_steps=300, size=None)).max_steps == 300
     assert parse_args(argparse.Namespace(out="x", max_minutes=5.0, max_steps=None, size="smoke")).max_steps is None
+
+
+class _RunsCode:
+    """Pickles as a call of os.makedirs: what torch.load(weights_only=False) would run while loading."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return os.makedirs, (self.path,)
+
+
+def resume_error(out, capsys) -> str:
+    from locus.cli import main
+
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "1", "--size", "smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("locus: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_resume_never_runs_code_from_state_pt(tmp_path, capsys):
+    """Issue 41, finding 9: --resume loaded state.pt with torch.load(weights_only=False), so a crafted
+    file ran code."""
+    ran = tmp_path / "ran"
+    torch.save({"args": {}, "payload": _RunsCode(ran)}, tmp_path / "state.pt")
+    err = resume_error(tmp_path, capsys)
+    assert not ran.exists()
+    assert f"{tmp_path / 'state.pt'}: not a readable training state (UnpicklingError: " in err
+
+
+def test_a_truncated_or_foreign_state_is_one_line_naming_it(smoke, tmp_path, capsys):
+    out, _, _ = smoke
+    state = tmp_path / "state.pt"
+    whole = (out / "state.pt").read_bytes()
+    state.write_bytes(whole[: len(whole) // 2])
+    assert f"{state}: not a readable training state" in resume_error(tmp_path, capsys)
+    torch.save({"args": {}, "model": {}}, state)
+    assert (f"{state}: not a training state of this Locus (no optimizer, rng, torch_rng, step, elapsed, history)"
+            in resume_error(tmp_path, capsys))
+    saved = torch.load(out / "state.pt", weights_only=True)
+    torch.save({**saved, "args": {**saved["args"], "no_such_argument": 1}}, state)
+    assert "its saved arguments are not this Locus's" in resume_error(tmp_path, capsys)
+
+
+def test_a_state_whose_model_does_not_fit_is_one_line_naming_it(smoke, tmp_path, capsys):
+    import shutil
+
+    out, _, _ = smoke
+    run_dir = tmp_path / "run"
+    shutil.copytree(out, run_dir)
+    saved = torch.load(run_dir / "state.pt", weights_only=True)
+    saved["model"].pop(next(iter(saved["model"])))
+    saved["args"]["out"] = str(run_dir)
+    torch.save(saved, run_dir / "state.pt")
+    err = resume_error(run_dir, capsys)
+    assert f"{run_dir / 'state.pt'}: its model does not fit this run (RuntimeError: Error(s) in loading state_dict" in err

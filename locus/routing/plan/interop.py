@@ -46,11 +46,22 @@ def physical_map(plan: PlacementPlan) -> np.ndarray:
     return np.asarray(plan.slots, dtype=np.int64)[order].reshape(len(order), -1)
 
 
+MAX_MAP_ENTRIES = 1 << 28  # 2 GiB of int64: far beyond any real model's [L, E, X] map
+
+
+def replica_counts(p2l: np.ndarray, num_experts: int) -> np.ndarray:
+    """Replicas of each expert per layer [L, E] (ids must lie in 0..num_experts - 1)."""
+    return np.stack([np.bincount(row, minlength=num_experts) for row in p2l]).astype(np.int64)
+
+
 def replica_maps(p2l: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """logical_to_physical [L, E, X] (each expert's physical ids ascending, -1 padded) and replica count [L, E]."""
     L, P = p2l.shape
-    count = np.stack([np.bincount(row, minlength=num_experts) for row in p2l]).astype(np.int64)
+    count = replica_counts(p2l, num_experts)
     width = max(1, int(count.max()))
+    if L * num_experts * width > MAX_MAP_ENTRIES:  # one expert with most of the slots makes X as large as P
+        raise LocusError(f"a logical_to_physical_map of {L} layers x {num_experts} experts x {width} replicas "
+                         f"would hold {L * num_experts * width} entries, more than {MAX_MAP_ENTRIES}")
     # A stable sort by expert keeps each expert's physical ids ascending; a replica's column is its
     # position inside its expert's run, i.e. its index minus where the run starts.
     order = np.argsort(p2l, axis=1, kind="stable")
@@ -131,7 +142,7 @@ def import_plan(src: str | Path, fmt: str, topology: str, model: str, moe_layers
         p2l, l2p, count = _triple(src, data, fmt)
         layers = _row_layers(src, p2l.shape[0], moe_layers)
     E = _num_experts(src, p2l, l2p, count, num_experts, notes)
-    _check_ids(src, p2l, layers, E)
+    _check_ids(src, p2l, layers, E)  # before anything is sized by E: the ids and E are the file's word
     if l2p is not None or count is not None:
         _check_replica_maps(src, p2l, l2p, count, layers, E)
     plan = _plan(src, p2l, layers, E, nodes, gpus, model, fmt)
@@ -215,6 +226,9 @@ def _num_experts(src, p2l, l2p, count, given: int | None, notes: list[str]) -> i
     if given is not None:
         return given
     E = int(p2l.max()) + 1
+    if E > p2l.shape[1]:
+        raise LocusError(f"{src}: logical id {E - 1} implies at least {E} experts, but a layer has only "
+                         f"{p2l.shape[1]} physical experts (every expert needs one in every layer)")
     notes.append(f"num_experts inferred as {E} (largest expert id + 1); pass --num-experts to check it")
     return max(E, 1)
 
@@ -224,6 +238,9 @@ def _check_ids(src, p2l: np.ndarray, layers: tuple[int, ...], E: int) -> None:
     if len(bad):
         i, p = bad[0]
         raise LocusError(f"{src}: layer {layers[i]}, physical expert {p}: logical id {p2l[i, p]} is outside 0..{E - 1}")
+    if E > p2l.shape[1]:  # checked before bincount(minlength=E) below allocates for E
+        raise LocusError(f"{src}: {E} experts cannot all have a slot among the {p2l.shape[1]} physical experts of "
+                         "a layer (every expert needs one in every layer)")
     for i, row in enumerate(p2l):
         absent = np.flatnonzero(np.bincount(row, minlength=E) == 0)
         if len(absent):
@@ -236,11 +253,11 @@ def _check_replica_maps(src, p2l, l2p, count, layers: tuple[int, ...], E: int) -
     """The logical-side maps must say what physical_to_logical_map says (replica order may differ:
     DeepSeek's EPLB lists replicas by replica rank, vLLM's initial map by physical id)."""
     L, P = p2l.shape
-    want_l2p, want_count = replica_maps(p2l, E)
     for name, array in ((L2P, l2p), (COUNT, count)):
         if array is not None and array.shape[0] != L:
             raise LocusError(f"{src}: {name} has {array.shape[0]} layer rows, {P2L} has {L}")
     if count is not None:
+        want_count = replica_counts(p2l, E)
         diff = np.argwhere(count != want_count)
         if len(diff):
             i, e = diff[0]
@@ -253,22 +270,32 @@ def _check_replica_maps(src, p2l, l2p, count, layers: tuple[int, ...], E: int) -
         i, e, j = bad[0]
         raise LocusError(f"{src}: layer {layers[i]}, expert {e}: {L2P} names physical expert {l2p[i, e, j]}, "
                          f"outside 0..{P - 1} (-1 pads)")
-    # Compare as sorted id lists, pads (-1 -> P) last; the widths may differ (vLLM's live state pads
-    # to 1024 columns, EPLB's output to the largest replica count).
-    width = max(l2p.shape[2], want_l2p.shape[2])
-    got, want = (np.sort(_pad(np.where(a < 0, P, a), width, P), axis=2) for a in (l2p, want_l2p))
-    diff = np.argwhere((got != want).any(axis=2))
-    if len(diff):
-        i, e = diff[0]
-        listed = [int(x) for x in got[i, e] if x < P]
-        placed = [int(x) for x in want[i, e] if x < P]
-        raise LocusError(f"{src}: layer {layers[i]}, expert {e}: {L2P} lists physical {listed}, "
-                         f"{P2L} places it at {placed}")
+    # Compare (layer, expert, physical) triples, sorted, pads dropped: what each side lists, whatever
+    # its width (vLLM's live state pads to 1024 columns, EPLB's output to the largest replica count)
+    # and without a dense [L, E, X] map, whose X a single much-replicated expert makes as large as P.
+    placed = _triples(np.repeat(np.arange(L), P), p2l.ravel(), np.tile(np.arange(P), L))
+    where = np.nonzero(l2p >= 0)
+    listed = _triples(where[0], where[1], l2p[where])
+    n = min(len(placed), len(listed))
+    differ = np.flatnonzero((placed[:n] != listed[:n]).any(axis=1))
+    if len(differ) or len(placed) != len(listed):
+        k = int(differ[0]) if len(differ) else n
+        i, e = min(tuple(side[k, :2]) for side in (placed, listed) if k < len(side))
+        show = [_ids(side[(side[:, 0] == i) & (side[:, 1] == e), 2]) for side in (listed, placed)]
+        raise LocusError(f"{src}: layer {layers[i]}, expert {e}: {L2P} lists physical {show[0]}, "
+                         f"{P2L} places it at {show[1]}")
 
 
-def _pad(array: np.ndarray, width: int, value: int) -> np.ndarray:
-    extra = width - array.shape[2]
-    return np.pad(array, ((0, 0), (0, 0), (0, extra)), constant_values=value) if extra else array
+def _ids(values: np.ndarray, shown: int = 10) -> str:
+    """'[1, 2]', or the first `shown` and the count of a long list."""
+    head = ", ".join(str(int(x)) for x in values[:shown])
+    return f"[{head}]" if len(values) <= shown else f"[{head}, ...] ({len(values)} in all)"
+
+
+def _triples(layer: np.ndarray, expert: np.ndarray, physical: np.ndarray) -> np.ndarray:
+    """[N, 3] (layer, expert, physical) rows in lexicographic order."""
+    rows = np.stack([layer, expert, physical], axis=1).astype(np.int64)
+    return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
 
 
 def _plan(src, p2l, layers, E: int, nodes: int, gpus: int, model: str, fmt: str) -> PlacementPlan:

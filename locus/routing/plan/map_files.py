@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from locus.errors import LocusError
-from locus.files import write_text_atomic
+from locus.files import read_json, write_text_atomic
 
 EXTENSIONS = (".json", ".pt")
 
@@ -50,12 +50,7 @@ def load_map_file(path: str | Path) -> Any:
     if not path.is_file():
         raise LocusError(f"{path}: no such file")
     if kind == ".json":
-        try:
-            return json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError) as exc:
-            raise LocusError(f"{path}: cannot read ({exc})") from None
-        except json.JSONDecodeError as exc:
-            raise LocusError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        return read_json(path, "expert map")
     import torch
 
     try:

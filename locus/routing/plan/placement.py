@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from locus.errors import LocusError
-from locus.files import write_text_atomic
+from locus.files import read_json, write_text_atomic
 from locus.routing.plan.topology import Topology
 
 FORMAT = "locus-placement"
@@ -86,13 +86,9 @@ class PlacementPlan:
 def load_plan(path: str | Path) -> PlacementPlan:
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PlanError(f"cannot read placement plan {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        data = read_json(path, "placement plan")
+    except LocusError as exc:
+        raise PlanError(str(exc)) from None
     try:
         return plan_from_dict(data)
     except PlanError as exc:
@@ -160,8 +156,10 @@ def _parse_layers(layers: object, moe_layers: list, topology: Topology) -> np.nd
         if layer in by_layer:
             raise PlanError(f"layer {layer} is placed twice")
         by_layer[layer] = entry["slots"]
-    out = np.empty((len(moe_layers), topology.ranks, topology.slots_per_gpu), dtype=np.int64)
-    for i, layer in enumerate(moe_layers):
+    # Shapes are checked against the topology before anything is allocated for it: a topology's
+    # numbers are the file's word, the lists are what it really holds.
+    rows = []
+    for layer in moe_layers:
         if layer not in by_layer:
             raise PlanError(f"MoE layer {layer} has no placement")
         ranks = by_layer[layer]
@@ -176,10 +174,12 @@ def _parse_layers(layers: object, moe_layers: list, topology: Topology) -> np.nd
                     f"topology has {topology.slots_per_gpu} slots per GPU"
                 )
             for j, expert in enumerate(held):
-                if not _is_int(expert):
-                    raise PlanError(f"layer {layer}, rank {rank}, slot {j}: expert id {expert!r} is not an integer")
-            out[i, rank] = held
-    return out
+                if not _is_int(expert) or not -(2**63) <= expert < 2**63:
+                    raise PlanError(f"layer {layer}, rank {rank}, slot {j}: expert id {expert!r} is not an integer "
+                                    "(of 64 bits)")
+        rows.append(ranks)
+    shape = (len(moe_layers), topology.ranks, topology.slots_per_gpu)
+    return np.array(rows, dtype=np.int64).reshape(shape)
 
 
 def validate(plan: PlacementPlan, num_experts: int | None = None, moe_layers=None) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from locus.traces.counts import write_counts
-from locus.traces.format import KIND_COUNTS, KIND_TOKENS, TraceFormatError
+from locus.traces.format import KIND_COUNTS, KIND_TOKENS, MAX_EXPERTS, TraceFormatError
 from locus.traces.importers.common import ImportOptions, ImportResult, Observed, resolve_meta
 from locus.traces.writer import TraceWriter
 
@@ -80,14 +80,28 @@ def _logical(topk: np.ndarray, p2l: np.ndarray | None) -> np.ndarray:
     return np.where(topk >= 0, p2l[layer, np.maximum(topk, 0)], -1)
 
 
-def _passes(files: list[Path]) -> Iterator[tuple[str, dict, np.ndarray, np.ndarray | None]]:
+def _expert_map(path: Path, value: Any, options: ImportOptions) -> np.ndarray:
+    """A dump's physical -> logical map [NL, P], its ids checked before anything is sized by them."""
+    p2l = _np(value).astype(np.int64)
+    if p2l.ndim != 2:
+        raise TraceFormatError(f"{path}: last_physical_to_logical_map has shape {p2l.shape}, expected [layers, physical]")
+    limit = options.num_experts or MAX_EXPERTS
+    if p2l.size and (p2l.min() < 0 or p2l.max() >= limit):
+        bad = int(p2l.min()) if p2l.min() < 0 else int(p2l.max())
+        source = "--num-experts" if options.num_experts else "a trace (int16 ids)"
+        raise TraceFormatError(f"{path}: last_physical_to_logical_map holds logical id {bad}, outside 0..{limit - 1} "
+                               f"(what {source} allows)")
+    return p2l
+
+
+def _passes(files: list[Path], options: ImportOptions) -> Iterator[tuple[str, dict, np.ndarray, np.ndarray | None]]:
     """(name, record, logical ids [NL, n, S], expert map) for every recorded forward pass."""
     for path in files:
         data = _load(path)
         if _kind(path, data) != "tokens":
             raise TraceFormatError(f"{path}: a count dump among per-token dumps; import them separately")
         p2l = data.get("last_physical_to_logical_map")
-        p2l = None if p2l is None else _np(p2l).astype(np.int64)
+        p2l = None if p2l is None else _expert_map(path, p2l, options)
         for j, rec in enumerate(data["records"]):
             topk = _np(rec["topk_ids_of_layer"]).astype(np.int64)
             if topk.ndim != 3:
@@ -113,7 +127,7 @@ def _segments(name: str, rec: dict, n: int) -> list[tuple[str, int, int]]:
 
 def _import_tokens(src: Path, files: list[Path], dst, options: ImportOptions) -> ImportResult:
     seen, used, slots = Observed(), None, 0
-    for _, _, ids, p2l in _passes(files):
+    for _, _, ids, p2l in _passes(files, options):
         if ids.shape[1] == 0:
             continue
         layer_used = (ids >= 0).any(axis=(1, 2))
@@ -130,7 +144,7 @@ def _import_tokens(src: Path, files: list[Path], dst, options: ImportOptions) ->
     meta = resolve_meta(src, dataclasses.replace(options, moe_layers=None), seen, f"sglang:{src.name}", notes)
     pick = list(layers)
     with TraceWriter(dst, meta, overwrite=options.overwrite) as writer:
-        for name, rec, ids, _ in _passes(files):
+        for name, rec, ids, _ in _passes(files, options):
             n = ids.shape[1]
             if n == 0 or rec.get("forward_mode") == IDLE:
                 continue
@@ -158,7 +172,7 @@ def _import_counts(src: Path, files: list[Path], dst, options: ImportOptions) ->
             if p2l is None:
                 c = phys
             else:
-                p2l = _np(p2l).astype(np.int64)
+                p2l = _expert_map(path, p2l, options)
                 c = np.zeros((phys.shape[0], int(p2l.max()) + 1), dtype=np.int64)
                 np.add.at(c, (np.arange(phys.shape[0])[:, None], p2l), phys)
         if c.ndim != 2:
