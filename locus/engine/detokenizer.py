@@ -13,6 +13,13 @@ Why hold back: a stop string may arrive over several tokens, and no part of it m
 client. Text that could still be the start of a stop string (the longest suffix of the decoded text
 that is a proper prefix of one) is held until the next token settles it, or until `flush`.
 
+Why a streaming matcher: a client chooses the stop strings, so their length is the client's. Looking
+for them (and for the held-back prefix) in the decoded text anew at every token cost O(stop length^2)
+per token (193 ms a token at 100k characters). `StopScanner` runs one Knuth-Morris-Pratt automaton per
+stop string over each new character once, so a whole generation costs O(output + stop text): the
+automaton's state after each character is exactly the length of the held-back prefix, and reaching
+the stop string's length is a match. Only the held-back text is kept besides the emitted pieces.
+
 The token that ends a sequence (EOS or one of stop_token_ids) should not be passed to `add`, as in
 vLLM, unless its text is wanted in the output; then call `flush`.
 """
@@ -20,6 +27,7 @@ vLLM, unless its text is wanted in the output; then call `flush`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from locus.engine.sampling import SamplingParams
 from locus.engine.checkpoint.tokenizer import Tokenizer
@@ -38,14 +46,21 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
-        self._stops = params.stop
+        self._scanner = StopScanner(params.stop) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix = 0  # window start: context for the decoder
-        self._read = len(self._ids)  # tokens before this are already in `_decoded`
-        self._decoded = ""  # output text decoded so far (complete characters only)
-        self.text = ""  # output text emitted so far: `_decoded` less what is held back
+        self._read = len(self._ids)  # tokens before this are already decoded
+        self._held = ""  # decoded text not emitted yet: it could still be the start of a stop string
+        self._pieces: list[str] = []  # the emitted text, joined only when read (appending to one str copies it)
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text emitted so far: the decoded text less what is held back."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def stopped(self) -> bool:
@@ -56,15 +71,13 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokenizerStep("")
         self._ids.append(token_id)
-        self._decoded += self._decode_window(final=False)
-        return self._emit(final=False)
+        return self._emit(self._decode_window(final=False), final=False)
 
     def flush(self) -> str:
         """At a finish other than a stop string: everything still held back, incomplete bytes included."""
         if self.stopped:
             return ""
-        self._decoded += self._decode_window(final=True)
-        return self._emit(final=True).text_delta
+        return self._emit(self._decode_window(final=True), final=True).text_delta
 
     def _decode_window(self, final: bool) -> str:
         done = self._decode(self._ids[self._prefix:self._read])
@@ -77,21 +90,98 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
 
-    def _emit(self, final: bool) -> DetokenizerStep:
-        # Held-back text never contains a whole stop string, so a match starts at or after len(text).
-        match = find_stop(self._decoded, self._stops, start=len(self.text))
-        if match is not None:
-            at, stop = match
-            end = at + len(stop) if self._include_stop else at
-            delta = self._decoded[len(self.text):end]
-            self.text += delta
-            self.stop_string = stop
-            return DetokenizerStep(delta, stop)
-        safe = len(self._decoded) if final else len(self._decoded) - partial_stop_length(self._decoded, self._stops)
-        delta = self._decoded[len(self.text):max(safe, len(self.text))]
-        self.text += delta
-        return DetokenizerStep(delta)
+    def _emit(self, new: str, final: bool) -> DetokenizerStep:
+        held = self._held + new
+        keep = 0
+        if self._scanner is not None:
+            # Held-back text never contains a whole stop string, so a match starts inside `held`.
+            match = self._scanner.feed(new)
+            if match is not None:
+                end, stop = match
+                at = len(self._held) + end - len(stop)
+                delta = held[:at + len(stop) if self._include_stop else at]
+                self._held = ""
+                self.stop_string = stop
+                return self._out(delta, stop)
+            keep = 0 if final else min(self._scanner.partial, len(held))
+        self._held = held[len(held) - keep:] if keep else ""
+        return self._out(held[:len(held) - keep], None)
 
+    def _out(self, delta: str, stop: str | None) -> DetokenizerStep:
+        if delta:
+            self._pieces.append(delta)
+        return DetokenizerStep(delta, stop)
+
+
+class StopScanner:
+    """Every stop string's Knuth-Morris-Pratt automaton, fed the decoded text once, character by
+    character. State q of a stop string = the length of the longest suffix of the text so far that is
+    a prefix of it; q reaching its length is a match. Cost: O(characters fed) over a whole sequence
+    (each character raises q by at most one, and every fall-back lowers it), plus O(stop length) to
+    build the tables, which identical stop strings share (`failure_table`'s cache; n > 1 forks)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._stops = stops
+        self._tables = [failure_table(stop) for stop in stops]
+        self._states = [0] * len(stops)
+
+    @property
+    def partial(self) -> int:
+        """The longest suffix of the text fed so far that is a proper prefix of a stop string."""
+        return max(self._states)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Advance over `text`; the stop string that completes first in it, as (the index in `text`
+        just past its end, the stop string), the longer one where two end together; else None."""
+        best: tuple[int, int, str] | None = None
+        for i, stop in enumerate(self._stops):
+            state, end = _advance(stop, self._tables[i], self._states[i], text)
+            self._states[i] = state
+            if end is not None and (best is None or (end, -len(stop)) < best[:2]):
+                best = (end, -len(stop), stop)
+        return None if best is None else (best[0], best[2])
+
+
+@lru_cache(maxsize=64)
+def failure_table(stop: str) -> list[int]:
+    """KMP's failure function: table[i] = the length of the longest proper prefix of stop[:i + 1]
+    that is also its suffix. (Shared between callers: never modify the list.)"""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        c = stop[i]
+        while k and stop[k] != c:
+            k = table[k - 1]
+        if stop[k] == c:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _advance(stop: str, table: list[int], q: int, text: str) -> tuple[int, int | None]:
+    """One stop string's automaton from state q over `text`: (the new state, the index just past the
+    first match, or None). In state 0 the scan jumps to the next occurrence of the stop string's first
+    character (str.find, in C): most output never starts a stop string."""
+    n, first, i, end = len(stop), stop[0], 0, len(text)
+    while i < end:
+        if q == 0:
+            i = text.find(first, i)
+            if i < 0:
+                return 0, None
+            q = 1
+        else:
+            c = text[i]
+            while q and stop[q] != c:
+                q = table[q - 1]
+            if stop[q] == c:
+                q += 1
+        i += 1
+        if q == n:
+            return q, i
+    return q, None
+
+
+# The definitions the streaming scanner implements, over a whole text at once (tests compare the two).
 
 def find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
     """The stop string that completes first in text[start:]: (where it starts, which one)."""

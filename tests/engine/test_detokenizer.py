@@ -157,3 +157,89 @@ def test_metaspace_deltas_continue_the_prompt():
     # the continuation keeps the space a standalone decode of the output would drop
     assert text == tok.decode(prompt + ids)[len(tok.decode(prompt)):] == " how are you !"
     assert deltas[0] == " how"
+
+
+# ---------------------------------------------------------------- streaming stop-string matching (issue 41)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+class _Pieces:
+    """A tokenizer whose token i decodes to pieces[i] whatever its neighbours (so deltas are exact)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def reference_deltas(pieces: list[str], stops: tuple[str, ...], include: bool) -> tuple[list[str], str | None, str]:
+    """The detokenizer's contract, computed the direct way: after each token, search the whole decoded
+    text for a stop string and hold back its longest suffix that is a proper prefix of one."""
+    decoded, text, deltas = "", "", []
+    for piece in pieces:
+        decoded += piece
+        match = find_stop(decoded, stops, start=len(text))
+        if match is not None:
+            at, stop = match
+            deltas.append(decoded[len(text):at + len(stop) if include else at])
+            return deltas, stop, ""
+        safe = len(decoded) - partial_stop_length(decoded, stops)
+        deltas.append(decoded[len(text):max(safe, len(text))])
+        text += deltas[-1]
+    return deltas, None, decoded[len(text):]
+
+
+ALPHABET = st.text(alphabet="ab\n", min_size=1, max_size=4)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(pieces=st.lists(ALPHABET, max_size=25), stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=7),
+                                                                 min_size=1, max_size=4),
+       include=st.booleans())
+def test_the_streaming_scanner_keeps_the_detokenizers_contract(pieces, stops, include):
+    stops = tuple(stops)
+    detok = IncrementalDetokenizer(_Pieces(pieces), [], SamplingParams(stop=stops, include_stop_str_in_output=include))
+    deltas, found = feed(detok, range(len(pieces)))
+    want, want_stop, held = reference_deltas(pieces, stops, include)
+    assert deltas[:len(want)] == want and all(d == "" for d in deltas[len(want):])
+    assert detok.stop_string == want_stop and [s for s in found if s] == ([want_stop] if want_stop else [])
+    assert detok.flush() == held and detok.text == "".join(want) + held
+
+
+class _CountingStr(str):
+    """A stop string that counts how often the detokenizer reads it (an index or a slice)."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        _CountingStr.reads += 1
+        return str.__getitem__(self, key)
+
+
+def test_stop_string_work_is_linear_in_the_output():
+    """Issue 41, finding 7: holding back a possible stop-string prefix re-tried every prefix length at
+    every token, O(stop length^2) per token (193 ms a token at 100k characters of output). Now each
+    output character advances each stop string's automaton once: the reads of the stop strings are
+    O(stop length) to build the tables plus O(1) per token, not O(stop length) per token."""
+    length, tokens = 500, 300
+    stops = tuple(_CountingStr(c * length) for c in "bcde")
+    _CountingStr.reads = 0
+    detok = IncrementalDetokenizer(BYTES, [], SamplingParams(stop=stops))
+    for _ in range(tokens):
+        detok.add(ord("a"))
+    assert detok.text == "a" * tokens
+    assert _CountingStr.reads <= 4 * (3 * length + 2 * tokens), _CountingStr.reads  # old: ~4 x 500 x 300 = 600k
+
+
+def test_the_stop_string_bench_runs(tmp_path):
+    import json
+
+    from tests.bench_scripts import run_bench
+
+    out = run_bench("stop_strings.py", "--lengths", "150,300", "--stop-lengths", "100", "--out", str(tmp_path / "s.json"))
+    assert "re-scan ms/token" in out
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["output_chars"], r["stop_chars"]) for r in rows] == [(150, 100), (300, 100)]
