@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -49,3 +50,17 @@ def read_json(path: str | Path, what: str = "file") -> object:
         raise LocusError(f"{path}: JSON nested too deeply to read") from None
     except ValueError as exc:  # e.g. an integer literal longer than Python converts (4300 digits)
         raise LocusError(f"{path}: not valid JSON ({exc})") from None
+
+
+def directory_bytes(path: str | Path) -> int:
+    """Bytes of the regular files under `path`, at any depth (symlinks are not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # gone since the listing
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total

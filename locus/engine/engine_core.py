@@ -132,6 +132,7 @@ class EngineCore:
         # recorder, a plan's grouper (subscribe with self.routing.subscribe).
         self.routing = RoutingTap(tuple(mc.moe_layers))
         self.recorder: TraceRecorder | None = None
+        self.recording_failures = 0  # recordings stopped by an error (a full disk, say), for /metrics
         # Expert parallelism (set by whoever applied it): run as many forwards as the other ranks,
         # taking part in their exchanges when this rank has fewer micro-batches (ep/runtime.py).
         self.lockstep: Lockstep | None = None
@@ -422,13 +423,14 @@ class EngineCore:
     def start_recording(self, path: str | Path, model_name: str = "locus", max_bytes: int | None = None) -> None:
         """Record the routing of every request admitted from now on into a locus-trace directory (which
         stops accepting requests, and logs why, once it would grow past `max_bytes`)."""
-        if self.recorder is not None:
-            raise LocusError(f"already recording to {self.recorder.path}; dump it first")
+        if self.recorder is not None:  # named, not located: the message may reach a client
+            raise LocusError(f"already recording trace {self.recorder.path.name!r} ({self.recorder.state}); "
+                             "dump it first")
         dtype_bytes = torch.empty((), dtype=self.model.dtype).element_size()  # replay's bytes = the served ones
         # under expert parallelism every row notes the placement epoch it ran under (and its plan)
         placement = getattr(self.lockstep, "placement_now", None)
         self.recorder = TraceRecorder(self.model.config, Path(path), model_name, dtype_bytes, placement=placement,
-                                      max_bytes=max_bytes)
+                                      max_bytes=max_bytes, on_failure=self._recording_failed)
         self.routing.subscribe(self.recorder.observe)
         self._prefix_caching_before = self.blocks.enable_prefix_caching
         self.blocks.enable_prefix_caching = False  # every token must go through the model
@@ -437,7 +439,11 @@ class EngineCore:
         """Record no new requests; those being recorded still finish into the trace."""
         if self.recorder is None:
             raise LocusError("not recording")
-        self.recorder.accepting = False
+        self.recorder.stop()
+
+    def _recording_failed(self, recorder: TraceRecorder) -> None:
+        # the recorder stopped itself (a full disk, say); requests go on, and it is reported until dumped
+        self.recording_failures += 1
 
     def dump_recording(self) -> RecordingSummary:
         """Write the trace and end the recording."""

@@ -35,8 +35,10 @@ from locus.engine.ep.replan import ReplanSchedule, attach_replanner
 from locus.engine.ep.worker import build_worker
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.tokenizer import read_chat_template
+from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStorageError
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
+from locus.files import directory_bytes
 from locus.server import responses
 from locus.server.errors import APIError, install_handlers, sse_error
 from locus.server.event_stream import SERVER_SEND, Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
@@ -71,7 +73,7 @@ class ServerConfig:
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
     trace_api: bool = False  # --enable-trace-api: /traces/start|stop|dump
     trace_dir: str = "traces"  # where /traces/start may write (a client names a trace inside it)
-    trace_max_bytes: int = 1 << 30  # a recording stops (and says why) when its trace would grow past this
+    trace_max_bytes: int = 1 << 30  # the whole --trace-dir: a recording stops (and says why) before passing it
     chat_template: str | None = None  # --chat-template: a file or the template itself, replacing the tokenizer's
 
 
@@ -80,7 +82,7 @@ TRACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 def trace_path(trace_dir: str, name: str) -> Path:
     """Where /traces/start may record `name`: a plain name inside the --trace-dir (created if missing),
-    never an absolute path, `..`, a separator, or a symlink out of it; anything else is a 400."""
+    never an absolute path, `..`, a separator, or a symlink out of it (a 400), nor an existing trace (409)."""
     if not TRACE_NAME.fullmatch(name) or name in (".", ".."):
         raise InvalidParameter("path", "a trace name inside the server's --trace-dir: letters, digits, '.', '_', '-' "
                                        "(at most 128, not starting with '.' or '-'); no path separators")
@@ -92,7 +94,43 @@ def trace_path(trace_dir: str, name: str) -> Path:
     path = root / name
     if path.is_symlink() or path.resolve().parent != root.resolve():
         raise InvalidParameter("path", "the trace name resolves outside the server's --trace-dir")
+    if path.exists():
+        raise APIError(409, f"a trace named {name!r} already exists in the trace directory; choose another name",
+                       "conflict_error", "path")
     return path
+
+
+def default_trace_name(trace_dir: str, model_name: str) -> str:
+    """<model>-<YYYYmmdd-HHMMSS>, with -2, -3, ... where a trace of that second exists already."""
+    stem = f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"[:120]
+    root, name, n = Path(trace_dir), stem, 1
+    while (root / name).exists():
+        n += 1
+        name = f"{stem}-{n}"
+    return name
+
+
+def trace_budget(trace_dir: str, max_bytes: int) -> int:
+    """What a new recording may still write: --trace-max-bytes less every byte already in --trace-dir
+    (507 when that is not even an empty trace's worth)."""
+    used = directory_bytes(trace_dir)
+    left = max_bytes - used
+    if left < MIN_TRACE_BYTES:
+        raise APIError(507, f"the trace directory holds {used} bytes of the {max_bytes} --trace-max-bytes allows; "
+                            "delete traces from it to record more", "insufficient_storage")
+    return left
+
+
+def recording_status(core) -> dict:
+    """GET /traces/status (and what /traces/stop answers): the recording's state, counts, budget and,
+    when it stopped or failed, why. The trace is named, not located (the server's paths stay its own)."""
+    recorder = core.recorder
+    if recorder is None:
+        return {"state": "idle", "recording_failures": core.recording_failures}
+    return {"state": recorder.state, "name": recorder.path.name, "requests": recorder.requests,
+            "tokens": recorder.tokens, "bytes": recorder.written_bytes, "max_bytes": recorder.max_bytes,
+            "stop_reason": recorder.stop_reason, "reason": recorder.failure,
+            "recording_failures": core.recording_failures}
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:
@@ -268,7 +306,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             state.engine.stop_admitting()
             if state.engine.core.recorder is not None and state.engine.healthy:
                 summary = await state.engine.call(lambda core: core.dump_recording())
-                log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests, summary.tokens)
+                if summary.status == "failed":
+                    log.warning("trace %s: the recording failed (%s); %s", summary.path, summary.reason,
+                                f"{summary.requests} requests kept" if summary.kept else "nothing could be kept")
+                else:
+                    log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests,
+                             summary.tokens)
             await asyncio.to_thread(state.engine.shutdown, 10.0)
             if config.ep is not None and config.record_trace and not state.engine.failed:
                 # each rank wrote its part under the rank it started as; a rank lost under --ep-elastic wrote none
@@ -388,20 +431,36 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/traces/start")
     async def traces_start(body: TraceStartRequest):
         engine = recording_engine()
-        name = body.path or f"{state.model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        recorder = engine.core.recorder
+        if recorder is not None:  # its name only: the server's paths are not a client's business
+            raise APIError(400, f"already recording trace {recorder.path.name!r} ({recorder.state}); "
+                                "POST /traces/dump first", "invalid_request_error")
+        name = body.path or default_trace_name(config.trace_dir, state.model_name)
         path = trace_path(config.trace_dir, name)
-        await engine.call(lambda core: core.start_recording(path, state.model_name, config.trace_max_bytes))
+        budget = await asyncio.to_thread(trace_budget, config.trace_dir, config.trace_max_bytes)
+        try:
+            await engine.call(lambda core: core.start_recording(path, state.model_name, budget))
+        except RecordingStorageError as exc:
+            raise APIError(507, str(exc), "insufficient_storage") from None
         return {"status": "recording", "path": str(path)}
+
+    @app.get("/traces/status")
+    async def traces_status():
+        return await recording_engine().call(recording_status)
 
     @app.post("/traces/stop")
     async def traces_stop():
-        await recording_engine().call(lambda core: core.stop_recording())
-        return {"status": "stopped"}
+        def stop(core):
+            core.stop_recording()
+            return recording_status(core)
+
+        status = await recording_engine().call(stop)
+        return {**status, "status": "failed" if status["state"] == "failed" else "stopped"}
 
     @app.post("/traces/dump")
     async def traces_dump():
         summary = await recording_engine().call(lambda core: core.dump_recording())
-        return {"status": "written", **summary.__dict__}
+        return summary.__dict__
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

@@ -53,8 +53,39 @@ class EngineCollector:
                 for expert, n in enumerate(counts):
                     c.add_metric([self.model_name, str(layer), str(expert)], n)
             yield c
+        yield from recording_metrics(self.engine.core, self.model_name)
         if self.engine.driver is not None:
             yield from ep_metrics(self.engine.driver, self.model_name)
+
+
+RECORDING_STATES = ("idle", "recording", "stopped", "failed")
+
+
+def recording_metrics(core, model_name: str):
+    """The trace recording (--record-trace or /traces/start): its state (1 = current), why it stopped or
+    failed (a short code: requested, budget, or the error's, e.g. ENOSPC), its bytes, and how many
+    recordings an error stopped."""
+    recorder = core.recorder
+    current = recorder.state if recorder is not None else "idle"
+    g = GaugeMetricFamily("locus_trace_recording_state", "The trace recording's state: 1 for the current one.",
+                          labels=["model_name", "state"])
+    for name in RECORDING_STATES:
+        g.add_metric([model_name, name], 1.0 if name == current else 0.0)
+    yield g
+    if recorder is not None and recorder.stop_reason is not None:
+        r = GaugeMetricFamily("locus_trace_recording_stop_reason", "Why the recording takes no more requests "
+                              "(requested, budget, or the error that failed it, e.g. ENOSPC).",
+                              labels=["model_name", "reason"])
+        r.add_metric([model_name, recorder.stop_reason], 1.0)
+        yield r
+    b = GaugeMetricFamily("locus_trace_recording_bytes", "Bytes the current recording's trace holds.",
+                          labels=["model_name"])
+    b.add_metric([model_name], recorder.written_bytes if recorder is not None else 0)
+    yield b
+    c = CounterMetricFamily("locus_trace_recording_failures", "Recordings stopped by an error (a full disk, say); "
+                            "requests are never failed by one.", labels=["model_name"])
+    c.add_metric([model_name], core.recording_failures)
+    yield c
 
 
 def ep_metrics(driver, model_name: str):

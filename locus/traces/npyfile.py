@@ -45,6 +45,15 @@ class NpyStream:
         self._file = open(self.path, "wb")
         self._file.write(_header(self.dtype, (0, *self.row_shape)))
 
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size once everything appended is written."""
+        return HEADER_BYTES + self.rows * self.row_bytes
+
     def append(self, rows: np.ndarray) -> None:
         if rows.shape[1:] != self.row_shape:
             raise ValueError(
@@ -53,12 +62,27 @@ class NpyStream:
         self._file.write(np.ascontiguousarray(rows, dtype=self.dtype).tobytes())
         self.rows += rows.shape[0]
 
+    def flush(self) -> None:
+        self._file.flush()
+
     def close(self) -> None:
         if self._file.closed:
             return
         self._file.seek(0)
         self._file.write(_header(self.dtype, (self.rows, *self.row_shape)))
         self._file.close()
+
+    def cut(self, rows: int) -> None:
+        """After a failed write: drop the file's buffer, cut it back to its first `rows` rows and close it
+        as a valid .npy of them. Needs no new disk space (the header is rewritten in place)."""
+        try:
+            self._file.close()  # what a full disk refused is lost either way
+        except OSError:
+            pass
+        with open(self.path, "r+b") as f:
+            f.truncate(HEADER_BYTES + rows * self.row_bytes)
+            f.write(_header(self.dtype, (rows, *self.row_shape)))
+        self.rows = rows
 
 
 def open_npy(path: str | Path, dtype: np.dtype | str, ndim: int) -> np.ndarray:

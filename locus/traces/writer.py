@@ -4,6 +4,10 @@ Rows go straight to disk (NpyStream), so a trace larger than RAM can be written.
 written into a hidden sibling directory that is renamed onto the target only by a successful
 close(): an exception (or a crash) never leaves a valid-looking, half-written trace behind.
 
+A writer that must survive a full disk (the engine's recorder) calls flush() after each request;
+after a failed write, salvage() cuts every file back to the last flush and moves the requests written
+until then into place. meta.json is written first, so finishing needs no new space beyond the plans.
+
 Shape legend: n tokens of one request, N tokens of a batch of requests, L MoE layers, K top-k.
 """
 
@@ -83,11 +87,17 @@ class TraceWriter:
         self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
         self._epochs = NpyStream(self._staging / EPOCHS_FILE, np.int32, ()) if with_epochs else None
         self._plans: dict[int, str] = {}
-        self._requests = open(self._staging / REQUESTS_FILE, "w")
+        self._requests = open(self._staging / REQUESTS_FILE, "wb")
+        self._requests_bytes = 0
+        meta_text = (json.dumps(meta.to_json(), indent=1) + "\n").encode()
+        (self._staging / META_FILE).write_bytes(meta_text)
+        self._meta_bytes = len(meta_text)
         self._seen_ids: set[str] = set()
         self.num_requests = 0
         self.num_tokens = 0
         self._closed = False
+        self._flushed = self._mark()  # what salvage() keeps: the state as of the last flush()
+        self._since_flush: list[str] = []  # request ids added since then
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -150,7 +160,10 @@ class TraceWriter:
                 raise TraceFormatError(f"{self.path}: duplicate request id {r.id!r}")
             batch_ids.add(r.id)
         self._seen_ids |= batch_ids
-        self._requests.write("".join(json.dumps(r.to_json()) + "\n" for r in records))
+        self._since_flush += [r.id for r in records]
+        lines = "".join(json.dumps(r.to_json()) + "\n" for r in records).encode()
+        self._requests_bytes += len(lines)
+        self._requests.write(lines)
         self._ids.append(ids.astype(np.int16, copy=False))
         if self._weights is not None:
             self._weights.append(weights)
@@ -195,6 +208,51 @@ class TraceWriter:
             raise TraceFormatError(f"{self.path}: epoch {epoch} was given two different plans")
         self._plans[int(epoch)] = text
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the trace once everything added is written (plans apart)."""
+        return self._meta_bytes + self._requests_bytes + sum(f.nbytes for f in self._streams())
+
+    def request_bytes(self, id: str, domain: str, prompt_tokens: int, tokens: int) -> int:
+        """What add_request with these fields and `tokens` rows adds to nbytes."""
+        line = json.dumps(RequestRecord(str(id), str(domain), int(prompt_tokens), int(tokens)).to_json()) + "\n"
+        return len(line.encode()) + tokens * sum(f.row_bytes for f in self._streams())
+
+    def flush(self) -> None:
+        """Push everything added to the files (an OSError here means the disk refused it); salvage()
+        keeps at least this much."""
+        self._requests.flush()
+        for f in self._streams():
+            f.flush()
+        self._flushed = self._mark()
+        self._since_flush = []
+
+    def salvage(self) -> bool:
+        """After a failed write: keep the requests of the last flush() as a finished trace, in place.
+        False (and nothing left behind) where there were none, or the trace could not be finished."""
+        if self._closed:
+            return False
+        self._closed = True
+        requests_bytes, rows, self.num_requests, self.num_tokens = self._flushed
+        self._requests_bytes = requests_bytes
+        self._seen_ids -= set(self._since_flush)
+        try:
+            try:
+                self._requests.close()
+            except OSError:
+                pass
+            os.truncate(self._staging / REQUESTS_FILE, requests_bytes)
+            for f in self._streams():
+                f.cut(rows)
+            if self.num_requests == 0:
+                raise OSError("nothing to keep")
+            self._finish()
+            return True
+        except OSError:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self.num_requests = self.num_tokens = 0
+            return False
+
     def close(self) -> None:
         """Finish the files and move the trace into place."""
         if self._closed:
@@ -202,20 +260,25 @@ class TraceWriter:
         self._closed = True
         try:
             self._requests.close()
-            self._ids.close()
-            if self._weights is not None:
-                self._weights.close()
-            if self._epochs is not None:
-                self._epochs.close()
-            if self._plans:
-                (self._staging / PLANS_DIR).mkdir()
-                for epoch, text in self._plans.items():
-                    (self._staging / plan_file(epoch)).write_text(text)
-            (self._staging / META_FILE).write_text(json.dumps(self.meta.to_json(), indent=1) + "\n")
-            replace_dir(self._staging, self.path, self.overwrite)
+            for f in self._streams():
+                f.close()
+            self._finish()
         except BaseException:
             shutil.rmtree(self._staging, ignore_errors=True)
             raise
+
+    def _finish(self) -> None:
+        if self._plans:
+            (self._staging / PLANS_DIR).mkdir()
+            for epoch, text in self._plans.items():
+                (self._staging / plan_file(epoch)).write_text(text)
+        replace_dir(self._staging, self.path, self.overwrite)
+
+    def _streams(self) -> list[NpyStream]:
+        return [f for f in (self._ids, self._weights, self._epochs) if f is not None]
+
+    def _mark(self) -> tuple[int, int, int, int]:
+        return self._requests_bytes, self._ids.rows, self.num_requests, self.num_tokens
 
     def abort(self) -> None:
         """Drop everything written so far; the target path is left as it was."""
@@ -224,5 +287,8 @@ class TraceWriter:
         self._closed = True
         for f in (self._requests, self._ids, self._weights, self._epochs):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:  # a full disk refusing the last buffer: it is deleted anyway
+                    pass
         shutil.rmtree(self._staging, ignore_errors=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 
 import httpx
+import pytest
 
 from locus.traces.reader import TraceReader
 from tests.server.server_process import running_server
@@ -84,3 +86,110 @@ def test_the_trace_api_is_off_unless_enabled_and_writes_only_inside_its_director
 def complete_raw(base: str, prompt: str, domain: str) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "domain": domain}
     return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+
+# ---------------------------------------------------------------- issue 41: recording failures never fail serving
+
+
+@contextmanager
+def tiny_tmpfs(path, size: str):
+    """A small tmpfs at `path` (root only; skipped otherwise), always unmounted."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def metric(text: str, name: str) -> dict[str, float]:
+    return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{")}
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_recording_and_every_request_finishes(tmp_path):
+    """Issue 41, finding 5, on a real full filesystem: every request finishing while recording failed
+    after its whole generation (OSError: [Errno 28] as a 400), /traces/dump answered 500 and nothing
+    was left on disk."""
+    with tiny_tmpfs(tmp_path / "disk", "128k") as disk, \
+            running_server("--model", "tiny", "--enable-trace-api", "--trace-dir", str(disk)) as proc:
+        base = proc.base_url
+        assert httpx.post(f"{base}/traces/start", json={"path": "t"}).status_code == 200
+        for i in range(4):  # 3,000 rows of 24 bytes in two files each: the disk is full at the second
+            body = {"prompt": f"{i}" * 3000, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                    "stream": i % 2 == 1}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            if not body["stream"]:
+                assert r.json()["usage"]["completion_tokens"] == 8
+            else:
+                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+        status = httpx.get(f"{base}/traces/status").json()
+        assert status["state"] == "failed" and status["reason"] == "No space left on device (ENOSPC)", status
+        assert status["stop_reason"] == "ENOSPC" and status["recording_failures"] == 1
+        metrics = httpx.get(f"{base}/metrics").text
+        assert metric(metrics, "locus_trace_recording_state")['model_name="tiny",state="failed"'] == 1.0
+        assert metric(metrics, "locus_trace_recording_stop_reason") == {'model_name="tiny",reason="ENOSPC"': 1.0}
+        assert metric(metrics, "locus_trace_recording_failures_total") == {'model_name="tiny"': 1.0}
+        dump = httpx.post(f"{base}/traces/dump")
+        assert dump.status_code == 200, dump.text
+        dump = dump.json()
+        assert dump["status"] == "failed" and dump["kept"] and dump["requests"] >= 1
+        trace = TraceReader(disk / "t")
+        assert len(trace.requests) == dump["requests"] and trace.num_tokens == dump["tokens"]
+        assert [p.name for p in disk.iterdir()] == ["t"]  # no staging directory left behind
+        assert httpx.get(f"{base}/traces/status").json()["state"] == "idle"
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_trace_names_never_collide_and_refusals_never_show_the_servers_paths(tmp_path):
+    """Issue 41: /traces/start with an existing name, or {"path": null} twice within a second, was a
+    500; the refusal of a second start showed the trace's absolute path."""
+    with running_server("--model", "tiny", "--enable-trace-api", "--trace-dir", str(tmp_path)) as proc:
+        base = proc.base_url
+        names = []
+        for _ in range(3):  # within a second: the default name gets -2, -3
+            r = httpx.post(f"{base}/traces/start", json={"path": None})
+            assert r.status_code == 200, r.text
+            names.append(httpx.get(f"{base}/traces/status").json()["name"])
+            refused = httpx.post(f"{base}/traces/start", json={})
+            assert refused.status_code == 400 and str(tmp_path) not in refused.text
+            assert names[-1] in refused.json()["error"]["message"]
+            assert httpx.post(f"{base}/traces/dump").json()["status"] == "written"
+        assert len(set(names)) == 3
+        taken = httpx.post(f"{base}/traces/start", json={"path": names[0]})
+        assert taken.status_code == 409 and taken.json()["error"]["type"] == "conflict_error"
+        assert str(tmp_path) not in taken.text
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+@pytest.mark.slow
+def test_the_byte_budget_covers_the_whole_trace_directory(tmp_path):
+    """Issue 41: --trace-max-bytes bounded one recording, not the directory (25 start/dump cycles wrote
+    688 KB against 64 KiB)."""
+    (tmp_path / "older").mkdir()
+    (tmp_path / "older" / "data").write_bytes(b"x" * 45_000)  # already in the directory: counted
+    with running_server("--model", "tiny", "--enable-trace-api", "--trace-dir", str(tmp_path),
+                        "--trace-max-bytes", "64KiB") as proc:
+        base = proc.base_url
+        for cycle in range(25):
+            r = httpx.post(f"{base}/traces/start", json={"path": f"c{cycle}"})
+            if r.status_code != 200:
+                break
+            for i in range(2):
+                complete(base, f"cycle {cycle} request {i}")
+            assert httpx.post(f"{base}/traces/dump").status_code == 200
+        assert r.status_code == 507 and 0 < cycle < 25, (cycle, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "insufficient_storage" and "--trace-max-bytes" in error["message"]
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert total <= 64 * 1024

@@ -14,11 +14,18 @@ Under expert parallelism the placement may change while serving (a live re-plan)
 notes the placement epoch of every row (`epochs.npy`) and keeps each epoch's plan with the trace
 (`plans/epoch-<e>.json`), so the replay of the trace costs every row under the plan it ran under.
 
+Recording never fails serving. A write the disk refuses (full, quota, I/O error) or any other fault
+of the recorder stops the recording (state "failed", with the reason) and keeps, as a finished trace,
+the requests written before it (each request is flushed to the files as it finishes); the requests
+being served go on untouched. A byte budget (`max_bytes`, counted exactly) stops the recording from
+taking requests before it would pass it (state "stopped", reason "budget").
+
 Shape legend: P positions so far, L MoE layers, K experts per token.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +36,8 @@ import numpy as np
 from locus.engine.model.config import ModelConfig
 from locus.engine.observers.routing_tap import StepRouting
 from locus.engine.sequence import Sequence
-from locus.traces.format import TraceMeta
+from locus.errors import LocusError
+from locus.traces.format import TraceFormatError, TraceMeta
 from locus.traces.writer import TraceWriter
 
 log = logging.getLogger("locus.engine")
@@ -59,9 +67,19 @@ class _SeqTrace:
 @dataclass
 class RecordingSummary:
     path: str
-    requests: int
+    requests: int  # written into the trace (after a failure: those kept)
     tokens: int
     dropped: int  # sequences still in flight when the recording was dumped
+    status: str = "written"  # or "failed": the recording stopped on an error; `kept` says if a trace is there
+    reason: str | None = None
+    kept: bool = True
+
+
+MIN_TRACE_BYTES = 1024  # an empty trace (meta.json and the .npy headers) fits in this
+
+
+class RecordingStorageError(LocusError):
+    """The trace could not even be started on disk (a full disk, a read-only directory)."""
 
 
 @dataclass
@@ -77,26 +95,52 @@ class TraceRecorder:
     tokens: int = 0
     # Under expert parallelism: the current placement's epoch and plan (anything with to_dict()), per step.
     placement: Callable[[], tuple[int, object]] | None = None
-    max_bytes: int | None = None  # disk budget: past it the recording stops taking requests (logged)
-    written_bytes: int = 0
+    max_bytes: int | None = None  # disk budget: the recording stops taking requests before it would pass it
+    on_failure: Callable[["TraceRecorder"], None] | None = None  # told once, when the recording fails
+    stop_reason: str | None = None  # why it takes no more requests: "requested", "budget", or an error's code
+    failure: str | None = None  # the error that stopped it, as a sentence (state "failed")
+    kept: bool = False  # after a failure: whether the requests written before it are in place as a trace
 
     def __post_init__(self) -> None:
         c = self.config
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
                          source="locus-engine")
-        self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None)
+        try:
+            self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None)
+        except TraceFormatError:  # its message holds the full path, which a client must not see
+            raise LocusError(f"a trace named {self.path.name!r} already exists") from None
+        except OSError as exc:
+            raise RecordingStorageError(f"the trace {self.path.name!r} cannot be started: {_describe(exc)}") from None
         self._layers = tuple(c.moe_layers)
         self._epochs_seen: set[int] = set()
+
+    @property
+    def state(self) -> str:
+        """"recording", "stopped" (takes no new requests: asked to, or its budget) or "failed"."""
+        return "failed" if self.failure is not None else "recording" if self.accepting else "stopped"
+
+    @property
+    def written_bytes(self) -> int:
+        return self._writer.nbytes
+
+    def stop(self) -> None:
+        if self.accepting:
+            self.accepting, self.stop_reason = False, "requested"
 
     # --- engine hooks ---------------------------------------------------------------------------
     def observe(self, step: StepRouting) -> None:
         """A routing-tap subscriber: file each sequence's rows at their positions."""
-        epoch = self._current_epoch()
-        for item, (span, lo, hi) in zip(step.items, step.rows):
-            trace = self._trace_of(item.seq, span.start)
-            if trace is not None:
-                trace.put(span.start, step.ids[lo:hi], step.weights[lo:hi], epoch)
+        if self.failure is not None:
+            return
+        try:
+            epoch = self._current_epoch()
+            for item, (span, lo, hi) in zip(step.items, step.rows):
+                trace = self._trace_of(item.seq, span.start)
+                if trace is not None:
+                    trace.put(span.start, step.ids[lo:hi], step.weights[lo:hi], epoch)
+        except Exception as exc:  # noqa: BLE001 - the recorder's fault never fails the step
+            self._fail(exc)
 
     def _current_epoch(self) -> int:
         if self.placement is None:
@@ -115,32 +159,64 @@ class TraceRecorder:
 
     def finish(self, seq: Sequence) -> None:
         trace = self._active.pop(seq.seq_id, None)
-        if trace is None or seq.finish_reason == "abort":
+        if trace is None or seq.finish_reason == "abort" or self.failure is not None:
             return
         rows = seq.num_tokens - 1  # the last sampled token was never fed to the model
         ids, weights = trace.ids[:rows], trace.weights[:rows]
         if rows <= 0 or (ids[:, 0, 0] < 0).any():
             return  # incomplete (cannot happen with prefix reuse off; kept as a guard)
         epochs = trace.epochs[:rows] if self.placement is not None else None
-        size = ids.nbytes + weights.nbytes + (0 if epochs is None else epochs.nbytes) + len(trace.request_id) + len(trace.domain) + 64
-        if self.max_bytes is not None and self.written_bytes + size > self.max_bytes:
-            if self.accepting:
+        size = self._writer.request_bytes(trace.request_id, trace.domain, trace.prompt_tokens, rows)
+        if self.max_bytes is not None and self._writer.nbytes + size > self.max_bytes:
+            if self.accepting or self.stop_reason != "budget":
                 log.warning("trace %s: the next request would pass the %d-byte budget (--trace-max-bytes); "
                             "the recording takes no more requests", self.path, self.max_bytes)
-            self.accepting = False
+            self.accepting, self.stop_reason = False, "budget"
             self._active.clear()
             return
-        self.written_bytes += size
-        self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs)
+        try:
+            self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs)
+            self._writer.flush()  # on disk now, or refused now: a later failure keeps this request
+        except Exception as exc:  # noqa: BLE001 - a full disk stops the recording, never the request
+            self._fail(exc)
+            return
         self.requests += 1
         self.tokens += rows
 
+    def _fail(self, exc: Exception) -> None:
+        """Stop for good: drop what is in flight, keep what was flushed, tell the engine once."""
+        if self.failure is not None:
+            return
+        self.failure = _describe(exc)
+        self.stop_reason = errno.errorcode.get(exc.errno, "EIO") if isinstance(exc, OSError) and exc.errno \
+            else "error"
+        self.accepting = False
+        self._active.clear()
+        if isinstance(exc, OSError):
+            log.error("trace %s: %s; the recording stopped (requests go on)", self.path, self.failure)
+        else:
+            log.error("trace %s: the recorder failed; the recording stopped (requests go on)", self.path, exc_info=exc)
+        self.kept = self._writer.salvage()
+        self.requests, self.tokens = self._writer.num_requests, self._writer.num_tokens
+        if self.kept:
+            log.warning("trace %s: the %d requests written before the failure are kept", self.path, self.requests)
+        if self.on_failure is not None:
+            self.on_failure(self)
+
     # --- control --------------------------------------------------------------------------------
     def dump(self) -> RecordingSummary:
-        """Close the trace (atomically renamed into place); sequences still in flight are dropped."""
+        """Close the trace (atomically renamed into place); sequences still in flight are dropped. A
+        failed recording reports its reason and what was kept."""
         dropped = len(self._active)
         self._active.clear()
-        self._writer.close()
+        if self.failure is None:
+            try:
+                self._writer.flush()
+                self._writer.close()
+            except Exception as exc:  # noqa: BLE001 - reported in the summary, as a failure while recording is
+                self._fail(exc)
+        if self.failure is not None:
+            return RecordingSummary(str(self.path), self.requests, self.tokens, dropped, "failed", self.failure, self.kept)
         return RecordingSummary(str(self.path), self.requests, self.tokens, dropped)
 
     def abandon(self) -> None:
@@ -164,3 +240,10 @@ class TraceRecorder:
     def _request_id(seq: Sequence) -> str:
         rid = seq.request.request_id
         return rid if seq.request.params.n == 1 else f"{rid}#{seq.index}"
+
+
+def _describe(exc: BaseException) -> str:
+    """An error as the sentence /traces/* and the log show: "No space left on device (ENOSPC)"."""
+    if isinstance(exc, OSError) and exc.errno:
+        return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})"
+    return f"{type(exc).__name__}: {exc}"

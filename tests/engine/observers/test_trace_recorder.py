@@ -82,3 +82,93 @@ def test_recording_controls(tiny, tmp_path):
     assert summary.requests == 1 and summary.tokens == 3 + 2
     assert [r.id for r in TraceReader(tmp_path / "t").requests] == ["a"]
     assert core.blocks.enable_prefix_caching  # restored
+
+
+# ---------------------------------------------------------------- recording failures never fail serving (issue 41)
+
+
+def fill_disk_at(monkeypatch, write: int):
+    """Make the `write`-th append to expert_weights.npy land half its bytes, then fail as a full disk does."""
+    import errno
+
+    from locus.traces import npyfile
+
+    real, seen = npyfile.NpyStream.append, {"n": 0}
+
+    def append(self, rows):
+        if self.path.name == "expert_weights.npy":
+            seen["n"] += 1
+            if seen["n"] >= write:
+                data = np.ascontiguousarray(rows, dtype=self.dtype).tobytes()
+                if seen["n"] == write:
+                    self._file.write(data[: len(data) // 2])
+                    self._file.flush()
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, rows)
+
+    monkeypatch.setattr(npyfile.NpyStream, "append", append)
+
+
+def add_staggered(core: EngineCore, n: int, prefix: str = "r") -> None:
+    for i in range(n):  # each finishes one step after the one before: they are written in order
+        core.add_request(f"{prefix}{i}", [1 + i, 2, 3, 4], SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True))
+
+
+def test_a_write_the_disk_refuses_stops_the_recording_not_the_requests(tiny, tmp_path, monkeypatch):
+    """Issue 41, finding 5: with the trace's disk full, every request finishing while recording failed
+    after its whole generation (OSError: [Errno 28], as a 400), the dump failed and nothing was left."""
+    tok = ByteTokenizer(ByteTokenizer.MIN_VOCAB)
+    clean = EngineCore(tiny, tok)
+    clean.start_recording(tmp_path / "clean")
+    add_staggered(clean, 6)
+    run_all(clean)
+    clean.dump_recording()
+
+    fill_disk_at(monkeypatch, write=4)
+    core = EngineCore(tiny, tok)
+    core.start_recording(tmp_path / "t")
+    add_staggered(core, 6)
+    outs = run_all(core)
+    assert sorted(outs) == [f"r{i}" for i in range(6)]
+    for i in range(6):
+        assert outs[f"r{i}"].error is None and outs[f"r{i}"].outputs[0].finish_reason == "length"
+        assert len(outs[f"r{i}"].outputs[0].token_ids) == 2 + i
+    recorder = core.recorder
+    assert recorder.state == "failed" and recorder.stop_reason == "ENOSPC" and core.recording_failures == 1
+    add_staggered(core, 2, prefix="after")  # served, not recorded
+    assert all(o.error is None for o in run_all(core).values())
+    summary = core.dump_recording()
+    assert (summary.status, summary.reason, summary.kept, summary.requests) == (
+        "failed", "No space left on device (ENOSPC)", True, 3)
+    kept, whole = TraceReader(tmp_path / "t"), TraceReader(tmp_path / "clean")
+    assert [r.id for r in kept.requests] == ["r0", "r1", "r2"]
+    rows = kept.num_tokens
+    np.testing.assert_array_equal(np.asarray(kept.expert_ids), np.asarray(whole.expert_ids)[:rows])
+    np.testing.assert_array_equal(np.asarray(kept.expert_weights), np.asarray(whole.expert_weights)[:rows])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean", "t"]  # no staging directory left
+    core.start_recording(tmp_path / "u")  # a failed recording, once dumped, makes room for the next
+    assert core.recorder.state == "recording"
+
+
+def test_a_failure_before_any_request_was_written_leaves_nothing(tiny, tmp_path, monkeypatch):
+    fill_disk_at(monkeypatch, write=1)
+    core = EngineCore(tiny, ByteTokenizer(ByteTokenizer.MIN_VOCAB))
+    core.start_recording(tmp_path / "t")
+    add_staggered(core, 3)
+    assert all(o.error is None for o in run_all(core).values())
+    summary = core.dump_recording()
+    assert (summary.status, summary.kept, summary.requests) == ("failed", False, 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_byte_budget_is_exact(tiny, tmp_path):
+    """--trace-max-bytes counts every byte of the trace directory (meta.json and headers too)."""
+    core = EngineCore(tiny, ByteTokenizer(ByteTokenizer.MIN_VOCAB))
+    core.start_recording(tmp_path / "t", max_bytes=4000)
+    add_staggered(core, 12)
+    run_all(core)
+    assert core.recorder.state == "stopped" and core.recorder.stop_reason == "budget"
+    summary = core.dump_recording()
+    size = sum(p.stat().st_size for p in (tmp_path / "t").iterdir())
+    assert 0 < summary.requests < 12 and len(TraceReader(tmp_path / "t").requests) == summary.requests
+    assert size <= 4000
