@@ -97,7 +97,7 @@ def parse_memory(value: str | int) -> int:
     number = text.rstrip("kmgib")
     try:
         return int(float(number) * units[text[len(number):]])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):  # nan, inf
         raise LocusError(f"cannot read memory size {value!r} (examples: 512MiB, 2GiB, 1000000)") from None
 
 

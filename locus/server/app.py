@@ -39,8 +39,8 @@ from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStor
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
 from locus.files import directory_bytes
-from locus.server import responses
-from locus.server.errors import APIError, install_handlers, sse_error
+from locus.server import body_limit, responses
+from locus.server.errors import APIError, install_handlers, parse_json, sse_error
 from locus.server.event_stream import SERVER_SEND, Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
 from locus.server.metrics import ServerMetrics
 from locus.traces.merge import merge_traces
@@ -50,6 +50,7 @@ from locus.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    RequestLimits,
     TokenizeRequest,
     TraceStartRequest,
 )
@@ -75,6 +76,7 @@ class ServerConfig:
     trace_dir: str = "traces"  # where /traces/start may write (a client names a trace inside it)
     trace_max_bytes: int = 1 << 30  # the whole --trace-dir: a recording stops (and says why) before passing it
     chat_template: str | None = None  # --chat-template: a file or the template itself, replacing the tokenizer's
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost (body, prompts, stops)
 
 
 TRACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -217,11 +219,12 @@ class ServerState:
         return self.engine
 
     def accept(self, body) -> AsyncEngine:
-        """The checks every generation and tokenizer request passes first: a ready engine, this
-        model, Unicode text, no unsupported field."""
+        """The checks every generation and tokenizer request passes first: a ready engine, the
+        request limits, Unicode text (before anything echoes it), this model, no unsupported field."""
         engine = self.ready_engine()
-        self.check_model(body.model)
+        self.config.limits.check(body)
         reject_lone_surrogates(body)
+        self.check_model(body.model)
         if hasattr(body, "check_unsupported"):
             body.check_unsupported()
         return engine
@@ -232,10 +235,22 @@ class ServerState:
 
 
 class LocusAPI(FastAPI):
-    """FastAPI that keeps the server's own `send` in the scope, for streamed bodies (event_stream.body_send)."""
+    """FastAPI that keeps the server's own `send` in the scope, for streamed bodies (event_stream.body_send),
+    and refuses a body over --max-request-body-bytes before reading it (body_limit.py)."""
+
+    max_body_bytes: int | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         scope[SERVER_SEND] = send
+        limit = self.max_body_bytes
+        if scope["type"] == "http" and limit is not None:
+            size = body_limit.declared_length(scope)
+            if size is not None and size > limit:
+                start, body = body_limit.refusal(limit, size)
+                await send(start)
+                await send({"type": "http.response.body", "body": body})
+                return
+            receive = body_limit.limited(receive, limit)
         await super().__call__(scope, receive, send)
 
 
@@ -326,6 +341,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, len(ranks))
 
     app = LocusAPI(title="Locus", lifespan=lifespan)
+    app.max_body_bytes = config.limits.max_body_bytes
     app.state.locus = state
     install_handlers(app)
 
@@ -361,10 +377,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(404, "live re-planning is off (start the server with --ep-ranks N --replan-api)",
                            "not_found_error")
         raw = await request.body()
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"malformed JSON body: {exc.msg}", "invalid_request_error") from None
+        body = parse_json(raw) if raw.strip() else {}
         if not isinstance(body, dict) or set(body) - {"force"} or not isinstance(body.get("force", False), bool):
             raise APIError(400, "the body is {} or {\"force\": true|false}", "invalid_request_error", "force")
         engine = state.ready_engine()
@@ -409,6 +422,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         engine = state.ready_engine()
+        reject_lone_surrogates(body)
         state.check_model(body.model)
         vocab, limit = engine.core.model.config.vocab_size, engine.core.max_model_len
         if len(body.tokens) > limit:  # no prompt or output of this model is longer

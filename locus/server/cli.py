@@ -49,7 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-dir", default="traces", metavar="DIR",
                    help="the only directory /traces/start writes into; a client names a trace inside it (default ./traces)")
     p.add_argument("--trace-max-bytes", default="1GiB", metavar="SIZE",
-                   help="a recording started over HTTP stops taking requests past this size (default 1GiB)")
+                   help="the most --trace-dir may hold: a recording started over HTTP stops taking requests before "
+                        "the directory would pass it, and /traces/start is refused (507) once it is full (default 1GiB)")
+    p.add_argument("--max-request-body-bytes", default="32MiB", metavar="SIZE",
+                   help="a request body larger than this is refused with a 400 before it is read (default 32MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=1024, metavar="N",
+                   help="most prompts one /v1/completions request may batch (default 1024)")
+    p.add_argument("--max-stop-chars", type=int, default=4096, metavar="N",
+                   help="most characters a request's stop strings may hold, all of them together (default 4096)")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
@@ -136,6 +143,17 @@ def engine_config_of(args: argparse.Namespace):
         grammar_limits=grammar_limits_of(args))
 
 
+def request_limits_of(args: argparse.Namespace):
+    from locus.engine.engine_core import parse_memory
+    from locus.server.protocol import RequestLimits
+
+    body = parse_memory(args.max_request_body_bytes)
+    if body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1:
+        raise LocusError("--max-request-body-bytes, --max-prompts-per-request and --max-stop-chars must be positive")
+    return RequestLimits(max_body_bytes=body, max_prompts=args.max_prompts_per_request,
+                         max_stop_chars=args.max_stop_chars)
+
+
 def grammar_limits_of(args: argparse.Namespace):
     from locus.engine.engine_core import parse_memory
     from locus.engine.grammar_limits import GrammarLimits
@@ -214,7 +232,8 @@ def run_serve(args: argparse.Namespace) -> int:
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
         burst_wait_ms=args.burst_wait_ms,
         record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template,
-        trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=parse_memory(args.trace_max_bytes)))
+        trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=parse_memory(args.trace_max_bytes),
+        limits=request_limits_of(args)))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

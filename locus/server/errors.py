@@ -30,7 +30,31 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code if code is not None else status}}
+    return {"error": {"message": printable(message), "type": type_, "param": None if param is None else printable(param),
+                      "code": code if code is not None else status}}
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates written as \\udXXX: an error may quote a client's string, and a
+    lone surrogate cannot be encoded as UTF-8 (the response would fail as a 500)."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_json(raw: bytes):
+    """A body parsed by hand (not through a schema): any failure is a 400 that says what is wrong."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc.msg}", "invalid_request_error") from None
+    except RecursionError:
+        raise APIError(400, NESTED_TOO_DEEP, "invalid_request_error") from None
+    except ValueError as exc:  # not UTF-8, or an integer literal longer than Python converts
+        raise APIError(400, f"malformed JSON body: {exc}", "invalid_request_error") from None
+
+
+NESTED_TOO_DEEP = "malformed JSON body: it nests deeper than the parser allows (about 1000 levels)"
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -78,7 +102,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), type_), exc.status_code)
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+            detail = NESTED_TOO_DEEP
+        return JSONResponse(error_body(exc.status_code, detail, type_), exc.status_code)
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)

@@ -79,7 +79,22 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
         else:
             continue
         for key, child in reversed(children):
-            if type(child) in _SCALARS:
-                continue  # token ids and other scalars hold no text: a 100k-id prompt costs no path strings
-            stack.append((child, f"{where}.{key}" if where else str(key)))
+            # token ids and other scalars hold no text: a 100k-id prompt costs no path strings
+            if type(child) not in _SCALARS:
+                stack.append((child, _step(where, key)))
+            if isinstance(key, str) and not key.isascii() and not _encodable(key):
+                # a key is text too (checked before its value); its path shows the surrogate escaped
+                stack.append((key, _step(where, key.encode("utf-8", "backslashreplace").decode("utf-8"))))
     return None
+
+
+def _step(where: str, key) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

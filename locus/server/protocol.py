@@ -8,6 +8,7 @@ in one place, SamplingParams.validate, so the engine and the server can never di
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +17,47 @@ from locus.engine.sampling import InvalidParameter, SamplingParams
 from locus.engine.structured_output import StructuredOutput
 
 MAX_DOMAIN_CHARS = 64  # a request's task family is stored in traces: bounded, like every client string there
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost, each a `locus serve` flag; a request past one is a 400 naming it."""
+
+    max_body_bytes: int = 32 << 20  # --max-request-body-bytes: 20x a 128k-token prompt written as JSON escapes
+    max_prompts: int = 1024  # --max-prompts-per-request: prompts of one /v1/completions request
+    max_stop_chars: int = 4096  # --max-stop-chars: the characters of all of a request's stop strings
+
+    def check(self, body: BaseModel) -> None:
+        """The checks that cost nothing: before the body is walked, tokenized or queued."""
+        prompt = getattr(body, "prompt", None)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > self.max_prompts:
+            raise InvalidParameter("prompt", f"{len(prompt)} prompts in one request; this server takes at most "
+                                             f"{self.max_prompts} (--max-prompts-per-request)")
+        stop = getattr(body, "stop", None)
+        chars = len(stop) if isinstance(stop, str) else sum(len(s) for s in stop or () if isinstance(s, str))
+        if chars > self.max_stop_chars:
+            raise InvalidParameter("stop", f"the stop strings hold {chars} characters; this server takes at most "
+                                           f"{self.max_stop_chars} in all (--max-stop-chars)")
+
+
+def check_messages(messages: list["ChatMessage"]) -> None:
+    """A content part must be {"type": "text", "text": <a string>}: this model serves text only, and
+    anything else in `text` (a nested part, a number) used to reach the chat template as a 500."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise InvalidParameter(f"messages[{i}].content", f"this model serves text only: content part "
+                                       f"type {kind!r} is not supported")
+            if not isinstance(part.get("text"), str):
+                got = "missing" if "text" not in part else f"a JSON {_json_type(part['text'])}"
+                raise InvalidParameter(f"messages[{i}].content[{j}].text",
+                                       f"a text content part's text must be a string; it is {got}")
+
+
+def _json_type(value: object) -> str:
+    return {dict: "object", list: "array", bool: "boolean", type(None): "null", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
 
 
 class StreamOptions(BaseModel):
@@ -172,12 +214,7 @@ class ChatCompletionRequest(_Common):
             raise InvalidParameter("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise InvalidParameter("tool_choice", "tool calling is not supported (tool_choice may only be \"none\")")
-        for i, message in enumerate(self.messages):
-            for part in message.content if isinstance(message.content, list) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise InvalidParameter(f"messages[{i}].content", f"this model serves text only: content part "
-                                           f"type {kind!r} is not supported")
+        check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -198,6 +235,10 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    def check_unsupported(self) -> None:
+        if self.messages is not None:
+            check_messages(self.messages)
 
 
 class DetokenizeRequest(BaseModel):

@@ -27,7 +27,8 @@ def nested(depth: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--model", "tiny", "--max-grammar-compile-seconds", "1") as proc:
+    # a body limit above the 40 MB /tokenize text below, which must meet the context check itself
+    with running_server("--model", "tiny", "--max-grammar-compile-seconds", "1", "--max-request-body-bytes", "64MiB") as proc:
         yield proc
 
 
