@@ -3,11 +3,15 @@
 and the server stays healthy. Seeded (derandomized) and bounded, so CI sees the same bodies each run.
 
 Values mix the valid (small, so each request is quick) with the hostile: integers past 2**63, NaN
-and infinities, wrong types, nested junk, and text with lone surrogates and line separators."""
+and infinities, wrong types, nested junk, and text with lone surrogates and line separators. Issue 41
+added: a lone surrogate anywhere in a valid body (any value, any key, `model`), bodies nested up to
+150,000 deep on every POST endpoint, stop strings up to 300,000 characters, and bodies around the
+server's size limit with and without Content-Length; every request is answered within TIME_BOUND."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -102,20 +106,33 @@ CONSTRAINED = st.tuples(st.fixed_dictionaries({"prompt": TEXT.filter(bool), "max
                         STRUCTURED).map(lambda parts: {**parts[0], **parts[1]})
 
 
+BODY_LIMIT = 1 << 20  # the fuzz server's --max-request-body-bytes: bodies around it stay quick to send
+TIME_BOUND = 30.0  # seconds any one request may take (a 64-token context, a 2-core machine shared with others)
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     # a 64-token context bounds every generation, whatever max_tokens a spoiled body leaves out
-    with running_server("--model", "tiny", "--num-kv-blocks", "256", "--max-model-len", "64") as proc:
+    with running_server("--model", "tiny", "--num-kv-blocks", "256", "--max-model-len", "64",
+                        "--max-request-body-bytes", str(BODY_LIMIT), "--enable-trace-api",
+                        "--trace-dir", str(tmp_path_factory.mktemp("traces"))) as proc:
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
             yield http
         assert proc.poll() is None, "the server died during the fuzz run"
 
 
-def check(http: httpx.Client, path: str, body) -> None:
-    raw = json.dumps(body, allow_nan=True)  # NaN/Infinity literals too: not JSON, must still be a 400
+def check(http: httpx.Client, path: str, body, raw: bytes | None = None) -> None:
+    """POST `body` (or `raw` bytes, or a generator of chunks: no Content-Length): a 200 or a 4xx error
+    object, a well-formed stream, within TIME_BOUND."""
+    if raw is None:
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")  # NaN/Infinity too: must be 400s
+    started = time.monotonic()
     with http.stream("POST", path, content=raw, headers={"content-type": "application/json"}) as r:
         payload = r.read().decode()
-    assert r.status_code == 200 or 400 <= r.status_code < 500, f"{r.status_code} for {raw[:500]}: {payload[:500]}"
+    elapsed = time.monotonic() - started
+    shown = raw[:300] if isinstance(raw, bytes) else b"<chunked>"
+    assert elapsed < TIME_BOUND, f"{elapsed:.1f} s for {shown}"
+    assert r.status_code == 200 or 400 <= r.status_code < 500, f"{r.status_code} for {shown}: {payload[:500]}"
     if r.status_code != 200:
         error = json.loads(payload)["error"]
         assert set(error) == {"message", "type", "param", "code"}
@@ -161,6 +178,86 @@ def test_fuzzed_structured_output_bodies(server, body):
     """Never a 5xx, never a dead server, and every request answered within its time bound (the
     grammar budget): the client's own timeout below would fail the test otherwise."""
     check(server, "/v1/completions", body)
+
+
+# ---------------------------------------------------------------- issue 41's shapes
+
+SURROGATE = st.sampled_from(["\ud800", "x\udfffy", "\udc00\ud800"])
+
+
+@st.composite
+def surrogate_anywhere(draw, bodies):
+    """A valid body with a lone surrogate put at one random place: a value replaced, a text extended,
+    or a key added, at any depth (the top level, a message, a nested extra object)."""
+    body = draw(bodies)
+    containers = [body]
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                containers.append(child)
+                stack.append(child)
+    target = draw(st.sampled_from(containers))
+    bad = draw(SURROGATE)
+    if isinstance(target, dict) and (not target or draw(st.booleans())):
+        target[draw(st.sampled_from([bad, "model", "user", "x"]))] = draw(st.one_of(st.just(bad), st.integers(), JUNK))
+    elif isinstance(target, dict):
+        key = draw(st.sampled_from(sorted(target)))
+        target[key] = (target[key] + bad) if isinstance(target[key], str) else bad
+    elif target:
+        target[draw(st.integers(0, len(target) - 1))] = bad
+    else:
+        target.append(bad)
+    return body
+
+
+ANY_BODY = st.one_of(COMPLETION, CHAT, TOKENIZE)
+ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/traces/start", "/traces/stop",
+             "/traces/dump", "/ep/replan"]
+
+
+@settings(FUZZ, max_examples=120)
+@given(body=surrogate_anywhere(ANY_BODY), path=st.sampled_from(ENDPOINTS[:4]))
+@example(body={"model": "\ud800", "prompt": "hi", "max_tokens": 2}, path="/v1/completions")  # was a 500
+@example(body={"model": "\ud800", "tokens": [65]}, path="/detokenize")  # was a 500
+@example(body={"prompt": "hi", "max_tokens": 2, "x": {"\ud800": "\udc00"}}, path="/v1/completions")  # was a 500
+def test_a_lone_surrogate_anywhere(server, body, path):
+    check(server, path, body)
+
+
+@settings(FUZZ, max_examples=60)
+@given(path=st.sampled_from(ENDPOINTS), depth=st.integers(100, 150_000), opener=st.sampled_from(["[", '{"a": ']),
+       inside=st.booleans())
+@example(path="/ep/replan", depth=100_000, opener="[", inside=False)
+def test_a_deep_body_on_every_json_endpoint(server, path, depth, opener, inside):
+    closer = "]" if opener == "[" else "}"
+    deep = opener * depth + "1" + closer * depth
+    raw = ('{"prompt": "x", "max_tokens": 1, "messages": [], "tokens": [1], "extra": ' + deep + "}") if inside else deep
+    check(server, path, None, raw.encode())
+
+
+@settings(FUZZ, max_examples=40)
+@given(stops=st.lists(st.tuples(CHAR, st.integers(1, 300_000)), min_size=1, max_size=4),
+       body=st.fixed_dictionaries({"prompt": TEXT.filter(bool), "max_tokens": st.integers(1, 6)},
+                                  optional={"n": st.integers(1, 8), "stream": st.booleans(),
+                                            "include_stop_str_in_output": st.booleans()}))
+def test_huge_stop_strings(server, stops, body):
+    check(server, "/v1/completions", {**body, "stop": [c * n for c, n in stops]})
+
+
+@settings(FUZZ, max_examples=20)
+@given(size=st.integers(BODY_LIMIT // 2, 2 * BODY_LIMIT), chunked=st.booleans(), path=st.sampled_from(ENDPOINTS[:4]))
+def test_big_bodies(server, size, chunked, path):
+    head, tail = b'{"prompt": "', b'", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tokens": [1]}'
+    raw = head + b"a" * max(0, size - len(head) - len(tail)) + tail
+
+    def chunks():
+        for i in range(0, len(raw), 64 << 10):
+            yield raw[i:i + (64 << 10)]
+
+    check(server, path, None, chunks() if chunked else raw)
 
 
 def test_the_server_is_healthy_after_the_fuzz(server):
