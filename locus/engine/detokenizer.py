@@ -14,11 +14,12 @@ client. Text that could still be the start of a stop string (the longest suffix 
 that is a proper prefix of one) is held until the next token settles it, or until `flush`.
 
 Why a streaming matcher: a client chooses the stop strings, so their length is the client's. Looking
-for them (and for the held-back prefix) in the decoded text anew at every token cost O(stop length^2)
-per token (193 ms a token at 100k characters). `StopScanner` runs one Knuth-Morris-Pratt automaton per
-stop string over each new character once, so a whole generation costs O(output + stop text): the
-automaton's state after each character is exactly the length of the held-back prefix, and reaching
-the stop string's length is a match. Only the held-back text is kept besides the emitted pieces.
+for them (and for the held-back prefix) in the decoded text anew at every token costs O(stop
+length^2) per token (docs/serving.md, "Request limits"). `StopScanner` runs one Knuth-Morris-Pratt
+automaton per stop string over each new character once, so a whole generation costs O(output + stop
+text): the automaton's state after each character is exactly the length of the held-back prefix, and
+reaching the stop string's length is a match. Only the held-back text is kept besides the emitted
+pieces.
 
 The token that ends a sequence (EOS or one of stop_token_ids) should not be passed to `add`, as in
 vLLM, unless its text is wanted in the output; then call `flush`.

@@ -332,7 +332,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                 # each rank wrote its part under the rank it started as; a rank lost under --ep-elastic wrote none
                 ranks = [r for r in range(config.ep.world) if Path(rank_trace_path(config.record_trace, r)).exists()]
                 if len(ranks) < config.ep.world:
-                    log.warning("trace %s: ranks %s were lost and wrote no part; their requests are not in it",
+                    log.warning("trace %s: ranks %s wrote no part (lost, or their recording failed and kept "
+                                "nothing); their requests are not in it",
                                 config.record_trace, sorted(set(range(config.ep.world)) - set(ranks)))
                 parts = [rank_trace_path(config.record_trace, r) for r in ranks]
                 count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks)

@@ -3,8 +3,8 @@
 A body that declares its size (Content-Length) is refused at once, unread: the server discards the
 rest as it arrives and the connection stays usable. A chunked body (no Content-Length) is counted as
 it arrives and refused once it passes the limit, so it is never held whole. Both answers are a 400
-OpenAI error object naming the flag: a 100 MB body used to cost +313 MB of RSS and stall every stream
-while it was parsed.
+OpenAI error object naming the flag: a body is held, then parsed, whole, on the event loop every
+stream shares.
 """
 
 from __future__ import annotations

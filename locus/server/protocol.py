@@ -23,7 +23,7 @@ MAX_DOMAIN_CHARS = 64  # a request's task family is stored in traces: bounded, l
 class RequestLimits:
     """What one request may cost, each a `locus serve` flag; a request past one is a 400 naming it."""
 
-    max_body_bytes: int = 32 << 20  # --max-request-body-bytes: 20x a 128k-token prompt written as JSON escapes
+    max_body_bytes: int = 32 << 20  # --max-request-body-bytes (docs/serving.md says why these defaults)
     max_prompts: int = 1024  # --max-prompts-per-request: prompts of one /v1/completions request
     max_stop_chars: int = 4096  # --max-stop-chars: the characters of all of a request's stop strings
 
@@ -42,7 +42,7 @@ class RequestLimits:
 
 def check_messages(messages: list["ChatMessage"]) -> None:
     """A content part must be {"type": "text", "text": <a string>}: this model serves text only, and
-    anything else in `text` (a nested part, a number) used to reach the chat template as a 500."""
+    anything else in `text` (a nested part, a number) would reach the chat template's join."""
     for i, message in enumerate(messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
