@@ -9,7 +9,6 @@ request gets a proper status code; errors that happen mid-stream are sent as one
 from __future__ import annotations
 
 import asyncio
-import json
 import gc
 import shutil
 import logging

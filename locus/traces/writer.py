@@ -83,21 +83,26 @@ class TraceWriter:
             shutil.rmtree(self._staging)
         self._staging.mkdir()
         row = (meta.num_layers, meta.top_k)
-        self._ids = NpyStream(self._staging / IDS_FILE, np.int16, row)
-        self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
-        self._epochs = NpyStream(self._staging / EPOCHS_FILE, np.int32, ()) if with_epochs else None
-        self._plans: dict[int, str] = {}
-        self._requests = open(self._staging / REQUESTS_FILE, "wb")
-        self._requests_bytes = 0
-        meta_text = (json.dumps(meta.to_json(), indent=1) + "\n").encode()
-        (self._staging / META_FILE).write_bytes(meta_text)
+        self._ids = self._weights = self._epochs = self._requests = None
+        try:  # a disk that refuses even this leaves no staging directory behind
+            self._ids = NpyStream(self._staging / IDS_FILE, np.int16, row)
+            self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
+            self._epochs = NpyStream(self._staging / EPOCHS_FILE, np.int32, ()) if with_epochs else None
+            self._requests = open(self._staging / REQUESTS_FILE, "wb")
+            meta_text = (json.dumps(meta.to_json(), indent=1) + "\n").encode()
+            (self._staging / META_FILE).write_bytes(meta_text)
+        except BaseException:
+            self._closed = False
+            self.abort()
+            raise
         self._meta_bytes = len(meta_text)
+        self._requests_bytes = 0
+        self._plans: dict[int, str] = {}
         self._seen_ids: set[str] = set()
         self.num_requests = 0
         self.num_tokens = 0
         self._closed = False
         self._flushed = self._mark()  # what salvage() keeps: the state as of the last flush()
-        self._since_flush: list[str] = []  # request ids added since then
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -160,7 +165,6 @@ class TraceWriter:
                 raise TraceFormatError(f"{self.path}: duplicate request id {r.id!r}")
             batch_ids.add(r.id)
         self._seen_ids |= batch_ids
-        self._since_flush += [r.id for r in records]
         lines = "".join(json.dumps(r.to_json()) + "\n" for r in records).encode()
         self._requests_bytes += len(lines)
         self._requests.write(lines)
@@ -225,7 +229,6 @@ class TraceWriter:
         for f in self._streams():
             f.flush()
         self._flushed = self._mark()
-        self._since_flush = []
 
     def salvage(self) -> bool:
         """After a failed write: keep the requests of the last flush() as a finished trace, in place.
@@ -235,7 +238,6 @@ class TraceWriter:
         self._closed = True
         requests_bytes, rows, self.num_requests, self.num_tokens = self._flushed
         self._requests_bytes = requests_bytes
-        self._seen_ids -= set(self._since_flush)
         try:
             try:
                 self._requests.close()

@@ -172,3 +172,19 @@ def test_the_byte_budget_is_exact(tiny, tmp_path):
     size = sum(p.stat().st_size for p in (tmp_path / "t").iterdir())
     assert 0 < summary.requests < 12 and len(TraceReader(tmp_path / "t").requests) == summary.requests
     assert size <= 4000
+
+
+def test_a_recording_the_disk_cannot_start_is_refused_and_leaves_nothing(tiny, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from locus.engine.observers.trace_recorder import RecordingStorageError
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)  # meta.json, the last file a trace starts with
+    core = EngineCore(tiny, ByteTokenizer(ByteTokenizer.MIN_VOCAB))
+    with pytest.raises(RecordingStorageError, match=r"the trace 't' cannot be started: No space left on device \(ENOSPC\)"):
+        core.start_recording(tmp_path / "t")
+    assert core.recorder is None and list(tmp_path.iterdir()) == []
