@@ -6,6 +6,8 @@ A token trace is a directory (see DESIGN.md "Trace format"):
     expert_ids.npy      int16 [N, L, K]; -1 = no expert
     expert_weights.npy  float16 [N, L, K] (optional)
     epochs.npy          int32 [N] (optional): the placement epoch each row's routing ran under
+    token_ids.npy       int32 [N] (optional): the token id each row fed the model (prompt, then the
+                        generated tokens fed back), what a prompt-based predictor learns from
     plans/epoch-<e>.json (optional): the placement plan of epoch e, as written (JSON object)
 A count trace (docs/traces.md "Count traces") shares meta.json, adds "kind": "counts", and holds
 counts.npy int64 [L, E] instead of per-token rows.
@@ -32,6 +34,7 @@ IDS_FILE = "expert_ids.npy"
 WEIGHTS_FILE = "expert_weights.npy"
 COUNTS_FILE = "counts.npy"
 EPOCHS_FILE = "epochs.npy"
+TOKENS_FILE = "token_ids.npy"
 PLANS_DIR = "plans"
 
 
@@ -60,6 +63,7 @@ class TraceMeta:
     hidden_size: int
     dtype_bytes: int = 2
     source: str = ""
+    vocab_size: int | None = None  # the model's vocabulary, when known (traces with token ids record it)
 
     def __post_init__(self) -> None:
         # Accept any sequence for moe_layers but store a tuple, so the dataclass stays hashable.
@@ -81,6 +85,7 @@ class TraceMeta:
             "hidden_size": self.hidden_size,
             "dtype_bytes": self.dtype_bytes,
             "source": self.source,
+            **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
         }
 
     @classmethod
@@ -102,6 +107,7 @@ class TraceMeta:
         _expect(d, "hidden_size", int, path)
         _expect(d, "dtype_bytes", int, path, optional=True)
         _expect(d, "source", str, path, optional=True)
+        _expect(d, "vocab_size", int, path, optional=True)
         layers = d["moe_layers"]
         if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
             raise TraceFormatError(f"{path}: \"moe_layers\" must be a list of integers, got {layers!r}")
@@ -114,6 +120,7 @@ class TraceMeta:
                 hidden_size=d["hidden_size"],
                 dtype_bytes=d.get("dtype_bytes", 2),
                 source=d.get("source", ""),
+                vocab_size=d.get("vocab_size"),
             )
         except TraceFormatError as exc:  # re-label: the dataclass check does not know the file
             raise TraceFormatError(f"{path}: {str(exc).removeprefix('TraceMeta: ')}") from None
@@ -126,6 +133,12 @@ class RequestRecord:
     prompt_tokens: int
     tokens: int
     rank: int | None = None  # the rank it ran on, when recorded by an expert-parallel server
+    # When recorded by an expert-parallel server: where its admission and its release fall in rank 0's
+    # sequence of admissions and releases (one counter for both, from 0), and the tokens its admission
+    # charged to its rank. What `locus replay --assign grouper` replays the live admission from.
+    admitted: int | None = None
+    released: int | None = None
+    charge: int | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -133,9 +146,22 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         out = {"id": self.id, "domain": self.domain, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens}
-        if self.rank is not None:
-            out["rank"] = self.rank
+        for key in ("rank", *ADMISSION_FIELDS):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
+
+
+ADMISSION_FIELDS = ("admitted", "released", "charge")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request's admission by an expert-parallel server's rank 0 (the RequestRecord fields above)."""
+
+    admitted: int
+    released: int | None
+    charge: int
 
 
 def check_meta(meta: TraceMeta, where: str) -> None:
@@ -162,6 +188,8 @@ def check_meta(meta: TraceMeta, where: str) -> None:
         raise TraceFormatError(f"{where}: \"dtype_bytes\" must be 1, 2, 4 or 8, got {meta.dtype_bytes!r}")
     if not isinstance(meta.source, str):
         raise TraceFormatError(f"{where}: \"source\" must be a string")
+    if meta.vocab_size is not None and (not _is_int(meta.vocab_size) or meta.vocab_size < 1):
+        raise TraceFormatError(f"{where}: \"vocab_size\" must be a positive integer, got {meta.vocab_size!r}")
 
 
 def load_object(text: str, where: str, position: bool = False) -> dict[str, Any]:
@@ -193,12 +221,16 @@ def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
         raise TraceFormatError(
             f"{where}: prompt_tokens {d['prompt_tokens']} > tokens {d['tokens']} (request {d['id']!r})"
         )
-    rank = d.get("rank")
-    if rank is not None:
-        _expect(d, "rank", int, where)
-        if rank < 0:
-            raise TraceFormatError(f"{where}: negative rank {rank} (request {d['id']!r})")
-    return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"], rank)
+    for key in ("rank", *ADMISSION_FIELDS):
+        if d.get(key) is not None:
+            _expect(d, key, int, where)
+            if d[key] < 0:
+                raise TraceFormatError(f"{where}: negative {key} {d[key]} (request {d['id']!r})")
+    admitted, released = d.get("admitted"), d.get("released")
+    if admitted is not None and released is not None and released <= admitted:
+        raise TraceFormatError(f"{where}: released {released} is not after admitted {admitted} (request {d['id']!r})")
+    return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"], d.get("rank"), admitted, released,
+                         d.get("charge"))
 
 
 def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from locus.traces.format import (
     PLANS_DIR,
     REQUESTS_FILE,
     WEIGHTS_FILE,
+    TOKENS_FILE,
     RequestRecord,
     TraceFormatError,
     TraceMeta,
@@ -97,6 +98,20 @@ class TraceReader:
                                        f"{self.num_tokens} tokens")
             if self.num_tokens and int(np.min(self.epochs)) < 0:
                 raise TraceFormatError(f"{epochs_path}: epochs must be non-negative")
+        self.token_ids: np.ndarray | None = None  # [N] int32, the token each row fed the model, when recorded
+        tokens_path = self.path / TOKENS_FILE
+        if tokens_path.exists():
+            self.token_ids = open_npy(tokens_path, np.int32, 1)
+            if self.token_ids.shape != (self.num_tokens,):
+                raise TraceFormatError(f"{tokens_path}: {self.token_ids.shape[0]} rows, {REQUESTS_FILE} accounts for "
+                                       f"{self.num_tokens} tokens")
+            if self.num_tokens:
+                low, high = int(np.min(self.token_ids)), int(np.max(self.token_ids))
+                vocab = self.meta.vocab_size
+                if low < 0 or (vocab is not None and high >= vocab):
+                    raise TraceFormatError(f"{tokens_path}: token ids span {low}..{high}, outside 0..{(vocab or 0) - 1} "
+                                           f"(meta.json vocab_size {vocab})" if vocab else
+                                           f"{tokens_path}: negative token id {low}")
         if check_ids:
             self.check_expert_ids()
 

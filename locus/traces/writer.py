@@ -27,6 +27,7 @@ from locus.traces.format import (
     META_FILE,
     PLANS_DIR,
     REQUESTS_FILE,
+    TOKENS_FILE,
     WEIGHTS_FILE,
     RequestRecord,
     TraceFormatError,
@@ -71,11 +72,12 @@ class TraceWriter:
     """Context manager: `with TraceWriter(dir, meta) as w: w.add_request(...)`."""
 
     def __init__(self, path: str | Path, meta: TraceMeta, with_weights: bool = False, overwrite: bool = False,
-                 with_epochs: bool = False):
+                 with_epochs: bool = False, with_tokens: bool = False):
         self.path = Path(path)
         self.meta = meta
         self.with_weights = with_weights
         self.with_epochs = with_epochs
+        self.with_tokens = with_tokens
         self.overwrite = overwrite
         check_target(self.path, overwrite)
         self._staging = staging_dir(self.path)
@@ -83,11 +85,12 @@ class TraceWriter:
             shutil.rmtree(self._staging)
         self._staging.mkdir()
         row = (meta.num_layers, meta.top_k)
-        self._ids = self._weights = self._epochs = self._requests = None
+        self._ids = self._weights = self._epochs = self._tokens = self._requests = None
         try:  # a disk that refuses even this leaves no staging directory behind
             self._ids = NpyStream(self._staging / IDS_FILE, np.int16, row)
             self._weights = NpyStream(self._staging / WEIGHTS_FILE, np.float16, row) if with_weights else None
             self._epochs = NpyStream(self._staging / EPOCHS_FILE, np.int32, ()) if with_epochs else None
+            self._tokens = NpyStream(self._staging / TOKENS_FILE, np.int32, ()) if with_tokens else None
             self._requests = open(self._staging / REQUESTS_FILE, "wb")
             meta_text = (json.dumps(meta.to_json(), indent=1) + "\n").encode()
             (self._staging / META_FILE).write_bytes(meta_text)
@@ -121,12 +124,14 @@ class TraceWriter:
         expert_ids: np.ndarray,
         expert_weights: np.ndarray | None = None,
         epochs: np.ndarray | None = None,
+        token_ids: np.ndarray | None = None,
     ) -> None:
         """Append one request; expert_ids [n, L, K] int (n = its tokens), expert_weights same shape,
-        epochs [n] the placement epoch of each row (with_epochs writers)."""
+        epochs [n] the placement epoch of each row (with_epochs writers), token_ids [n] the token each
+        row fed the model (with_tokens writers)."""
         n = int(np.shape(expert_ids)[0]) if np.ndim(expert_ids) == 3 else -1
         record = RequestRecord(str(id), str(domain), int(prompt_tokens), n)
-        self.add_requests([record], expert_ids, expert_weights, epochs)
+        self.add_requests([record], expert_ids, expert_weights, epochs, token_ids)
 
     def add_requests(
         self,
@@ -134,6 +139,7 @@ class TraceWriter:
         expert_ids: np.ndarray,
         expert_weights: np.ndarray | None = None,
         epochs: np.ndarray | None = None,
+        token_ids: np.ndarray | None = None,
     ) -> None:
         """Append several requests at once; expert_ids [N, L, K] holds their rows back to back."""
         if self._closed:
@@ -155,6 +161,7 @@ class TraceWriter:
             )
         weights = self._check_weights(expert_weights, ids.shape)
         epochs = self._check_epochs(epochs, ids.shape[0])
+        token_ids = self._check_tokens(token_ids, ids.shape[0])
         batch_ids: set[str] = set()
         for r in records:  # check the whole batch before touching any state
             if r.prompt_tokens < 0 or r.prompt_tokens > r.tokens:
@@ -173,6 +180,8 @@ class TraceWriter:
             self._weights.append(weights)
         if self._epochs is not None:
             self._epochs.append(epochs)
+        if self._tokens is not None:
+            self._tokens.append(token_ids)
         self.num_requests += len(records)
         self.num_tokens += ids.shape[0]
 
@@ -201,6 +210,20 @@ class TraceWriter:
         if e.shape != (rows,) or not np.issubdtype(e.dtype, np.integer) or (rows and e.min() < 0):
             raise TraceFormatError(f"{self.path}: epochs must be {rows} non-negative integers, one per row")
         return e.astype(np.int32, copy=False)
+
+    def _check_tokens(self, tokens: np.ndarray | None, rows: int) -> np.ndarray | None:
+        if self._tokens is None:
+            if tokens is not None:
+                raise TraceFormatError(f"{self.path}: token_ids given but the writer was opened with with_tokens=False")
+            return None
+        if tokens is None:
+            raise TraceFormatError(f"{self.path}: with_tokens=True needs the token id of every row")
+        t = np.asarray(tokens)
+        if t.shape != (rows,) or not np.issubdtype(t.dtype, np.integer) or (rows and t.min() < 0):
+            raise TraceFormatError(f"{self.path}: token_ids must be {rows} non-negative integers, one per row")
+        if rows and self.meta.vocab_size is not None and t.max() >= self.meta.vocab_size:
+            raise TraceFormatError(f"{self.path}: token id {int(t.max())} outside the vocabulary of {self.meta.vocab_size}")
+        return t.astype(np.int32, copy=False)
 
     def add_plan(self, epoch: int, plan: dict) -> None:
         """Keep the placement plan of `epoch` with the trace (plans/epoch-<e>.json); the same epoch
@@ -277,7 +300,7 @@ class TraceWriter:
         replace_dir(self._staging, self.path, self.overwrite)
 
     def _streams(self) -> list[NpyStream]:
-        return [f for f in (self._ids, self._weights, self._epochs) if f is not None]
+        return [f for f in (self._ids, self._weights, self._epochs, self._tokens) if f is not None]
 
     def _mark(self) -> tuple[int, int, int, int]:
         return self._requests_bytes, self._ids.rows, self.num_requests, self.num_tokens
@@ -287,7 +310,7 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        for f in (self._requests, self._ids, self._weights, self._epochs):
+        for f in (self._requests, self._ids, self._weights, self._epochs, self._tokens):
             if f is not None:
                 try:
                     f.close()

@@ -105,9 +105,10 @@ class TraceRecorder:
         c = self.config
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
-                         source="locus-engine")
+                         source="locus-engine", vocab_size=c.vocab_size)
         try:
-            self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None)
+            self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None,
+                                       with_tokens=True)
         except TraceFormatError:  # its message holds the full path, which a client must not see
             raise LocusError(f"a trace named {self.path.name!r} already exists") from None
         except OSError as exc:
@@ -175,7 +176,8 @@ class TraceRecorder:
             self._active.clear()
             return
         try:
-            self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs)
+            tokens = np.asarray(seq.token_slice(0, rows), dtype=np.int32)  # the token each row fed the model
+            self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs, tokens)
             self._writer.flush()  # on disk now, or refused now: a later failure keeps this request
         except Exception as exc:  # noqa: BLE001 - a full disk stops the recording, never the request
             self._fail(exc)
