@@ -12,9 +12,10 @@ from pathlib import Path
 from locus.errors import LocusError
 
 BUILTIN_PLANS = ("round_robin", "eplb")
-ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper, "
-               "run online: needs a plan with a grouping), recorded (the rank each request ran on, from a trace "
-               "an expert-parallel server recorded), or a {request_id: rank} JSON file")
+ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper "
+               "admitting requests as a live expert-parallel server does: needs a plan with a grouping; see "
+               "--arrivals), recorded (the rank each request ran on, from a trace an expert-parallel server "
+               "recorded), or a {request_id: rank} JSON file")
 
 
 def register(subparsers) -> None:
@@ -42,6 +43,23 @@ def register(subparsers) -> None:
     p.add_argument("--save-plan", metavar="FILE", help="write the plan used (useful with a built-in planner)")
     p.add_argument("--assign", default="balanced", help=ASSIGN_HELP)
     p.add_argument("--save-assignment", metavar="FILE", help="write the assignment used as {request_id: rank} JSON")
+    g = p.add_argument_group("--assign grouper: the live admission (docs/planner.md, \"Replaying with the grouper\")")
+    g.add_argument("--arrivals", choices=("recorded", "closed", "batch"),
+                   help="the order requests arrive and finish in: recorded (the admissions and releases an "
+                   "expert-parallel server logged in the trace; the default for such a trace), closed (a client "
+                   "keeping --concurrency requests in flight, in trace order, lockstep steps; the default otherwise), "
+                   "batch (all admitted in trace order, none finishing)")
+    g.add_argument("--concurrency", type=int, default=16, help="closed arrivals: requests in flight (default 16)")
+    g.add_argument("--client-delay", type=int, default=1, metavar="STEPS",
+                   help="closed arrivals: steps between a request's end and the client's next request (default 1)")
+    g.add_argument("--untagged", action="store_true",
+                   help="withhold the requests' domain tags, as from a client that sends none")
+    g.add_argument("--predictor", choices=("auto", "table", "none"), default="auto",
+                   help="untagged requests: table (the plan's prompt predictor, on the token ids the trace "
+                   "recorded), none (least loaded), auto (table where the plan and trace allow; default)")
+    g.add_argument("--moves", action="store_true",
+                   help="move a request after its prefill when the cost model says the saved decode bytes pay for "
+                   "its KV cache (counted as migration bytes)")
     p.add_argument("--requests", metavar="START:STOP",
                    help="requests to replay: indices (100:200) or fractions (0.5:1.0); default all")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
@@ -258,12 +276,24 @@ def _assignment(args, reader, plan, start: int, stop: int):
 
     num_ranks = plan.topology.ranks
     if args.assign in ("grouper", "plan"):
-        from locus.routing.grouping.grouper import Grouper
-        from locus.routing.grouping.simulation import simulate_grouper
+        from locus.routing.grouping.live import simulate_live
         from locus.routing.plan.placement import validate
 
         validate(plan, num_experts=reader.meta.num_experts, moe_layers=reader.meta.moe_layers)
-        return simulate_grouper(Grouper.from_plan(plan, moe_layers=reader.meta.moe_layers), reader, start, stop)
+        sim = simulate_live(plan, reader, start, stop, args.arrivals, args.concurrency, args.untagged, args.predictor,
+                            args.moves, client_delay=args.client_delay)
+        arrivals = (f"closed loop, {args.concurrency} in flight" if sim.arrivals == "closed" else
+                    {"recorded": "as the server recorded them", "batch": "all at once, none finishing"}[sim.arrivals])
+        untagged = (f"; {sim.untagged:,} untagged, placed by " +
+                    ("the plan's prompt predictor" if sim.predictor == "table" else "least load")) if sim.untagged else ""
+        print(f"grouper: live admission, arrivals {arrivals}{untagged}; {sim.overflowed:,} overflowed to the least "
+              f"loaded rank{f', {sim.assignment.migrations:,} moves' if args.moves else ''}", file=sys.stderr)
+        return sim.assignment
+    for flag, given in (("--arrivals", args.arrivals), ("--untagged", args.untagged), ("--moves", args.moves),
+                        ("--predictor", args.predictor != "auto"), ("--concurrency", args.concurrency != 16),
+                        ("--client-delay", args.client_delay != 1)):
+        if given:
+            raise LocusError(f"{flag} applies to --assign grouper")
     if args.assign == "balanced":
         tokens = [r.tokens for r in reader.requests[start:stop]]
         return assign_balanced(tokens, num_ranks, request_start=start)

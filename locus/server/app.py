@@ -335,7 +335,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                                 "nothing); their requests are not in it",
                                 config.record_trace, sorted(set(range(config.ep.world)) - set(ranks)))
                 parts = [rank_trace_path(config.record_trace, r) for r in ranks]
-                count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks)
+                driver = state.ep_driver
+                admissions = driver.admissions.records if driver is not None and driver.admissions is not None else None
+                count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks, admissions)
                 for part in parts:
                     shutil.rmtree(part, ignore_errors=True)
                 log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, len(ranks))

@@ -38,3 +38,23 @@ def separable_trace(path: Path, requests: int = 240, seed: int = 0, tagged: bool
             ids = 4 * d + np.argsort(keys, axis=2)[:, :, :2]
             writer.add_request(f"q{i:04d}", domains[d] if tagged else "", n // 2, ids.astype(np.int16))
     return path
+
+
+def worded_trace(path: Path, requests: int = 240, seed: int = 0, tagged: bool = True, vocab: int = 64) -> Path:
+    """Like separable_trace, and every row carries a token id: domain d's prompts use tokens
+    16 d .. 16 d + 15 and a token's routing follows its id (expert 4 d + id % 4 first, top-2), so what a
+    prompt's tokens route to is learnable from a planning half. Tagged or not (domain "")."""
+    rng = np.random.default_rng(seed)
+    domains = ("code", "math", "chat", "general")
+    meta = TraceMeta("worded", 16, 2, (0, 2), hidden_size=32, dtype_bytes=2, vocab_size=vocab)
+    with TraceWriter(path, meta, with_tokens=True) as writer:
+        for i in range(requests):
+            d = i % 4
+            n = 16
+            tokens = 16 * d + rng.integers(0, 16, n)
+            first = 4 * d + tokens % 4
+            second = 4 * d + (tokens % 4 + 1 + rng.integers(0, 3, n)) % 4
+            ids = np.stack([first, second], -1)[:, None, :].repeat(2, axis=1)  # [n, 2 layers, 2]
+            writer.add_request(f"w{i:04d}", domains[d] if tagged else "", n // 2, ids.astype(np.int16),
+                               token_ids=tokens)
+    return path

@@ -7,8 +7,9 @@ Requests are assigned to a rank at admission and stay there (their KV cache live
   what it may really run to, the context limit), ties to the lowest rank;
 - `grouper` (a plan with a grouping): the plan's micro-batch grouper admits it, by domain tag to the
   domain's nodes in the plan's proportions, then the least-loaded rank of the node within the
-  attention cap (locus/routing/grouping/grouper.py). It does not move a request after its prefill:
-  that would move its KV cache between ranks.
+  attention cap (locus/routing/grouping/grouper.py); an untagged request by its prompt's predicted
+  node cost where the plan has a predictor. It does not move a request after its prefill: that would
+  move its KV cache between ranks.
 
 Per rank, rank 0 keeps what the last report said: engine counters, exchange counters, step times,
 expert memory; and the expert load of every rank, summed (what /metrics shows).
@@ -31,16 +32,18 @@ from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
 from locus.engine.sequence import RequestMetrics, Resumed
 from locus.routing.grouping.grouper import Grouper
-from locus.routing.plan.grouping_spec import spec_of
+from locus.routing.grouping.live import live_grouper
+from locus.traces.admissions import AdmissionLog
 
 log = logging.getLogger("locus.engine")
 
 
-def serving_grouper(plan) -> Grouper | None:
-    """The grouper rank 0 admits requests with under `plan`: the plan's own when it has a grouping (no
-    cost model: it never moves a request), with the stream cap (ranks step in lockstep, so one rank
-    with an extra sequence slows all); None when the plan has none (balanced admission)."""
-    return Grouper(plan.topology, spec_of(plan), balance_streams=True) if plan.grouping else None
+def serving_grouper(plan, model_config=None) -> Grouper | None:
+    """The grouper rank 0 admits requests with under `plan` (locus/routing/grouping/live.py, which the
+    replay runs too): the plan's own when it has a grouping, with the stream cap, and its prompt
+    predictor for untagged requests (checked against `model_config`); None when the plan has none
+    (balanced admission). It never moves a request after admission."""
+    return live_grouper(plan, model_config) if plan.grouping else None
 
 
 class SummedExpertLoad:
@@ -70,7 +73,7 @@ class EPDriver:
         self.worker = worker
         self.core, self.runtime = worker.core, worker.runtime
         plan = self.runtime.placement.plan
-        self.grouper = serving_grouper(plan)  # None: balanced
+        self.grouper = serving_grouper(plan, self.core.model.config)  # None: balanced
         self.world = worker.world
         self._pending: dict[int, Commands] = {}
         self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
@@ -98,6 +101,8 @@ class EPDriver:
         self.recovering = False
         self.recoveries: list[dict] = []  # what each regrouping did
         self.retired = ExchangeCounters()  # what ranks lost since counted
+        # Recording: the order of admissions and releases, which the replay's grouper runs through again
+        self.admissions = AdmissionLog() if self.core.recorder is not None else None
 
     @property
     def heartbeat_s(self) -> float:
@@ -125,7 +130,8 @@ class EPDriver:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> int:
         charge = self.charge_of(prompt_ids, params)
         if self.grouper is not None:
-            rank = self.grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n)
+            rank = self.grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n,
+                                      prompt_ids=prompt_ids)
         else:
             rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
         self._owner[request_id], self._charge[request_id] = rank, charge
@@ -133,6 +139,8 @@ class EPDriver:
         self._metrics[request_id] = RequestMetrics()
         self._params[request_id] = (params, domain)
         self._in_flight[rank] += charge
+        if self.admissions is not None:
+            self.admissions.admit(request_id, charge)
         self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
         return rank
 
@@ -300,7 +308,7 @@ class EPDriver:
             return
         for request_id in self._owner:
             self._grouper_of.setdefault(request_id, self.grouper)
-        self.grouper = serving_grouper(plan)
+        self.grouper = serving_grouper(plan, self.core.model.config)
 
     def tokens_run(self) -> int:
         """Tokens every rank has run through the MoE layers so far."""
@@ -349,6 +357,8 @@ class EPDriver:
         self._metrics.pop(request_id, None)
         self._params.pop(request_id, None)
         self._delivered.pop(request_id, None)
+        if self.admissions is not None:
+            self.admissions.release(request_id)
         if rank is not None:
             self._in_flight[rank] -= self._charge.pop(request_id, 0)
             grouper = self._grouper_of.pop(request_id, self.grouper)

@@ -1,12 +1,18 @@
 """The online micro-batch grouper: which rank (and so which node's micro-batch) runs each request.
 
-    admit(request_id, domain, num_tokens)       -> rank     before prefill: domain tag, else least loaded
+    admit(request_id, domain, num_tokens, node_bytes=None) -> rank   before prefill: domain tag, else the
+                                                 predicted node cost, else least loaded
     observe_prefill(request_id, signature)      -> rank | None   after prefill: move if it pays
     finish(request_id)                                      its tokens leave the rank loads
 
 Admission. A request with a domain the plan knows goes to that domain's nodes, keeping the domain's
-tokens split over them in the plan's proportions (the node furthest below its share first); one
-without goes to the least-loaded rank. Within a node, the least-loaded rank (ties: lowest).
+tokens split over them in the plan's proportions (the node furthest below its share first). One
+without, whose prompt the plan's predictor (predictor.py) classifies as a domain the plan knows, goes
+where that domain would. Otherwise one with a predicted cost (`node_bytes`, its expected inter-node
+bytes per token on every node, or the predictor's from its prompt) goes to the cheapest node that
+takes it, then the next cheapest. Otherwise (or when no preferred node takes it) the least-loaded
+rank. Within a node, the least-loaded rank (ties: lowest). A tag is a hint: a wrong one puts the
+request on a node that costs more bytes, and changes nothing else.
 
 After prefill its expert signature (per-layer expert counts of its prompt) is known, and the cost
 model (node_cost.py) gives its expected inter-node bytes per decode token on every node. Cost model
@@ -25,7 +31,7 @@ moving with a request.
 Stream cap (`balance_streams`, what expert-parallel serving uses). Ranks step in lockstep, so a decode
 step lasts as long as the rank with the most sequences takes: one stream above the others costs every
 rank. With the cap, an admission may also never leave a rank with more live sequences than
-ceil(total / ranks); the domain still picks the node and rank wherever that holds.
+ceil(total / ranks), nor may a move; the domain still picks the node and rank wherever that holds.
 
 No engine imports here: the engine's adapter is locus/engine/observers/plan_grouping.py.
 """
@@ -39,6 +45,7 @@ import numpy as np
 from locus.errors import LocusError
 from locus.routing.plan.grouping_spec import GroupingSpec, spec_of
 from locus.routing.grouping.node_cost import NodeCostModel
+from locus.routing.grouping.predictor import TokenAffinity
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
@@ -56,6 +63,7 @@ class _Live:
 class GrouperStats:
     admitted: int = 0
     admitted_by_domain: int = 0
+    admitted_by_prediction: int = 0  # no known domain: placed by the predicted domain or node cost
     overflowed: int = 0  # placed on the least-loaded rank because no preferred rank fitted the cap
     moves: int = 0
     migrated_kv_bytes: int = 0  # inter-node bytes of KV cache moved
@@ -63,9 +71,13 @@ class GrouperStats:
 
 class Grouper:
     def __init__(self, topology: Topology, spec: GroupingSpec, cost: NodeCostModel | None = None,
-                 attention_cap: float | None = None, balance_streams: bool = False):
+                 attention_cap: float | None = None, balance_streams: bool = False,
+                 predictor: TokenAffinity | None = None, moves: bool = True):
+        """`predictor` (with `cost`): places untagged requests by their prompt's predicted node cost.
+        `moves` (with `cost`): observe_prefill may move a request."""
         self.topology, self.spec, self.cost = topology, spec, cost
-        self.balance_streams = balance_streams
+        self.balance_streams, self.moves = balance_streams, moves
+        self.predictor = predictor if cost is not None else None
         self.cap = float(spec.caps.attention if attention_cap is None else attention_cap)
         if self.cap < 1.0:
             raise LocusError(f"attention cap must be >= 1.0, got {self.cap}")
@@ -78,29 +90,68 @@ class Grouper:
         self.stats = GrouperStats()
 
     @classmethod
-    def from_plan(cls, plan, attention_cap: float | None = None, moe_layers=None) -> "Grouper":
-        """`moe_layers`: the layer order of the signatures that will be observed (default: the plan's)."""
+    def from_plan(cls, plan, attention_cap: float | None = None, moe_layers=None, balance_streams: bool = False,
+                  predictor: bool = False) -> "Grouper":
+        """`moe_layers`: the layer order of the signatures that will be observed (default: the plan's).
+        `predictor`: also the plan's prompt predictor, where it has one."""
         spec = spec_of(plan)
-        return cls(plan.topology, spec, NodeCostModel.from_plan(plan, spec, moe_layers), attention_cap)
+        cost = NodeCostModel.from_plan(plan, spec, moe_layers)
+        if predictor and spec.predictor is not None and moe_layers is not None:
+            spec.predictor.check_model(spec.predictor.vocab_size, moe_layers, plan.num_experts, "the trace")
+        return cls(plan.topology, spec, cost, attention_cap, balance_streams,
+                   spec.predictor if predictor else None)
+
+    def knows(self, domain: str | None) -> bool:
+        """Whether a request with this tag goes to the tag's nodes (else it is untagged to the grouper)."""
+        return bool(domain) and domain in self.domain_weights
+
+    def predicted_bytes(self, prompt_ids) -> np.ndarray | None:
+        """A prompt's predicted inter-node bytes per token on every node [N], before its prefill; None
+        without a predictor."""
+        if self.predictor is None:
+            return None
+        return self.cost.expected_bytes(self.predictor.signature(prompt_ids))
 
     # --- the three calls -------------------------------------------------------------------------
     def admit(self, request_id: str, domain: str | None = None, num_tokens: float = 1,
-              prompt_tokens: int | None = None, streams: int = 1) -> int:
+              prompt_tokens: int | None = None, streams: int = 1, node_bytes: np.ndarray | None = None,
+              prompt_ids=None) -> int:
+        """`node_bytes` [N]: the request's predicted inter-node bytes per token on every node, used
+        when its domain is not one the plan knows; or `prompt_ids`, for the plan's predictor to
+        predict them."""
         if request_id in self.live:
             raise LocusError(f"grouper: request {request_id!r} is already admitted")
         w = float(max(num_tokens, 0))
         rank = None
         weights = self.domain_weights.get(domain) if domain else None
+        predicted = False
+        if weights is None and prompt_ids is not None and self.predictor is not None:
+            guess = self.predictor.classify(prompt_ids)
+            if guess in self.domain_weights:
+                domain, weights, predicted = guess, self.domain_weights[guess], True
+            elif node_bytes is None:
+                node_bytes = self.predicted_bytes(prompt_ids)
+        preferred: list[int] = []
         if weights is not None:
-            self.stats.admitted_by_domain += 1
+            if predicted:
+                self.stats.admitted_by_prediction += 1
+            else:
+                self.stats.admitted_by_domain += 1
             done = self.domain_tokens[domain]
             deficit = weights * (done.sum() + w) - done
-            for node in sorted(np.flatnonzero(weights > 0), key=lambda n: (-deficit[n], n)):
-                rank = self._fits(int(node), w, admission=True, streams=streams)
-                if rank is not None:
-                    break
-            if rank is None:
-                self.stats.overflowed += 1
+            preferred = sorted(np.flatnonzero(weights > 0).tolist(), key=lambda n: (-deficit[n], n))
+        elif node_bytes is not None:
+            cost = np.asarray(node_bytes, dtype=np.float64)
+            if cost.shape != (self.N,):
+                raise LocusError(f"grouper: node_bytes must hold one cost per node ({self.N}), got shape {cost.shape}")
+            self.stats.admitted_by_prediction += 1
+            preferred = np.argsort(cost, kind="stable").tolist()
+        for node in preferred:
+            rank = self._fits(int(node), w, admission=True, streams=streams)
+            if rank is not None:
+                break
+        if preferred and rank is None:
+            self.stats.overflowed += 1
         if rank is None:
             if self.balance_streams:  # the fewest live sequences, then the fewest tokens
                 rank = int(np.lexsort((self.loads, self.streams))[0])
@@ -121,7 +172,7 @@ class Grouper:
         built for); or pass node_bytes [N], its expected bytes per token on each node, if already
         scored. Returns the new rank if the request moves, else None."""
         req = self._get(request_id)
-        if req.observed or self.cost is None:
+        if req.observed or self.cost is None or not self.moves:
             req.observed = True
             return None
         req.observed = True
@@ -137,7 +188,7 @@ class Grouper:
         for node in np.argsort(-saved, kind="stable"):
             if saved[node] <= self.spec.move_margin * migration or node == here:
                 break
-            rank = self._fits(int(node), moving, admission=False)
+            rank = self._fits(int(node), moving, admission=False, streams=req.streams)
             if rank is None:
                 continue
             self.loads[req.rank] -= moving
@@ -184,8 +235,8 @@ class Grouper:
         emptiest (max/mean of a handful of requests is never near 1), and domains would scatter. A move
         is optional, so it gets no such slack (and leaves the total unchanged)."""
         lo = node * self.G
-        if self.balance_streams and admission:
-            ceiling = -(-(int(self.streams.sum()) + streams) // self.R)
+        if self.balance_streams:
+            ceiling = -(-(int(self.streams.sum()) + (streams if admission else 0)) // self.R)
             open_ranks = [r for r in range(lo, lo + self.G) if self.streams[r] + streams <= ceiling]
             if not open_ranks:
                 return None

@@ -38,7 +38,7 @@ def run_grouper(grouper: Grouper, ids, domains, tokens, prompt_tokens, prefill_c
     for lo, hi, counts in prefill_chunks:
         if lo != done:
             raise ValueError(f"prefill chunks must be consecutive: expected {done}, got {lo}")
-        node_bytes = grouper.cost.expected_bytes(counts) if grouper.cost is not None and hi > lo else None
+        node_bytes = grouper.cost.expected_bytes(counts) if grouper.cost is not None and grouper.moves and hi > lo else None
         for i in range(lo, hi):
             ranks[i] = grouper.admit(ids[i], domains[i], int(tokens[i]), int(prompt_tokens[i]))
             if node_bytes is not None and prompt_tokens[i] > 0:

@@ -9,7 +9,9 @@
      "top_k": 1,
      "prior_tokens": 16.0,               // pseudo-tokens of `expert_prior` mixed into a prefill signature
      "move_margin": 1.0,                 // move only if saved bytes > margin * migration bytes
-     "expert_prior": [[...], ...]}       // [L][E] planning-data expert popularity per layer (sums to 1)
+     "expert_prior": [[...], ...],       // [L][E] planning-data expert popularity per layer (sums to 1)
+     "predictor": {...}}                 // optional: a prompt's expected signature from its token ids
+                                         // (locus/routing/grouping/predictor.py), for untagged requests
 
 Domain weights come from the planning data: the domains' token shares laid end to end over the
 nodes (node n covers [n, n + 1) of the line), so a domain spans as few nodes as its share allows and
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from locus.routing.grouping.predictor import TokenAffinity
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.placement import PlanError
 
@@ -61,6 +64,7 @@ class GroupingSpec:
     prior_tokens: float = DEFAULT_PRIOR_TOKENS
     move_margin: float = 1.0
     extra: dict = field(default_factory=dict)  # informational (planning summary), kept on round trip
+    predictor: TokenAffinity | None = None  # places untagged requests by their prompt (predictor.py)
 
     def to_dict(self) -> dict:
         return {
@@ -75,11 +79,14 @@ class GroupingSpec:
             "move_margin": float(self.move_margin),
             **({"extra": self.extra} if self.extra else {}),
             "expert_prior": np.round(self.expert_prior, 7).tolist(),
+            **({"predictor": self.predictor.to_dict()} if self.predictor is not None else {}),
         }
 
     @classmethod
-    def from_dict(cls, data: object, nodes: int, num_layers: int, num_experts: int) -> "GroupingSpec":
-        """Parse and check a plan's `grouping` object; errors name the field at fault."""
+    def from_dict(cls, data: object, nodes: int, num_layers: int, num_experts: int,
+                  moe_layers=None) -> "GroupingSpec":
+        """Parse and check a plan's `grouping` object; errors name the field at fault. `moe_layers`: the
+        plan's (a predictor must be for them; default: any of `num_layers` layers)."""
         if not isinstance(data, dict):
             raise PlanError("grouping must be an object")
         if data.get("version") != VERSION:
@@ -126,14 +133,27 @@ class GroupingSpec:
             prior_tokens=float(data.get("prior_tokens", DEFAULT_PRIOR_TOKENS)),
             move_margin=float(data.get("move_margin", 1.0)),
             extra=dict(data.get("extra") or {}),
+            predictor=_predictor(data.get("predictor"), moe_layers, num_layers, num_experts),
         )
+
+
+def _predictor(data: object, moe_layers, num_layers: int, num_experts: int) -> TokenAffinity | None:
+    if data is None:
+        return None
+    if moe_layers is None:  # not told the plan's layers: the predictor's own, if there are as many
+        layers = data.get("moe_layers") if isinstance(data, dict) else None
+        if not isinstance(layers, list) or len(layers) != num_layers:
+            raise PlanError(f"grouping.predictor.moe_layers must list the plan's {num_layers} MoE layers")
+        moe_layers = layers
+    return TokenAffinity.from_dict(data, moe_layers, num_experts)
 
 
 def spec_of(plan) -> GroupingSpec:
     """The plan's grouping, parsed; a clear error if the plan has none (e.g. a baseline plan)."""
     if plan.grouping is None:
         raise PlanError(f"the {plan.planner} plan has no grouping object; plan with `locus plan --planner locality`")
-    return GroupingSpec.from_dict(plan.grouping, plan.topology.nodes, len(plan.moe_layers), plan.num_experts)
+    return GroupingSpec.from_dict(plan.grouping, plan.topology.nodes, len(plan.moe_layers), plan.num_experts,
+                                  plan.moe_layers)
 
 
 def domain_node_weights(domains: list[str], tokens: np.ndarray, nodes: int) -> dict[str, list[float]]:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from locus.errors import LocusError
+from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS
 
 STANDARD_CASES = ("llama4-maverick", "deepseek-v3")
 WORKDIR = "results/tmp/traces"  # git-ignored
@@ -90,6 +91,13 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
                    "(default: from the model name, see docs/planner.md)")
+    p.add_argument("--predictor-tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
+                   help="locality: store a prompt predictor with the plan, for clients that send no domain tag: the N "
+                   f"most frequent token ids of the planning rows (needs a trace with token ids; 0: none; default "
+                   f"{DEFAULT_TOKENS})")
+    p.add_argument("--predictor-experts", type=int, default=DEFAULT_TOP_EXPERTS, metavar="M",
+                   help=f"the prompt predictor keeps each token's M largest expert shares per layer (default "
+                   f"{DEFAULT_TOP_EXPERTS})")
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
     _dispatch_argument(p)
     return p
@@ -111,13 +119,17 @@ def run_plan(args: argparse.Namespace) -> int:
         raise LocusError(f"--rounds must be at least 1, got {args.rounds}")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
         raise LocusError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
+    if args.predictor_tokens < 0 or args.predictor_experts < 1:
+        raise LocusError(f"--predictor-tokens must be >= 0 and --predictor-experts >= 1, got {args.predictor_tokens} "
+                         f"and {args.predictor_experts}")
     caps = Caps(args.expert_cap, args.attention_cap)
     reader = _open_trace(args.trace)
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
     requests = parse_request_range(args.requests, len(reader.requests))
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
                           kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
-                          replica_budget=args.replica_budget, load_model=args.load_model)
+                          replica_budget=args.replica_budget, load_model=args.load_model,
+                          predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts)
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())

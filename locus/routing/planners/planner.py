@@ -35,6 +35,7 @@ from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
+from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
 from locus.routing.grouping.simulation import run_grouper, signature_chunks
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
 from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
@@ -69,6 +70,11 @@ class PlanOptions:
     # node-aware, remote pairs split as a routed sample of the planning requests shows, dispatch_pull.py);
     # "even": DESIGN.md's even spread over replicas (exact under `position`). None: load_model_for(budget).
     load_model: str | None = None
+    # locality: the prompt predictor stored with the plan (grouping.predictor), learned from the planning
+    # rows' token ids when the trace has them: at most this many token ids (0: none), each with its
+    # `predictor_experts` largest expert shares per layer
+    predictor_tokens: int = DEFAULT_TOKENS
+    predictor_experts: int = DEFAULT_TOP_EXPERTS
 
 
 @dataclass
@@ -97,7 +103,10 @@ def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
         sample = None
         if _needs_pull(options, meta.top_k, topology):
             sample = sample_routings(reader, start, stop)
-        result = _locality(meta, signatures, topology, options, t0, sample)
+        predictor = None
+        if options.predictor_tokens > 0 and reader.token_ids is not None and meta.vocab_size is not None:
+            predictor = TokenAffinity.learn(reader, start, stop, options.predictor_tokens, options.predictor_experts)
+        result = _locality(meta, signatures, topology, options, t0, sample, predictor)
     else:
         result = _baseline(name, reader, meta, topology, (start, stop), options, t0)
     result.plan.dispatch = planner_rule(name, options.dispatch)
@@ -153,9 +162,10 @@ def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
 
 
 def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
-              sample: RoutingSample | None = None) -> PlanResult:
+              sample: RoutingSample | None = None, predictor: TokenAffinity | None = None) -> PlanResult:
     N, G = topology.nodes, topology.gpus_per_node
     spec = _spec(meta, sig, topology, options)
+    spec.predictor = predictor
     prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
     best = None
     rounds = max(1, options.rounds)
