@@ -89,31 +89,27 @@ class TraceReader:
                 raise TraceFormatError(
                     f"{weights_path}: shape {self.expert_weights.shape} does not match {IDS_FILE} {self.expert_ids.shape}"
                 )
-        self.epochs: np.ndarray | None = None  # [N] int32, when the trace was recorded across placement epochs
-        epochs_path = self.path / EPOCHS_FILE
-        if epochs_path.exists():
-            self.epochs = open_npy(epochs_path, np.int32, 1)
-            if self.epochs.shape != (self.num_tokens,):
-                raise TraceFormatError(f"{epochs_path}: {self.epochs.shape[0]} rows, {REQUESTS_FILE} accounts for "
-                                       f"{self.num_tokens} tokens")
-            if self.num_tokens and int(np.min(self.epochs)) < 0:
-                raise TraceFormatError(f"{epochs_path}: epochs must be non-negative")
-        self.token_ids: np.ndarray | None = None  # [N] int32, the token each row fed the model, when recorded
-        tokens_path = self.path / TOKENS_FILE
-        if tokens_path.exists():
-            self.token_ids = open_npy(tokens_path, np.int32, 1)
-            if self.token_ids.shape != (self.num_tokens,):
-                raise TraceFormatError(f"{tokens_path}: {self.token_ids.shape[0]} rows, {REQUESTS_FILE} accounts for "
-                                       f"{self.num_tokens} tokens")
-            if self.num_tokens:
-                low, high = int(np.min(self.token_ids)), int(np.max(self.token_ids))
-                vocab = self.meta.vocab_size
-                if low < 0 or (vocab is not None and high >= vocab):
-                    raise TraceFormatError(f"{tokens_path}: token ids span {low}..{high}, outside 0..{(vocab or 0) - 1} "
-                                           f"(meta.json vocab_size {vocab})" if vocab else
-                                           f"{tokens_path}: negative token id {low}")
+        # [N] int32, when the trace was recorded across placement epochs
+        self.epochs: np.ndarray | None = self._per_row(self.path / EPOCHS_FILE, "epochs")
+        # [N] int32, the token each row fed the model, when recorded
+        self.token_ids: np.ndarray | None = self._per_row(self.path / TOKENS_FILE, "token ids", self.meta.vocab_size)
         if check_ids:
             self.check_expert_ids()
+
+    def _per_row(self, path: Path, what: str, bound: int | None = None) -> np.ndarray | None:
+        """An optional int32 file of one non-negative value per row (below `bound` when given)."""
+        if not path.exists():
+            return None
+        values = open_npy(path, np.int32, 1)
+        if values.shape != (self.num_tokens,):
+            raise TraceFormatError(f"{path}: {values.shape[0]} rows, {REQUESTS_FILE} accounts for {self.num_tokens} tokens")
+        if self.num_tokens:
+            low, high = int(np.min(values)), int(np.max(values))
+            if low < 0:
+                raise TraceFormatError(f"{path}: {what} must be non-negative, got {low}")
+            if bound is not None and high >= bound:
+                raise TraceFormatError(f"{path}: {what} reach {high}, outside 0..{bound - 1} (meta.json vocab_size {bound})")
+        return values
 
     def plans(self) -> dict[int, dict]:
         """The placement plans kept with the trace (plans/epoch-<e>.json), by epoch, as JSON objects."""

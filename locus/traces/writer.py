@@ -200,30 +200,26 @@ class TraceWriter:
         return w.astype(np.float16, copy=False)
 
     def _check_epochs(self, epochs: np.ndarray | None, rows: int) -> np.ndarray | None:
-        if self._epochs is None:
-            if epochs is not None:
-                raise TraceFormatError(f"{self.path}: epochs given but the writer was opened with with_epochs=False")
-            return None
-        if epochs is None:
-            raise TraceFormatError(f"{self.path}: with_epochs=True needs the epoch of every row")
-        e = np.asarray(epochs)
-        if e.shape != (rows,) or not np.issubdtype(e.dtype, np.integer) or (rows and e.min() < 0):
-            raise TraceFormatError(f"{self.path}: epochs must be {rows} non-negative integers, one per row")
-        return e.astype(np.int32, copy=False)
+        return self._check_per_row(epochs, rows, self._epochs, "epochs", "with_epochs", "the epoch")
 
     def _check_tokens(self, tokens: np.ndarray | None, rows: int) -> np.ndarray | None:
-        if self._tokens is None:
-            if tokens is not None:
-                raise TraceFormatError(f"{self.path}: token_ids given but the writer was opened with with_tokens=False")
-            return None
-        if tokens is None:
-            raise TraceFormatError(f"{self.path}: with_tokens=True needs the token id of every row")
-        t = np.asarray(tokens)
-        if t.shape != (rows,) or not np.issubdtype(t.dtype, np.integer) or (rows and t.min() < 0):
-            raise TraceFormatError(f"{self.path}: token_ids must be {rows} non-negative integers, one per row")
-        if rows and self.meta.vocab_size is not None and t.max() >= self.meta.vocab_size:
+        t = self._check_per_row(tokens, rows, self._tokens, "token_ids", "with_tokens", "the token id")
+        if t is not None and rows and self.meta.vocab_size is not None and t.max() >= self.meta.vocab_size:
             raise TraceFormatError(f"{self.path}: token id {int(t.max())} outside the vocabulary of {self.meta.vocab_size}")
-        return t.astype(np.int32, copy=False)
+        return t
+
+    def _check_per_row(self, values, rows: int, stream, name: str, flag: str, what: str) -> np.ndarray | None:
+        """One non-negative integer per row (epochs, token ids), given exactly when the writer keeps them."""
+        if stream is None:
+            if values is not None:
+                raise TraceFormatError(f"{self.path}: {name} given but the writer was opened with {flag}=False")
+            return None
+        if values is None:
+            raise TraceFormatError(f"{self.path}: {flag}=True needs {what} of every row")
+        v = np.asarray(values)
+        if v.shape != (rows,) or not np.issubdtype(v.dtype, np.integer) or (rows and v.min() < 0):
+            raise TraceFormatError(f"{self.path}: {name} must be {rows} non-negative integers, one per row")
+        return v.astype(np.int32, copy=False)
 
     def add_plan(self, epoch: int, plan: dict) -> None:
         """Keep the placement plan of `epoch` with the trace (plans/epoch-<e>.json); the same epoch
