@@ -273,7 +273,7 @@ def load_plan_grouping(path: str, model_config):
         raise PlanError(f"{path}: {exc}") from None
     if not plan.grouping:
         raise LocusError(f"{path}: the plan has no grouping section (make it with --planner locality)")
-    return PlanGrouping.from_plan(plan, model_config.moe_layers)
+    return PlanGrouping.from_plan(plan, model_config.moe_layers, model_config=model_config)
 
 
 def ep_stats_of(driver: EPDriver) -> dict:

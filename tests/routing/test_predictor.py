@@ -61,6 +61,9 @@ def test_the_classifier_names_a_prompts_domain(worded):
              for i, r in enumerate(worded.requests[120:240], start=120)]
     assert all(right)  # each domain has its own 16 tokens in the fixture
     assert table.classify([]) is None
+    # a prompt of two domains' tokens is not sure enough (posterior 1/2 each): no domain
+    mixed = [0, 1, 2, 3, 16, 17, 18, 19]
+    assert table.classify(mixed) is None and table.classify(mixed, confidence=0.0) in ("code", "math")
     untagged = TokenAffinity.learn(TraceReader(worded_trace(worded.path.parent / "u", tagged=False)), 0, 120)
     assert untagged.domains == () and untagged.classify([1, 2]) is None and untagged.num_tokens == 64
 

@@ -1,7 +1,8 @@
 """PlanGrouping: the engine's GroupingPolicy backed by the placement plan's micro-batch grouper.
 
 Micro-batch i is node i: every scheduled sequence goes to the micro-batch of the node its request was
-placed on (locus.routing.grouping.grouper.Grouper: domain tag at admission, expert signature after prefill).
+placed on (locus.routing.grouping.grouper.Grouper: domain tag at admission, else the plan's prompt
+predictor; expert signature after prefill).
 When the engine runs fewer micro-batches than the plan has nodes, node n goes to micro-batch
 n * num_micro_batches // nodes. Empty micro-batches are dropped (the engine runs every one it gets);
 `last_nodes` says which node(s) each returned micro-batch holds.
@@ -33,9 +34,15 @@ class PlanGrouping:
         self.last_nodes: list[list[int]] = []  # the same, as nodes
 
     @classmethod
-    def from_plan(cls, plan, moe_layers, attention_cap: float | None = None) -> "PlanGrouping":
-        """`moe_layers`: the model's MoE layers, in the order the routing is reported."""
-        grouper = Grouper.from_plan(plan, attention_cap=attention_cap, moe_layers=moe_layers)
+    def from_plan(cls, plan, moe_layers, attention_cap: float | None = None, model_config=None) -> "PlanGrouping":
+        """`moe_layers`: the model's MoE layers, in the order the routing is reported. With the model's
+        config, the plan's prompt predictor (if any) places untagged requests (refused if it was
+        learned for another model)."""
+        grouper = Grouper.from_plan(plan, attention_cap=attention_cap, moe_layers=moe_layers,
+                                    predictor=model_config is not None)
+        if grouper.predictor is not None:
+            grouper.predictor.check_model(model_config.vocab_size, model_config.moe_layers,
+                                          model_config.num_local_experts)
         return cls(grouper, moe_layers, plan.num_experts)
 
     def group(self, items: list[ScheduledSeq], num_micro_batches: int) -> list[list[ScheduledSeq]]:
@@ -84,9 +91,10 @@ class PlanGrouping:
         request = item.seq.request
         rid = request.request_id
         if rid not in self._requests:
-            prompt = len(getattr(item.seq, "prompt_ids", ()) or ()) or item.num_tokens
+            prompt_ids = getattr(item.seq, "prompt_ids", None) or None
+            prompt = len(prompt_ids or ()) or item.num_tokens
             expected = prompt + self.grouper.spec.expected_decode_tokens
-            self.grouper.admit(rid, getattr(request, "domain", None), expected, prompt_tokens=prompt)
+            self.grouper.admit(rid, getattr(request, "domain", None), expected, prompt_tokens=prompt, prompt_ids=prompt_ids)
             self._requests[rid] = request
             self._prefill[rid] = np.zeros((len(self.layers), self.num_experts), dtype=np.float32)
         return rid

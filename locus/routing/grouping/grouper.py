@@ -97,7 +97,7 @@ class Grouper:
         spec = spec_of(plan)
         cost = NodeCostModel.from_plan(plan, spec, moe_layers)
         if predictor and spec.predictor is not None and moe_layers is not None:
-            spec.predictor.check_model(spec.predictor.vocab_size, moe_layers, plan.num_experts, "the trace")
+            spec.predictor.check_model(spec.predictor.vocab_size, moe_layers, plan.num_experts)
         return cls(plan.topology, spec, cost, attention_cap, balance_streams,
                    spec.predictor if predictor else None)
 

@@ -11,7 +11,8 @@ Two tables, learned from the planning trace's rows and their token ids (token_id
 - **Domain classifier** (when the planning requests carry domain tags): multinomial naive Bayes over
   the prompt's token ids (Laplace-smoothed counts of each domain's prompt tokens, a token outside the
   table scored as an unseen one), so that an untagged request is placed as the tag the plan was made
-  for would place it. `classify` gives the most likely tagged domain.
+  for would place it. `classify` gives the most likely tagged domain when its posterior probability
+  is at least MIN_CONFIDENCE (0.8); a less certain prompt is left to the affinity table.
 
 Bounded: at most `max_tokens` token ids, each with its `top_experts` largest shares per layer (the rest
 of its pairs are dropped) and one log-probability per domain, so a plan for a 200k-token vocabulary and
@@ -47,6 +48,9 @@ KIND = "token-affinity"
 DEFAULT_TOKENS = 4096
 DEFAULT_TOP_EXPERTS = 8
 MIN_COUNT = 2  # a token seen once says more about its context than about itself
+# The classifier names a domain only at this posterior probability or more; a less certain prompt is
+# placed by its predicted node cost instead (what a wrong domain costs is a whole node of bytes).
+MIN_CONFIDENCE = 0.8
 SHARE_SCALE = 65535
 
 
@@ -135,9 +139,9 @@ class TokenAffinity:
         np.add.at(out.reshape(-1), flat[valid], shares[valid].astype(np.float64) * self.top_k)
         return out.reshape(-1, L, E).astype(np.float32)
 
-    def classify(self, prompt_ids) -> str | None:
-        """The most likely tagged domain of a prompt (ties: the first in name order); None without a
-        classifier or for an empty prompt."""
+    def classify(self, prompt_ids, confidence: float = MIN_CONFIDENCE) -> str | None:
+        """The most likely tagged domain of a prompt (ties: the first in name order), if its posterior
+        probability reaches `confidence`; None below it, without a classifier or for an empty prompt."""
         if not self.domains or len(prompt_ids) == 0:
             return None
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
@@ -145,7 +149,9 @@ class TokenAffinity:
         known = (pos < self.num_tokens) & (self.token_ids[np.minimum(pos, self.num_tokens - 1)] == ids)
         score = (self.domain_log_prior + self.domain_log_probs[pos[known]].sum(0, dtype=np.float64)
                  + (len(ids) - int(known.sum())) * self.domain_log_unseen)
-        return self.domains[int(np.argmax(score))]
+        best = int(np.argmax(score))
+        posterior = 1.0 / np.exp(score - score[best]).sum()
+        return self.domains[best] if posterior >= confidence else None
 
     # --- checks and storage ----------------------------------------------------------------------------
     def check_model(self, vocab_size: int, moe_layers, num_experts: int, what: str = "the model") -> None:

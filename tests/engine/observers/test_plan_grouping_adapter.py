@@ -67,3 +67,32 @@ def test_prefill_routing_moves_a_request_after_a_chunked_prefill():
     assert policy.grouper.node_of("a") == 1 and policy.grouper.stats.moves == 1
     assert [[i.seq.request.request_id for i in g] for g in policy.group([a, b], 2)] == [["a", "b"]]
     assert policy.last_nodes == [[1]]
+
+
+def test_an_untagged_prompt_is_placed_by_the_plans_predictor(tmp_path):
+    """The single-process grouper reads the plan's prompt predictor too, and refuses one of another model."""
+    import pytest
+
+    from locus.errors import LocusError
+    from locus.routing.plan.topology import parse_topology
+    from locus.routing.planners.planner import make_plan as plan_from
+    from locus.traces.reader import TraceReader
+    from tests.routing.planner_fixtures import worded_trace
+
+    reader = TraceReader(worded_trace(tmp_path / "t"))
+    plan = plan_from("locality", reader, parse_topology("4x1", 16, 5), (0, 120)).plan
+    config = SimpleNamespace(vocab_size=64, moe_layers=(0, 2), num_local_experts=16)
+    tagged = PlanGrouping.from_plan(plan, (0, 2))
+    blind = PlanGrouping.from_plan(plan, (0, 2), model_config=config)
+    for i in range(120, 140):
+        r = reader.requests[i]
+        lo = int(reader.offsets[i])
+        prompt = [int(t) for t in reader.token_ids[lo: lo + r.prompt_tokens]]
+        one = item(r.id, None, 0)
+        one.seq.prompt_ids = prompt
+        blind.group([one], 4)
+        tagged.group([item(r.id, r.domain, len(prompt))], 4)
+        assert blind.rank_of(r.id) == tagged.rank_of(r.id)
+    assert blind.grouper.stats.admitted_by_prediction == 20
+    with pytest.raises(LocusError, match="a vocabulary of 64 tokens, the model has 100"):
+        PlanGrouping.from_plan(plan, (0, 2), model_config=SimpleNamespace(**{**vars(config), "vocab_size": 100}))
