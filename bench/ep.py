@@ -1,13 +1,22 @@
 """Expert-parallel serving under three placement plans: measured traffic, the replay's, throughput and
 where the step time goes.
 
-For each plan (round_robin, eplb, locality) this starts `locus serve --model M --ep-ranks 4
+For each plan (round_robin, eplb, locality; `locality_placement` is the locality plan without its
+grouping, the placement alone under balanced assignment) this starts `locus serve --model M --ep-ranks 4
 --gpus-per-node 2 --plan P --record-trace T` (2 virtual nodes of 2 ranks, one torch thread per rank),
 sends the same fixed mixed-domain workload (three task families whose prompts use disjoint
 alphabets, tagged with the `x-locus-domain` header), reads `GET /ep/stats`, stops the server, and
 replays the trace it recorded with `locus replay T --plan P --assign recorded`. The plans are made
 from a planning trace recorded on the same model first (single process, other prompts of the same
-families), all with the same number of expert slots per rank.
+families), all with the same number of expert slots per rank. `--untagged` sends no domain header
+(as the `openai` client or any application does): a locality plan's grouper then places requests by
+its prompt predictor.
+
+For a plan with a grouping, the grouper's own replay is printed too: `locus replay T --plan P
+--assign grouper` simulates the server's admissions (the grouper run through the admissions and
+releases the server logged in the trace: equal to the measured bytes when the replay models the live
+admission exactly) and `--arrivals closed --concurrency C` (the same grouper fed by a modelled
+closed-loop client instead of the logged order: how far the model of arrivals is from the run).
 
 Printed per plan: inter-/intra-node bytes per token as measured by the ranks and as replayed (they
 must be equal, to the byte), output tokens per second over the workload, and the mean step time of
@@ -42,7 +51,7 @@ from serve_lib.table import print_table as markdown_table
 from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
 
 PROG = "bench/ep.py"
-PLANS = ("round_robin", "eplb", "locality")
+PLANS = ("round_robin", "eplb", "locality", "locality_placement")
 
 
 
@@ -51,12 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="small", help="preset or checkpoint directory (default: small)")
     p.add_argument("--topology", default="2x2", help="NODESxGPUS of the launch (default: 2x2)")
     p.add_argument("--slots", type=int, default=6, help="expert slots per rank, every plan (default: 6)")
-    p.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset of round_robin,eplb,locality")
+    p.add_argument("--plans", default=",".join(PLANS[:3]),
+                   help="comma-separated subset of round_robin,eplb,locality,locality_placement (the locality plan "
+                   "without its grouping: placement alone, balanced assignment); default the first three")
     p.add_argument("--requests", type=int, default=48, help="requests in the measured workload (default: 48)")
     p.add_argument("--planning-requests", type=int, default=48, help="requests in the planning trace (default: 48)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--ep-timeout", type=float, default=120.0)
+    p.add_argument("--untagged", action="store_true", help="send no x-locus-domain header (tags withheld)")
     p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string (e.g. '--ep-loop-nice 0')")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
@@ -139,7 +151,8 @@ def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Pa
             family, prompt = item
             body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
                     "ignore_eos": True}
-            r = httpx.post(f"{base}/v1/completions", json=body, headers={"x-locus-domain": family}, timeout=600)
+            headers = {} if args.untagged else {"x-locus-domain": family}
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=600)
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
@@ -187,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in plans:
         plan = work / f"{name}.json"
-        locus("plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", name, "-o", str(plan))
+        planner = "locality" if name == "locality_placement" else name
+        locus("plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", planner, "-o", str(plan))
+        if name == "locality_placement":  # the same placement, no grouping: the server assigns balanced
+            doc = json.loads(plan.read_text())
+            doc.pop("grouping", None)
+            plan.write_text(json.dumps(doc, indent=1) + "\n")
         trace = work / f"{name}-trace"
         run = serve_and_measure(args, plan, trace, work / f"{name}-server.log", text)
         locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(work / f"{name}-replay.json"))
@@ -195,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = run["stats"]
         tokens = stats["tokens"]
         row = {
-            "plan": name, "assignment": stats["assignment"], "tokens": tokens,
+            "plan": name, "assignment": stats["assignment"], "untagged": args.untagged, "tokens": tokens,
             "measured": {"inter_node_bytes": stats["inter_node_bytes"], "intra_node_bytes": stats["intra_node_bytes"]},
             "replayed": {"inter_node_bytes": replayed["inter_node_bytes"], "intra_node_bytes": replayed["intra_node_bytes"],
                          "tokens": replayed["tokens"]},
@@ -209,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         row["equal"] = (row["measured"]["inter_node_bytes"] == row["replayed"]["inter_node_bytes"]
                         and row["measured"]["intra_node_bytes"] == row["replayed"]["intra_node_bytes"]
                         and tokens == replayed["tokens"])
+        if stats["assignment"] == "grouper":  # the grouper simulated: through the logged arrivals, and a modelled client
+            for key, extra in (("grouper_replay", ()), ("grouper_model", ("--arrivals", "closed", "--concurrency",
+                                                                           str(args.concurrency)))):
+                out = work / f"{name}-{key}.json"
+                locus("replay", str(trace), "--plan", str(plan), "--assign", "grouper", *extra, "--json", str(out))
+                sim = json.loads(out.read_text())
+                row[key] = {"inter_node_bytes": sim["inter_node_bytes"], "intra_node_bytes": sim["intra_node_bytes"],
+                            "inter_vs_measured": sim["inter_node_bytes"] / max(stats["inter_node_bytes"], 1) - 1}
         results.append(row)
         print(f"{name}: done ({run['seconds']:.1f} s)", flush=True)
     print_table(results)
@@ -227,12 +253,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: list[dict]) -> None:
-    head = ("plan", "assign", "inter B/tok", "replay", "intra B/tok", "replay", "equal", "out tok/s", "step ms",
-            "compute", "exchange", "control")
-    rows = [(r["plan"], r["assignment"], f"{r['inter_per_token']:.1f}", f"{r['replay_inter_per_token']:.1f}",
-             f"{r['intra_per_token']:.1f}", f"{r['replay_intra_per_token']:.1f}", "yes" if r["equal"] else "NO",
-             f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['compute']:.0%}", f"{r['exchange']:.0%}",
-             f"{r['control']:.0%}") for r in results]
+    head = ("plan", "assign", "inter B/tok", "replay", "intra B/tok", "replay", "equal", "grouper replay (model)",
+            "out tok/s", "step ms", "compute", "exchange", "control")
+
+    def simulated(r: dict) -> str:
+        if "grouper_replay" not in r:
+            return ""
+        return (f"{r['grouper_replay']['inter_vs_measured']:+.1%} ({r['grouper_model']['inter_vs_measured']:+.1%})")
+
+    rows = [(r["plan"], r["assignment"] + (", untagged" if r.get("untagged") else ""), f"{r['inter_per_token']:.1f}",
+             f"{r['replay_inter_per_token']:.1f}", f"{r['intra_per_token']:.1f}", f"{r['replay_intra_per_token']:.1f}",
+             "yes" if r["equal"] else "NO", simulated(r), f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}",
+             f"{r['compute']:.0%}", f"{r['exchange']:.0%}", f"{r['control']:.0%}") for r in results]
     markdown_table(head, rows)
 
 

@@ -31,6 +31,9 @@ apart by alphabet; a trained model that ships held-out text (`mini`) is sent tha
 (`--corpus DIR` for the training corpus' held-out split; the plan is made from other prompts than
 the measured ones). For `mini` (8 experts) give `--slots 3`: with 6 slots a node holds every expert.
 
+`--untagged` sends the requests without their domain (as an ordinary client does): a locality
+plan's grouper then places them by its prompt predictor.
+
 `--pin-nodes` keeps each virtual node on its own share of the cores (taskset), so that one node's
 compute cannot fill the time another node's messages spend on the link (by default all ranks share
 every core, which real nodes do not).
@@ -92,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--planning-requests", type=int, default=48)
     p.add_argument("--ep-timeout", type=float, default=300.0)
     p.add_argument("--moe-backend", default="auto", help="the servers' --moe-backend (default: auto, the C kernel on CPU)")
+    p.add_argument("--untagged", action="store_true", help="send no domain with the requests (tags withheld)")
     p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string")
     p.add_argument("--server-src", default=None, metavar="DIR",
                    help="run the servers from another checkout of Locus (e.g. a git worktree of an older commit), "
@@ -353,7 +357,8 @@ def mixed_jobs(args: argparse.Namespace, offset: int, seed: int, text: DomainTex
     return jobs
 
 
-async def run_jobs(base_url: str, model: str, jobs: list[Job]) -> tuple[list, float]:
+async def run_jobs(base_url: str, model: str, jobs: list[Job], untagged: bool = False) -> tuple[list, float]:
+    """`untagged`: send no domain (tags withheld: the grouper places requests by its prompt predictor)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=900.0)
@@ -364,7 +369,7 @@ async def run_jobs(base_url: str, model: str, jobs: list[Job]) -> tuple[list, fl
             await asyncio.sleep(job.delay)
             body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                    "domain": job.family}
+                    **({} if untagged else {"domain": job.family})}
             return await send_request(session, f"{base_url}/v1/completions", body, False, None)
 
         results = await asyncio.gather(*(one(j) for j in jobs))
@@ -381,11 +386,11 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def measure(net: Network, cluster: Cluster, model: str, jobs: list[Job]) -> dict:
+def measure(net: Network, cluster: Cluster, model: str, jobs: list[Job], untagged: bool = False) -> dict:
     stats0 = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
     link0 = net.link_bytes()
     busy0, own0 = machine_busy_seconds(), process_cpu_seconds(os.getpid())
-    results, seconds = asyncio.run(run_jobs(cluster.base_url, model, jobs))
+    results, seconds = asyncio.run(run_jobs(cluster.base_url, model, jobs, untagged))
     busy1, own1 = machine_busy_seconds(), process_cpu_seconds(os.getpid())
     stats1 = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
     link1 = net.link_bytes()
@@ -451,7 +456,7 @@ def decode_calibration(net: Network, cluster: Cluster, model: str, args: argpars
     prefill and fewer decode steps, so the difference of the two is decode alone. A run's average
     per step would be mostly its prefill's bytes, which decode latency does not pay."""
     short_len = max(2, args.output_len // 4)
-    short = measure(net, cluster, model, unseen_jobs(text, args.streams, short_len, skip=WARM_UP))
+    short = measure(net, cluster, model, unseen_jobs(text, args.streams, short_len, skip=WARM_UP), args.untagged)
     long_runs = long_wave["runs"]
     long = min(long_runs, key=lambda r: abs(r["tpot_p50_ms"] - long_wave["tpot_p50_ms"]))
     steps = long["steps"] - short["steps"]
@@ -573,8 +578,9 @@ def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Name
             offset = (repeat + args.repeats * index) * (args.streams + args.mixed_requests) + \
                 (args.streams if name == "mixed" else 0)
             jobs = wave_jobs(args, offset, text) if name == "wave" else mixed_jobs(args, offset, repeat, text)
-            runs.append(measure(net, cluster, model, jobs))
-        row = {"plan": plan, "overlap": overlap, "rate": rate or "unshaped", "workload": name, **medians(runs)}
+            runs.append(measure(net, cluster, model, jobs, args.untagged))
+        row = {"plan": plan, "overlap": overlap, "rate": rate or "unshaped", "workload": name, "untagged": args.untagged,
+               **medians(runs)}
         rows.append(row)
         print(f"{plan}{' +overlap' if overlap else ''} @ {row['rate']} {name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
               f"{row['out_tok_s']:.0f} tok/s, step {row['step_ms']:.1f} ms (exchange {row['exchange']:.0%}), "
