@@ -122,3 +122,14 @@ def test_a_corrupt_table_is_refused_naming_the_field(worded, tmp_path, field, va
     plan.save(path)
     with pytest.raises(PlanError, match=message):
         spec_of(load_plan(path))
+
+
+def test_locus_plan_says_what_predictor_it_stored(worded, tmp_path, capsys):
+    from locus.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(worded.path), "--topology", "4x1", "--slots", "5", "--requests", "0:120",
+                 "--predictor-tokens", "16", "-o", str(out)]) == 0
+    assert "prompt predictor (untagged requests)  16 tokens x 8 experts, a classifier of 4 domains" in capsys.readouterr().out
+    assert main(["plan", str(worded.path), "--topology", "4x1", "--predictor-tokens", "-1", "-o", str(out)]) == 2
+    assert "--predictor-tokens must be >= 0" in capsys.readouterr().err

@@ -133,6 +133,14 @@ def run_plan(args: argparse.Namespace) -> int:
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
+    predictor = (result.plan.grouping or {}).get("predictor")
+    if predictor is not None:
+        size = len(json.dumps(predictor))
+        classes = f", a classifier of {len(predictor['domains'])} domains" if predictor.get("domains") else ""
+        print(f"prompt predictor (untagged requests)  {predictor['tokens']:,} tokens x {predictor['top_experts']} experts"
+              f"{classes}, {size:,} bytes in the plan")
+    elif args.planner == "locality" and args.predictor_tokens > 0:
+        print("prompt predictor (untagged requests)  none: the trace has no token ids (record it with this Locus)")
     print(f"wrote {args.output}")
     if args.json:
         from locus.files import write_text_atomic
