@@ -7,6 +7,8 @@
     "cpu"     moe_cpu.fused_moe_cpu: a C kernel built on first use for decode-sized batches (few rows
               per expert), the reference's per-expert loop otherwise; CPU tensors
     "auto"    triton for CUDA tensors; cpu for CPU tensors when its kernel builds, else torch
+gate_up and down may be `QuantizedTensor`s (moe_quantized.py: fp8, mxfp8, mxfp4 expert weights): the
+cpu backend reads them in its C kernel; torch and (for now) triton run fused_moe_quantized_reference.
 The Triton modules are imported on first use, so importing this package never needs triton. On CPU,
 TRITON_INTERPRET=1 must be set before anything imports Triton at all (tests/conftest.py, bench scripts).
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from locus.kernels.formats import QuantizedTensor
+from locus.kernels.moe_quantized import fused_moe_quantized_reference
 from locus.kernels.moe_reference import fused_moe_reference
 
 MOE_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -35,7 +39,11 @@ def fused_moe(
     Under torch.compile this is one opaque custom op (`locus::fused_moe`, moe_op.py): the rows per
     expert are data-dependent, so the compiled graph calls the kernels instead of tracing them."""
     if torch.compiler.is_compiling():
-        from locus.kernels.moe_op import fused_moe_op
+        from locus.kernels.moe_op import fused_moe_op, fused_moe_quantized_op
+
+        if isinstance(gate_up, QuantizedTensor):
+            return fused_moe_quantized_op(x, gate_up.data, gate_up.scale, down.data, down.scale, gate_up.format,
+                                          topk_ids, topk_weights, weight_on_input, expert_map, backend)
 
         return fused_moe_op(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
     return run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
@@ -44,6 +52,9 @@ def fused_moe(
 def run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend) -> torch.Tensor:
     """`fused_moe` run eagerly (what the custom op's implementation calls)."""
     backend = resolve_backend(backend, x.device)
+    if isinstance(gate_up, QuantizedTensor) and backend != "cpu":
+        # TODO(triton): the Triton kernel does not read narrow weights yet; until it does, CUDA runs the reference
+        return fused_moe_quantized_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
     if backend == "torch":
         return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
     if backend == "cpu":

@@ -165,12 +165,10 @@ int64_t locus_moe_sort(const int64_t *ids, int64_t P, const int64_t *expert_map,
 
 /* Second half, on the iwork locus_moe_sort filled: place the pairs (stable counting sort), gather
  * their rows, run both GEMMs, sum each token's slots into out. fwork (float32, Ph * (2H + I)): rows,
- * h, y. */
-#define DEFINE_RUN(SUF, WT, ROUND_INPUT)                                                             \
-    void locus_moe_run_##SUF(const WT *x, const float *weights, int T, int K, int weight_on_input,  \
-                             const WT *gate_up, long gu_se, long gu_sk, const WT *down, long d_se,    \
-                             long d_sk, int E, int H, int I, int64_t *iwork, float *fwork, WT *out,   \
-                             int threads) {                                                          \
+ * h, y. gather_##SUF does the first step (it returns Ph), sum_slots_##SUF the last. */
+#define DEFINE_GATHER_SUM(SUF, WT, ROUND_INPUT)                                                      \
+    static int64_t gather_##SUF(const WT *x, const float *weights, int T, int K, int weight_on_input, \
+                                int E, int H, int64_t *iwork, float *rows, int threads) {            \
         int64_t P = (int64_t)T * K, *offsets = iwork, *order = iwork + E + 1, *slot_row = order + P; \
         int64_t *cursor = slot_row + P, held = offsets[E];                                           \
         memcpy(cursor, offsets, E * sizeof *cursor);                                                 \
@@ -179,7 +177,6 @@ int64_t locus_moe_sort(const int64_t *ids, int64_t P, const int64_t *expert_map,
             slot_row[p] = e >= 0 ? cursor[e]++ : -1;                                                 \
             if (e >= 0) order[slot_row[p]] = p;                                                      \
         }                                                                                            \
-        float *rows = fwork, *h = rows + held * H, *y = h + held * I;                                \
         _Pragma("omp parallel for num_threads(threads)")                                             \
         for (int64_t r = 0; r < held; r++) {                                                         \
             int64_t p = order[r];                                                                    \
@@ -190,8 +187,11 @@ int64_t locus_moe_sort(const int64_t *ids, int64_t P, const int64_t *expert_map,
                 dst[c] = weight_on_input ? ROUND_INPUT(v * w) : v; /* as the reference, in x's dtype */ \
             }                                                                                        \
         }                                                                                            \
-        gate_up_##SUF(rows, gate_up, gu_se, gu_sk, offsets, E, H, I, h, threads);                    \
-        down_##SUF(h, down, d_se, d_sk, offsets, E, I, H, y, threads);                               \
+        return held;                                                                                 \
+    }                                                                                                \
+    static void sum_slots_##SUF(const float *y, const float *weights, int T, int K, int weight_on_input, \
+                                int E, int H, const int64_t *iwork, WT *out, int threads) {          \
+        const int64_t *slot_row = iwork + E + 1 + (int64_t)T * K;                                    \
         _Pragma("omp parallel for num_threads(threads)")                                             \
         for (int t = 0; t < T; t++) {                                                                \
             float acc[H];                                                                            \
@@ -206,6 +206,23 @@ int64_t locus_moe_sort(const int64_t *ids, int64_t P, const int64_t *expert_map,
         }                                                                                            \
     }
 
-DEFINE_RUN(f32, float, keep_f32)
-DEFINE_RUN(bf16, uint16_t, round_bf16)
+DEFINE_GATHER_SUM(f32, float, keep_f32)
+DEFINE_GATHER_SUM(bf16, uint16_t, round_bf16)
 
+#define DEFINE_RUN(SUF, WT)                                                                          \
+    void locus_moe_run_##SUF(const WT *x, const float *weights, int T, int K, int weight_on_input,  \
+                             const WT *gate_up, long gu_se, long gu_sk, const WT *down, long d_se,    \
+                             long d_sk, int E, int H, int I, int64_t *iwork, float *fwork, WT *out,   \
+                             int threads) {                                                          \
+        float *rows = fwork;                                                                         \
+        int64_t held = gather_##SUF(x, weights, T, K, weight_on_input, E, H, iwork, rows, threads);  \
+        float *h = rows + held * H, *y = h + held * I;                                               \
+        gate_up_##SUF(rows, gate_up, gu_se, gu_sk, iwork, E, H, I, h, threads);                      \
+        down_##SUF(h, down, d_se, d_sk, iwork, E, I, H, y, threads);                                 \
+        sum_slots_##SUF(y, weights, T, K, weight_on_input, E, H, iwork, out, threads);               \
+    }
+
+DEFINE_RUN(f32, float)
+DEFINE_RUN(bf16, uint16_t)
+
+#include "moe_cpu_quantized.h"

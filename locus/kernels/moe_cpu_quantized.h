@@ -1,0 +1,200 @@
+/* The CPU routed-expert kernel on quantized expert weights (included at the end of moe_cpu.c).
+ *
+ * Same work split, row blocks and accumulators as the float kernel; only the weight loads differ:
+ * each weight vector (16 columns of one weight row) is read in its narrow format and widened to
+ * float32 in registers, so an expert's bytes read drop 2x (FP8) or 4x (MXFP4) against bfloat16.
+ * A weight is element * scale (locus/kernels/formats.py), exactly in float32:
+ *     QFMT_FP8     E4M3 elements [E, K, N], float32 scale per output column  [E, 1, N]
+ *     QFMT_MXFP8   E4M3 elements [E, K, N], E8M0 scale per 32 rows of K       [E, ceil(K/32), N]
+ *     QFMT_MXFP4   E2M1 elements two a byte along K [E, ceil(K/2), N] (row 2i in the low nibble),
+ *                  E8M0 scale per 32 rows of K                                [E, ceil(K/32), N]
+ * E4M3 is widened by placing its 7 exponent and mantissa bits under float32's mantissa-exponent
+ * boundary (so E4M3 subnormals land on float32 subnormals) and multiplying by 2^120 (the bias
+ * difference); E2M1 is a 16-entry table indexed by the nibble. E4M3 NaN codes are not decoded (the
+ * quantizer never writes them: a NaN block is a NaN scale).
+ * Rows of a block of 8 weight rows share one scale vector: 8 divides 32.
+ */
+
+enum { QFMT_FP8 = 1, QFMT_MXFP8 = 2, QFMT_MXFP4 = 3 };
+
+typedef struct { /* one quantized expert tensor [E, K, N]; strides in elements (bytes of data) */
+    const uint8_t *data;
+    int64_t se, sk;       /* expert and row stride of data (MXFP4: a row of bytes holds rows 2i, 2i+1) */
+    const void *scale;    /* uint8 E8M0 (MX) or float32 (FP8) */
+    int64_t sse, ssk;     /* expert and block-row stride of scale */
+} qweights;
+
+typedef uint8_t vb __attribute__((vector_size(VW), aligned(1)));
+
+static inline vf bits_vf(vu u) {
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float bits_f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+#define TWO_POW_120 1.329227995784916e36f
+
+/* E8M0 bytes -> 2^(s-127) (s = 0: the float32 subnormal 2^-127; s = 255: NaN) */
+static inline __attribute__((always_inline)) vf e8m0_vec(const uint8_t *p) {
+    vu s = __builtin_convertvector(*(const vb *)p, vu);
+    vu bits = s << 23, zero = (vu)(s == 0), nan = (vu)(s == 255);
+    bits = (bits & ~zero) | (0x00400000u & zero);
+    bits = (bits & ~nan) | (0x7FC00000u & nan);
+    return bits_vf(bits);
+}
+static inline float e8m0_one(uint8_t s) {
+    return s == 0 ? bits_f(0x00400000u) : s == 255 ? bits_f(0x7FC00000u) : bits_f((uint32_t)s << 23);
+}
+static inline __attribute__((always_inline)) vf e4m3_vec(const uint8_t *p) {
+    vu u = __builtin_convertvector(*(const vb *)p, vu);
+    return bits_vf(((u & 0x80) << 24) | ((u & 0x7F) << 20)) * TWO_POW_120;
+}
+static inline float e4m3_one(uint8_t b) {
+    return bits_f(((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20)) * TWO_POW_120;
+}
+static inline __attribute__((always_inline)) vf e2m1_vec(const uint8_t *p, int high) {
+    vu u = (__builtin_convertvector(*(const vb *)p, vu) >> (high ? 4 : 0)) & 0xF;
+#if defined(__clang__)
+    vf out;
+    for (int i = 0; i < VW; i++) out[i] = E2M1[u[i]];
+    return out;
+#else
+    vf table;
+    memcpy(&table, E2M1, sizeof table);
+    return __builtin_shuffle(table, (vi)u);
+#endif
+}
+
+/* Weight row k of expert e at columns n .. n+VW-1 (one) as float32, and its scale. */
+static inline __attribute__((always_inline)) const uint8_t *qrow(const qweights *w, int64_t e, int fmt, int k, int n) {
+    return w->data + e * w->se + (int64_t)(fmt == QFMT_MXFP4 ? k >> 1 : k) * w->sk + n;
+}
+static inline __attribute__((always_inline)) vf qscale_vec(const qweights *w, int64_t e, int fmt, int k, int n) {
+    if (fmt == QFMT_FP8) return *(const vf *)((const float *)w->scale + e * w->sse + n);
+    return e8m0_vec((const uint8_t *)w->scale + e * w->sse + (int64_t)(k / 32) * w->ssk + n);
+}
+static inline float qscale_one(const qweights *w, int64_t e, int fmt, int k, int n) {
+    if (fmt == QFMT_FP8) return ((const float *)w->scale)[e * w->sse + n];
+    return e8m0_one(((const uint8_t *)w->scale)[e * w->sse + (int64_t)(k / 32) * w->ssk + n]);
+}
+static inline __attribute__((always_inline)) vf qelem_vec(const qweights *w, int64_t e, int fmt, int k, int n) {
+    const uint8_t *p = qrow(w, e, fmt, k, n);
+    return fmt == QFMT_MXFP4 ? e2m1_vec(p, k & 1) : e4m3_vec(p);
+}
+static inline float qelem_one(const qweights *w, int64_t e, int fmt, int k, int n) {
+    uint8_t b = *qrow(w, e, fmt, k, n);
+    return fmt == QFMT_MXFP4 ? E2M1[(k & 1 ? b >> 4 : b) & 0xF] : e4m3_one(b);
+}
+
+/* acc[r][c] += sum_k a[r][k] * W[k][n0 + c] for r < nr, k < K, c < C: accumulate_f32's loop, with
+ * each block of KB x VW weights widened and scaled once and used by all nr rows. Specialised per
+ * format (FMT is a constant in each caller), so the format tests fold away. */
+static inline __attribute__((always_inline)) void accumulate_q(const float *a, long lda, int nr, const qweights *w, int64_t e, int fmt, int n0,
+                                int K, int C, float *acc, int ldc) {
+    int cv = C - C % VW, k0 = 0;
+    for (; k0 + KB <= K; k0 += KB) {
+        for (int c = 0; c < cv; c += VW) {
+            if (k0 + (PREFETCH + 1) * KB <= K && c % 64 == 0) /* a line holds 64 columns of one row */
+                for (int q = 0; q < KB; q += fmt == QFMT_MXFP4 ? 2 : 1)
+                    __builtin_prefetch(qrow(w, e, fmt, k0 + PREFETCH * KB + q, n0 + c), 0, 3);
+            vf s = qscale_vec(w, e, fmt, k0, n0 + c);
+            vf w0 = qelem_vec(w, e, fmt, k0, n0 + c) * s, w1 = qelem_vec(w, e, fmt, k0 + 1, n0 + c) * s,
+               w2 = qelem_vec(w, e, fmt, k0 + 2, n0 + c) * s, w3 = qelem_vec(w, e, fmt, k0 + 3, n0 + c) * s,
+               w4 = qelem_vec(w, e, fmt, k0 + 4, n0 + c) * s, w5 = qelem_vec(w, e, fmt, k0 + 5, n0 + c) * s,
+               w6 = qelem_vec(w, e, fmt, k0 + 6, n0 + c) * s, w7 = qelem_vec(w, e, fmt, k0 + 7, n0 + c) * s;
+            for (int r = 0; r < nr; r++) {
+                const float *x = a + r * lda + k0;
+                vf *out = (vf *)(acc + r * ldc + c);
+                vf t = *out;
+                t += x[0] * w0; t += x[1] * w1; t += x[2] * w2; t += x[3] * w3;
+                t += x[4] * w4; t += x[5] * w5; t += x[6] * w6; t += x[7] * w7;
+                *out = t;
+            }
+        }
+    }
+    for (; k0 < K; k0++) /* K % KB leftover weight rows */
+        for (int c = 0; c < cv; c += VW) {
+            vf wv = qelem_vec(w, e, fmt, k0, n0 + c) * qscale_vec(w, e, fmt, k0, n0 + c);
+            for (int r = 0; r < nr; r++) *(vf *)(acc + r * ldc + c) += a[r * lda + k0] * wv;
+        }
+    for (int k = 0; k < K; k++) /* C % VW leftover columns */
+        for (int c = cv; c < C; c++) {
+            float wk = qelem_one(w, e, fmt, k, n0 + c) * qscale_one(w, e, fmt, k, n0 + c);
+            for (int r = 0; r < nr; r++) acc[r * ldc + c] += a[r * lda + k] * wk;
+        }
+}
+
+#define DEFINE_Q_ACCUMULATE(NAME, FMT)                                                                 \
+    static void accumulate_##NAME(const float *a, long lda, int nr, const qweights *w, int64_t e, int n0, \
+                                  int K, int C, float *acc, int ldc) {                                 \
+        accumulate_q(a, lda, nr, w, e, FMT, n0, K, C, acc, ldc);                                       \
+    }
+DEFINE_Q_ACCUMULATE(fp8, QFMT_FP8)
+DEFINE_Q_ACCUMULATE(mxfp8, QFMT_MXFP8)
+DEFINE_Q_ACCUMULATE(mxfp4, QFMT_MXFP4)
+
+typedef void (*q_accumulate)(const float *, long, int, const qweights *, int64_t, int, int, int, float *, int);
+
+static q_accumulate accumulate_for(int fmt) {
+    return fmt == QFMT_FP8 ? accumulate_fp8 : fmt == QFMT_MXFP8 ? accumulate_mxfp8 : accumulate_mxfp4;
+}
+
+static void gate_up_q(const float *x, const qweights *gate_up, int fmt, const int64_t *offsets, int E, int H, int I,
+                      float *h, int threads) {
+    q_accumulate accumulate = accumulate_for(fmt);
+    int blocks = (I + CB - 1) / CB;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (long item = 0; item < (long)E * blocks; item++) {
+        int e = item / blocks, j0 = (item % blocks) * CB, C = I - j0 < CB ? I - j0 : CB;
+        float gate[RB * CB] __attribute__((aligned(64))), up[RB * CB] __attribute__((aligned(64)));
+        for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += RB) {
+            int nr = offsets[e + 1] - p0 < RB ? offsets[e + 1] - p0 : RB;
+            memset(gate, 0, sizeof gate);
+            memset(up, 0, sizeof up);
+            accumulate(x + p0 * H, H, nr, gate_up, e, j0, H, C, gate, CB);
+            accumulate(x + p0 * H, H, nr, gate_up, e, I + j0, H, C, up, CB);
+            for (int r = 0; r < nr; r++)
+                for (int c = 0; c < C; c++) h[(p0 + r) * I + j0 + c] = silu(gate[r * CB + c]) * up[r * CB + c];
+        }
+    }
+}
+
+static void down_q(const float *h, const qweights *down, int fmt, const int64_t *offsets, int E, int I, int H, float *y,
+                   int threads) {
+    q_accumulate accumulate = accumulate_for(fmt);
+    int blocks = (H + CB - 1) / CB;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (long item = 0; item < (long)E * blocks; item++) {
+        int e = item / blocks, n0 = (item % blocks) * CB, C = H - n0 < CB ? H - n0 : CB;
+        float acc[RB * CB] __attribute__((aligned(64)));
+        for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += RB) {
+            int nr = offsets[e + 1] - p0 < RB ? offsets[e + 1] - p0 : RB;
+            memset(acc, 0, sizeof acc);
+            accumulate(h + p0 * I, I, nr, down, e, n0, I, C, acc, CB);
+            for (int r = 0; r < nr; r++) memcpy(y + (p0 + r) * H + n0, acc + r * CB, C * sizeof(float));
+        }
+    }
+}
+
+/* locus_moe_run_{f32,bf16} with quantized expert weights (fmt: QFMT_*); x and out keep x's dtype. */
+#define DEFINE_RUN_Q(SUF, WT)                                                                        \
+    void locus_moe_run_q_##SUF(const WT *x, const float *weights, int T, int K, int weight_on_input, \
+                               const qweights *gate_up, const qweights *down, int fmt, int E, int H, int I, \
+                               int64_t *iwork, float *fwork, WT *out, int threads) {                 \
+        float *rows = fwork;                                                                         \
+        int64_t held = gather_##SUF(x, weights, T, K, weight_on_input, E, H, iwork, rows, threads);  \
+        float *h = rows + held * H, *y = h + held * I;                                               \
+        gate_up_q(rows, gate_up, fmt, iwork, E, H, I, h, threads);                                   \
+        down_q(h, down, fmt, iwork, E, I, H, y, threads);                                            \
+        sum_slots_##SUF(y, weights, T, K, weight_on_input, E, H, iwork, out, threads);               \
+    }
+
+DEFINE_RUN_Q(f32, float)
+DEFINE_RUN_Q(bf16, uint16_t)
