@@ -30,6 +30,10 @@ def add_model_args(p: argparse.ArgumentParser, model_help: str = DEFAULT_MODEL_H
     p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
                    help="expert kernels: auto = Triton on CUDA, the C decode kernel on CPU (the torch reference if it "
                    "cannot be built); triton on CPU needs TRITON_INTERPRET=1 (slow)")
+    p.add_argument("--quantize-experts", default=None, choices=["fp8", "mxfp8", "mxfp4"],
+                   help="hold the routed experts in a narrow format, quantized once at load: fp8 (row-wise E4M3, a "
+                        "float32 scale per output channel), mxfp8 or mxfp4 (OCP MX, an E8M0 scale per 32 weights); "
+                        "2x / ~4x fewer expert bytes than bfloat16. See docs/formats.md")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,7 +79,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     from locus.engine.checkpoint.loader import default_serve_model
 
-    llm = LLM(args.model or default_serve_model(), dtype=args.dtype, device=args.device, moe_backend=args.moe_backend)
+    llm = LLM(args.model or default_serve_model(), dtype=args.dtype, device=args.device, moe_backend=args.moe_backend,
+              quantize_experts=args.quantize_experts)
     tok = llm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tok.encode(text, add_special_tokens=not args.chat)

@@ -16,8 +16,10 @@ class LLM:
     """Runs many prompts through the continuous-batching engine and returns the finished outputs in order."""
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str | None = None,
-                 moe_backend: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0):
-        loaded = load(model, dtype, device, moe_backend, seed)
+                 moe_backend: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
+                 quantize_experts: str | None = None):
+        """quantize_experts: hold the routed experts in fp8, mxfp8 or mxfp4 (docs/formats.md)."""
+        loaded = load(model, dtype, device, moe_backend, seed, quantize_experts=quantize_experts)
         self.name, self.random_weights = loaded.name, loaded.random_weights
         self.engine = EngineCore(loaded.model, loaded.tokenizer, engine_config)
         self._ids = itertools.count()

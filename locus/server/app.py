@@ -76,6 +76,7 @@ class ServerConfig:
     trace_max_bytes: int = 1 << 30  # the whole --trace-dir: a recording stops (and says why) before passing it
     chat_template: str | None = None  # --chat-template: a file or the template itself, replacing the tokenizer's
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost (body, prompts, stops)
+    quantize_experts: str | None = None  # --quantize-experts: the routed experts' narrow format (docs/formats.md)
 
 
 TRACE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -171,7 +172,7 @@ class ServerState:
                          c.ep.mode, ", two overlapped micro-batches" if c.ep.overlap else "", driver.assignment)
                 self.ep_driver = driver
             else:
-                loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed)
+                loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed, quantize_experts=c.quantize_experts)
                 engine_config = c.engine
                 if c.plan:
                     grouping = load_plan_grouping(c.plan, loaded.model.config)

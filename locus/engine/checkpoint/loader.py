@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,9 +12,12 @@ from locus.engine.model.config import ModelConfig, load_config
 from locus.engine.ep.slices import ExpertSlices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.checkpoint.presets import PRESETS, build_preset
+from locus.engine.checkpoint.quantize import quantize_model_experts
 from locus.engine.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from locus.engine.checkpoint.weights import load_model, resolve_dtype
 from locus.errors import LocusError
+
+log = logging.getLogger("locus.engine")
 
 DEFAULT_MODEL = "tiny"
 # Checkpoints that ship inside the package, by name. `mini` is the small trained model of
@@ -58,10 +62,19 @@ def config_of(model: str | None) -> ModelConfig:
 
 
 def load(model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
-         moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None) -> LoadedModel:
+         moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None,
+         quantize_experts: str | None = None) -> LoadedModel:
     """A checkpoint directory, a shipped checkpoint's name (`mini`), or a preset name (random weights);
     None = the embedded `tiny` preset.
-    expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py)."""
+    expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py).
+    quantize_experts: hold the routed experts (only the held ones) in fp8, mxfp8 or mxfp4 (quantize.py)."""
+    loaded = _load(model, dtype, device, moe_backend, seed, expert_slices)
+    if quantize_experts:
+        log.info("%s", quantize_model_experts(loaded.model, quantize_experts).describe())
+    return loaded
+
+
+def _load(model, dtype, device, moe_backend, seed, expert_slices) -> LoadedModel:
     device = device or default_device()
     name = model or DEFAULT_MODEL
     path = Path(name)

@@ -6,7 +6,9 @@
     routed  = sum_k expert_{e_k}(w_k * x)                     [T, H]   weight scales the INPUT
     out     = shared_expert(x) + routed
 
-Expert weights are stored fused, as the checkpoints do: gate_up [E, H, 2I] (gate first), down [E, I, H].
+Expert weights are stored fused, as the checkpoints do: gate_up [E, H, 2I] (gate first), down [E, I, H],
+as float Parameters or, quantized (--quantize-experts, FP8 checkpoints), as QuantizedTensors in the
+same logical shapes (locus/kernels/moe_quantized.py).
 The expert computation is one `fused_moe` call that runs only the selected experts; `moe_backend`
 picks the Triton kernels or the torch reference.
 """
@@ -19,6 +21,8 @@ from torch import nn
 from locus.engine.model.config import ModelConfig
 from locus.engine.model.layers import SwiGLU
 from locus.kernels import fused_moe
+from locus.kernels.formats import QuantizedTensor
+from locus.kernels.moe_quantized import check_expert_weights, quantize_experts
 from locus.routing.gate import TopK, route_llama4
 
 
@@ -31,6 +35,27 @@ class Experts(nn.Module):
         # None: all E experts, row e = expert e. An expert-parallel rank holds only its slots' experts
         # (locus/engine/ep/slices.py): row j = expert expert_ids[j].
         self.expert_ids: list[int] | None = None
+
+    @property
+    def weight_format(self) -> str | None:
+        """The narrow format the expert weights are held in (moe_quantized.py), None for float weights."""
+        return self.gate_up_proj.format if isinstance(self.gate_up_proj, QuantizedTensor) else None
+
+    def hold_quantized(self, gate_up: QuantizedTensor, down: QuantizedTensor) -> None:
+        """Replace the float weights by quantized ones (plain attributes: a QuantizedTensor is no
+        Parameter, so the model's .to(dtype) never widens it; it lives on the device it was made on)."""
+        check_expert_weights(gate_up, down)
+        for name, q in (("gate_up_proj", gate_up), ("down_proj", down)):
+            old = getattr(self, name)
+            if tuple(q.shape) != tuple(old.shape):
+                raise ValueError(f"quantized {name} has shape {tuple(q.shape)}, the layer holds {tuple(old.shape)}")
+            if name in self._parameters:
+                del self._parameters[name]
+            object.__setattr__(self, name, q)
+
+    def quantize(self, fmt: str) -> None:
+        """Hold the experts in `fmt` (quantized once, from the float weights held now)."""
+        self.hold_quantized(*quantize_experts(self.gate_up_proj, self.down_proj, fmt))
 
 
 class MoEBlock(nn.Module):

@@ -1,0 +1,87 @@
+"""`--quantize-experts`: hold the routed experts of a loaded model in a narrow format.
+
+Quantized once, at load, from the weights the model holds then, layer by layer (one layer's float
+experts and its quantized copy at a time). An expert-parallel rank's model holds only its slots'
+experts (ep/slices.py), so each rank quantizes only its own. The attention, router, shared expert,
+dense layers and embeddings stay in the compute dtype: the routed experts are most of the bytes a
+decode step reads, and where narrow weights pay (locus/kernels/moe_quantized.py, docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from locus.engine.model.model import Llama4ForCausalLM
+from locus.kernels import resolve_backend
+from locus.kernels.moe_quantized import EXPERT_FORMATS, quantize_experts
+from locus.errors import LocusError
+
+log = logging.getLogger("locus.engine")
+
+
+@dataclass
+class ExpertQuantization:
+    format: str
+    layers: int
+    bytes_before: int
+    bytes_after: int
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"routed experts of {self.layers} MoE layers held in {self.format}: "
+                f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB")
+
+
+def moe_layers(model: Llama4ForCausalLM):
+    """The `Experts` module of each MoE layer."""
+    return [model.model.layers[i].feed_forward.experts for i in model.config.moe_layers]
+
+
+def quantize_model_experts(model: Llama4ForCausalLM, fmt: str) -> ExpertQuantization:
+    """Quantize every MoE layer's routed experts to `fmt` (fp8, mxfp8, mxfp4). Experts already held
+    in another narrow format (an FP8 checkpoint) are dequantized first, with a logged note."""
+    if fmt not in EXPERT_FORMATS:
+        raise LocusError(f"--quantize-experts {fmt!r}: choose one of {', '.join(EXPERT_FORMATS)}")
+    before = after = 0
+    for experts in moe_layers(model):
+        before += _nbytes(experts)
+        held = experts.weight_format
+        if held == fmt:
+            after += _nbytes(experts)
+            continue
+        if held is not None:
+            log.info("experts held in %s are dequantized and requantized to %s", held, fmt)
+            gate_up, down = experts.gate_up_proj.dequantize(), experts.down_proj.dequantize()
+        else:
+            gate_up, down = experts.gate_up_proj.float(), experts.down_proj.float()
+        experts.hold_quantized(*quantize_experts(gate_up, down, fmt))
+        after += _nbytes(experts)
+    report = ExpertQuantization(fmt, len(model.config.moe_layers), before, after)
+    backend = resolve_backend(model.model.layers[model.config.moe_layers[0]].feed_forward.moe_backend, model.device) \
+        if model.config.moe_layers else "cpu"
+    if backend == "triton":
+        log.warning("the Triton MoE kernel does not read narrow expert weights yet: the routed experts run through "
+                    "the torch reference (dequantized per call); --moe-backend cpu reads them in its C kernel")
+    return report
+
+
+def dequantize_model_experts(model: Llama4ForCausalLM) -> None:
+    """Back to float Parameters in the model's dtype (for backends that cannot read narrow weights)."""
+    dtype = model.dtype
+    for experts in moe_layers(model):
+        if experts.weight_format is None:
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name).dequantize(dtype)
+            delattr(experts, name)
+            setattr(experts, name, torch.nn.Parameter(weight, requires_grad=False))
+
+
+def _nbytes(experts) -> int:
+    total = 0
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        total += weight.nbytes if experts.weight_format else weight.numel() * weight.element_size()
+    return total
