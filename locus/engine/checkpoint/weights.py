@@ -7,13 +7,15 @@ Loading accepts what the public checkpoints and their exports contain:
   (`...experts.{j}.{gate,up,down}_proj.weight` in nn.Linear's [out, in] layout).
 An expert-parallel rank passes its expert slices: it then reads only its slots' experts (safetensors
 slices of the fused tensors, or only the per-expert tensors it needs). Every tensor's shape is checked against the config; any problem is one LocusError naming the file
-or tensor. Saving writes the same format (fused or per-expert, optionally prefixed) so that round
+or tensor. Pre-quantized checkpoints (Meta's FBGEMM FP8, gpt-oss-style MXFP4 experts) are read by
+quantized.py. Saving writes the same format (fused or per-expert, optionally prefixed) so that round
 trips and re-exports can be tested.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -23,10 +25,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from locus.engine.checkpoint.quantize import dequantize_model_experts
+from locus.engine.checkpoint.quantized import quantized_experts, quantized_linears, read_experts, read_fp8_linear, \
+    read_quantization
 from locus.engine.model.config import load_config
 from locus.engine.ep.slices import ExpertSlices, keep_slices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.errors import LocusError
+from locus.kernels import resolve_backend
+
+log = logging.getLogger("locus.engine")
 
 INDEX_FILE = "model.safetensors.index.json"
 PREFIX = "language_model."
@@ -114,33 +122,67 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     dtype = dtype or resolve_dtype(config.dtype)
     found = read_tensors(find_shards(model_dir))
 
+    quant = read_quantization(model_dir)
     with torch.device("meta"):
         model = Llama4ForCausalLM(config, moe_backend)
     if expert_slices is not None:
         keep_slices(model, expert_slices)
+    narrow_experts = quantized_experts(model, quant)
+    for experts in narrow_experts.values():
+        experts.expect_quantized()
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
     reader = _ShardReader()
     expected = dict(model.named_parameters(remove_duplicate=False))
+    narrow_linears = quantized_linears(model, quant) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     used: set[str] = set()
     with torch.no_grad():
         for name, param in expected.items():
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # shares embed_tokens.weight
             rows = _held_rows(model, name)
-            if rows is None:
+            if name in narrow_linears:
+                tensor = read_fp8_linear(name, tuple(param.shape), found, reader, used, dtype)
+            elif rows is None:
                 tensor = _fetch(name, param, found, reader, used)
             else:
                 tensor = _fetch_rows(name, rows, config.num_local_experts, param, found, reader, used)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise LocusError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}")
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise LocusError(f"{model_dir}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, but "
+                                 f"{'config.json has no quantization_config' if quant is None else 'quantization_config keeps its module unconverted'}")
             param.copy_(tensor)
+        for base, experts in narrow_experts.items():
+            rows = experts.expert_ids if experts.expert_ids is not None else list(range(config.num_local_experts))
+            gate_up, down = read_experts(base, config.num_local_experts, rows, config.hidden_size,
+                                         config.intermediate_size, quant, found, reader, used)
+            experts.hold_quantized(gate_up.to(device), down.to(device))
+    if quant is not None:
+        _note_quantization(model, quant, narrow_linears, narrow_experts)
     leftover = sorted(set(found) - used - {"lm_head.weight"})
     if leftover:
         raise LocusError(f"{model_dir}: tensors the Llama-4 text model does not have: {', '.join(leftover[:5])}"
                          + (f" and {len(leftover) - 5} more" if len(leftover) > 5 else ""))
     return model.eval()
+
+
+def _note_quantization(model: Llama4ForCausalLM, quant, linears: set[str], experts: dict) -> None:
+    """Say what a pre-quantized checkpoint became; experts go back to float where the backend needs it."""
+    if linears:
+        log.info("%s checkpoint: %d FP8 linear weights dequantized to %s at load (only the routed experts run "
+                 "in a narrow format)", quant.method, len(linears), str(model.dtype).removeprefix("torch."))
+    if not experts:
+        return
+    backend = resolve_backend(model.model.layers[model.config.moe_layers[0]].feed_forward.moe_backend, model.device)
+    if backend == "triton":
+        log.info("%s checkpoint: the Triton MoE kernel does not read narrow expert weights yet; the routed experts "
+                 "are dequantized to %s at load", quant.method, str(model.dtype).removeprefix("torch."))
+        dequantize_model_experts(model)
+    else:
+        log.info("%s checkpoint: routed experts of %d MoE layers held in %s", quant.method, len(experts),
+                 next(iter(experts.values())).weight_format)
 
 
 def _held_rows(model: Llama4ForCausalLM, name: str) -> list[int] | None:

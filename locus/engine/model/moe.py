@@ -53,6 +53,13 @@ class Experts(nn.Module):
                 del self._parameters[name]
             object.__setattr__(self, name, q)
 
+    def expect_quantized(self) -> None:
+        """Keep only the shapes of the float weights (meta tensors, no Parameters) until hold_quantized
+        fills them: a quantized checkpoint's loader then allocates no float experts."""
+        for name in ("gate_up_proj", "down_proj"):
+            weight = self._parameters.pop(name)
+            object.__setattr__(self, name, torch.empty(weight.shape, device="meta"))
+
     def quantize(self, fmt: str) -> None:
         """Hold the experts in `fmt` (quantized once, from the float weights held now)."""
         self.hold_quantized(*quantize_experts(self.gate_up_proj, self.down_proj, fmt))
