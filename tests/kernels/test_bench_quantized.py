@@ -1,0 +1,37 @@
+"""bench/quantized_experts_cpu.py and bench/quantized_quality.py run end to end and write their JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import run_bench as run
+
+from locus.engine.checkpoint.loader import shipped_model
+from locus.kernels import moe_cpu
+
+
+@pytest.mark.skipif(not moe_cpu.available(), reason="no C compiler: the kernel is unavailable")
+def test_quantized_experts_cpu_bench(tmp_path):
+    out = tmp_path / "q.json"
+    stdout = run("quantized_experts_cpu.py", "--shape", "mini", "--tokens", "1,4", "--repeat", "2", "--out", str(out))
+    assert "| T | weights |" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["T"], r["weights"]) for r in rows} == {(t, w) for t in (1, 4)
+                                                      for w in ("bfloat16", "fp8", "mxfp8", "mxfp4")}
+    by = {(r["T"], r["weights"]): r for r in rows}
+    assert by[(1, "mxfp4")]["expert_bytes"] < by[(1, "mxfp8")]["expert_bytes"] < by[(1, "bfloat16")]["expert_bytes"]
+    assert all(r["ms"] > 0 and r["max_abs_diff"] < 0.05 for r in rows)
+
+
+@pytest.mark.slow
+def test_quantized_quality_bench(tmp_path):
+    if shipped_model("mini") is None:
+        pytest.skip("the shipped mini checkpoint is not installed")
+    out = tmp_path / "quality.json"
+    stdout = run("quantized_quality.py", "--domains", "math", "--formats", "mxfp8", "--max-prompts", "2",
+                 "--greedy-tokens", "4", "--out", str(out), timeout=600)
+    assert "| weights | mxfp8 |" in stdout and "| dispatch | mxfp8 | TODO" in stdout
+    result = json.loads(out.read_text())
+    row = result["rows"][0]["domains"]["math"]
+    assert abs(row["change"]) < 0.01 and 0.9 < row["top1_agreement"] <= 1
