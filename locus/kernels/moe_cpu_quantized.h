@@ -11,8 +11,9 @@
  * E4M3 is widened through float16: its sign, exponent and mantissa bits moved to float16's places
  * (sign-extend to 16 bits, shift by 7, clear bit 14) read as a float16 of value/2^8, E4M3's
  * subnormals landing on float16's, then the hardware float16 -> float32 conversion; the 2^8 (the bias
- * difference) is folded into the scale vector. So a weight costs 4 vector operations before its
- * multiply-adds, against 2 for bfloat16. E2M1 is a 16-entry table indexed by the nibble. E4M3 NaN
+ * difference) is folded into the scale. So a weight costs 4 vector operations before its
+ * multiply-adds (MXFP4: 2.5), against 2 for bfloat16; the scale multiplies a block's sums, not each
+ * weight. E2M1 is a 16-entry table indexed by the nibble. E4M3 NaN
  * codes are not decoded (the quantizer never writes them: a NaN block is a NaN scale), and a scale
  * times 2^8 must stay finite (an FP8 weight's scale below 2^119).
  * Rows of a block of 8 weight rows share one scale vector: 8 divides 32.
@@ -52,9 +53,21 @@ static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 #define E4M3_FOLD 256.0f /* E4M3 bits read as float16 are the value / 2^8 */
 
+/* VW bytes -> VW uint32 lanes (GCC builds __builtin_convertvector of unaligned bytes lane by lane) */
+static inline __attribute__((always_inline)) vu bytes_u32(const uint8_t *p) {
+#if defined(__AVX512F__)
+    __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    vu u;
+    memcpy(&u, &r, sizeof u);
+    return u;
+#else
+    return __builtin_convertvector(*(const vb *)p, vu);
+#endif
+}
+
 /* E8M0 bytes -> 2^(s-127) (s = 0: the float32 subnormal 2^-127; s = 255: NaN) */
 static inline __attribute__((always_inline)) vf e8m0_vec(const uint8_t *p) {
-    vu s = __builtin_convertvector(*(const vb *)p, vu);
+    vu s = bytes_u32(p);
     vu bits = s << 23, zero = (vu)(s == 0), nan = (vu)(s == 255);
     bits = (bits & ~zero) | (0x00400000u & zero);
     bits = (bits & ~nan) | (0x7FC00000u & nan);
@@ -93,7 +106,7 @@ static inline float e4m3_one(uint8_t b) { /* value / 2^8, as e4m3_vec */
     return (float)f;
 }
 static inline __attribute__((always_inline)) vf e2m1_vec(const uint8_t *p, int high) {
-    vu u = (__builtin_convertvector(*(const vb *)p, vu) >> (high ? 4 : 0)) & 0xF;
+    vu u = (bytes_u32(p) >> (high ? 4 : 0)) & 0xF;
 #if defined(__clang__)
     vf out;
     for (int i = 0; i < VW; i++) out[i] = E2M1[u[i]];
@@ -105,9 +118,9 @@ static inline __attribute__((always_inline)) vf e2m1_vec(const uint8_t *p, int h
 #endif
 }
 
-/* Both weight rows of one MXFP4 byte row (columns n .. n+VW-1), scaled: the even row in the low nibbles. */
-static inline __attribute__((always_inline)) void e2m1_pair(const uint8_t *p, vf s, vf *even, vf *odd) {
-    vu u = __builtin_convertvector(*(const vb *)p, vu);
+/* Both weight rows of one MXFP4 byte row (columns n .. n+VW-1), unscaled: the even row in the low nibbles. */
+static inline __attribute__((always_inline)) void e2m1_pair(const uint8_t *p, vf *even, vf *odd) {
+    vu u = bytes_u32(p);
 #if defined(__clang__)
     for (int i = 0; i < VW; i++) (*even)[i] = E2M1[u[i] & 0xF], (*odd)[i] = E2M1[u[i] >> 4];
 #else
@@ -116,8 +129,6 @@ static inline __attribute__((always_inline)) void e2m1_pair(const uint8_t *p, vf
     *even = __builtin_shuffle(table, (vi)(u & 0xF));
     *odd = __builtin_shuffle(table, (vi)(u >> 4));
 #endif
-    *even *= s;
-    *odd *= s;
 }
 
 /* Weight row k of expert e at columns n .. n+VW-1 (one) as float32, and its scale. */
@@ -144,45 +155,56 @@ static inline float qelem_one(const qweights *w, int64_t e, int fmt, int k, int 
     return fmt == QFMT_MXFP4 ? E2M1[(k & 1 ? b >> 4 : b) & 0xF] : e4m3_one(b);
 }
 
-/* acc[r][c] += sum_k a[r][k] * W[k][n0 + c] for r < nr, k < K, c < C: accumulate_f32's loop, with
- * each block of KB x VW weights widened and scaled once and used by all nr rows. Specialised per
- * format (FMT is a constant in each caller), so the format tests fold away. */
-static inline __attribute__((always_inline)) void accumulate_q(const float *a, long lda, int nr, const qweights *w, int64_t e, int fmt, int n0,
-                                int K, int C, float *acc, int ldc) {
-    int cv = C - C % VW, k0 = 0;
-    for (; k0 + KB <= K; k0 += KB) {
+/* acc[r][c] += sum_k a[r][k] * W[k][n0 + c] for r < nr, k < K, c < C: accumulate_f32's loop over
+ * blocks of KB x VW weights, widened once and used by all nr rows. The scale is applied once per
+ * scale block, not per weight: the rows of a block (32 for MX, all K for row-wise FP8) accumulate
+ * element products into blk, which is then scaled into acc. Specialised per format (FMT is a
+ * constant in each caller), so the format tests fold away. */
+static inline __attribute__((always_inline)) void accumulate_q(const float *a, long lda, int nr, const qweights *w,
+                                                               int64_t e, int fmt, int n0, int K, int C, float *acc,
+                                                               int ldc) {
+    int cv = C - C % VW, span = fmt == QFMT_FP8 ? K : 32;
+    float blk[RB * CB] __attribute__((aligned(64)));
+    for (int kb = 0; kb < K; kb += span) {
+        int kend = kb + span < K ? kb + span : K, k0 = kb;
+        for (int r = 0; r < nr; r++) memset(blk + r * CB, 0, cv * sizeof(float));
+        for (; k0 + KB <= kend; k0 += KB) {
+            for (int c = 0; c < cv; c += VW) {
+                if (k0 + (PREFETCH + 1) * KB <= K && c % 64 == 0) /* a line holds 64 columns of one row */
+                    for (int q = 0; q < KB; q += fmt == QFMT_MXFP4 ? 2 : 1)
+                        __builtin_prefetch(qrow(w, e, fmt, k0 + PREFETCH * KB + q, n0 + c), 0, 3);
+                const uint8_t *b = qrow(w, e, fmt, k0, n0 + c);
+                vf w0, w1, w2, w3, w4, w5, w6, w7;
+                if (fmt == QFMT_MXFP4) { /* one byte row holds two weight rows: read it once */
+                    e2m1_pair(b, &w0, &w1);
+                    e2m1_pair(b + w->sk, &w2, &w3);
+                    e2m1_pair(b + 2 * w->sk, &w4, &w5);
+                    e2m1_pair(b + 3 * w->sk, &w6, &w7);
+                } else {
+                    w0 = e4m3_vec(b), w1 = e4m3_vec(b + w->sk), w2 = e4m3_vec(b + 2 * w->sk),
+                    w3 = e4m3_vec(b + 3 * w->sk), w4 = e4m3_vec(b + 4 * w->sk), w5 = e4m3_vec(b + 5 * w->sk),
+                    w6 = e4m3_vec(b + 6 * w->sk), w7 = e4m3_vec(b + 7 * w->sk);
+                }
+                for (int r = 0; r < nr; r++) {
+                    const float *x = a + r * lda + k0;
+                    vf *out = (vf *)(blk + r * CB + c);
+                    vf t = *out;
+                    t += x[0] * w0; t += x[1] * w1; t += x[2] * w2; t += x[3] * w3;
+                    t += x[4] * w4; t += x[5] * w5; t += x[6] * w6; t += x[7] * w7;
+                    *out = t;
+                }
+            }
+        }
+        for (; k0 < kend; k0++) /* K % KB leftover weight rows (the last block only) */
+            for (int c = 0; c < cv; c += VW) {
+                vf wv = qelem_vec(w, e, fmt, k0, n0 + c);
+                for (int r = 0; r < nr; r++) *(vf *)(blk + r * CB + c) += a[r * lda + k0] * wv;
+            }
         for (int c = 0; c < cv; c += VW) {
-            if (k0 + (PREFETCH + 1) * KB <= K && c % 64 == 0) /* a line holds 64 columns of one row */
-                for (int q = 0; q < KB; q += fmt == QFMT_MXFP4 ? 2 : 1)
-                    __builtin_prefetch(qrow(w, e, fmt, k0 + PREFETCH * KB + q, n0 + c), 0, 3);
-            vf s = qscale_vec(w, e, fmt, k0, n0 + c), w0, w1, w2, w3, w4, w5, w6, w7;
-            if (fmt == QFMT_MXFP4) { /* one byte row holds two weight rows: read it once */
-                const uint8_t *b = qrow(w, e, fmt, k0, n0 + c);
-                e2m1_pair(b, s, &w0, &w1);
-                e2m1_pair(b + w->sk, s, &w2, &w3);
-                e2m1_pair(b + 2 * w->sk, s, &w4, &w5);
-                e2m1_pair(b + 3 * w->sk, s, &w6, &w7);
-            } else {
-                const uint8_t *b = qrow(w, e, fmt, k0, n0 + c);
-                w0 = e4m3_vec(b) * s, w1 = e4m3_vec(b + w->sk) * s, w2 = e4m3_vec(b + 2 * w->sk) * s,
-                w3 = e4m3_vec(b + 3 * w->sk) * s, w4 = e4m3_vec(b + 4 * w->sk) * s, w5 = e4m3_vec(b + 5 * w->sk) * s,
-                w6 = e4m3_vec(b + 6 * w->sk) * s, w7 = e4m3_vec(b + 7 * w->sk) * s;
-            }
-            for (int r = 0; r < nr; r++) {
-                const float *x = a + r * lda + k0;
-                vf *out = (vf *)(acc + r * ldc + c);
-                vf t = *out;
-                t += x[0] * w0; t += x[1] * w1; t += x[2] * w2; t += x[3] * w3;
-                t += x[4] * w4; t += x[5] * w5; t += x[6] * w6; t += x[7] * w7;
-                *out = t;
-            }
+            vf s = qscale_vec(w, e, fmt, kb, n0 + c);
+            for (int r = 0; r < nr; r++) *(vf *)(acc + r * ldc + c) += *(vf *)(blk + r * CB + c) * s;
         }
     }
-    for (; k0 < K; k0++) /* K % KB leftover weight rows */
-        for (int c = 0; c < cv; c += VW) {
-            vf wv = qelem_vec(w, e, fmt, k0, n0 + c) * qscale_vec(w, e, fmt, k0, n0 + c);
-            for (int r = 0; r < nr; r++) *(vf *)(acc + r * ldc + c) += a[r * lda + k0] * wv;
-        }
     for (int k = 0; k < K; k++) /* C % VW leftover columns */
         for (int c = cv; c < C; c++) {
             float wk = qelem_one(w, e, fmt, k, n0 + c) * qscale_one(w, e, fmt, k, n0 + c);
