@@ -39,8 +39,9 @@ KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Measured with bench/moe_kernels.py --cpu-max-rows, 2 threads (docs/kernels.md).
 CPU_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 12}
 # Quantized weights: the alternative is dequantizing the experts in use before the reference's
-# GEMMs, so the kernel keeps the batch longer (bench/quantized_experts_cpu.py, docs/formats.md).
-CPU_MAX_ROWS_QUANTIZED = 64
+# GEMMs, so the kernel keeps much larger batches: on the `small` expert shape (4 experts in use, one
+# thread) it was faster up to 256 rows per expert and slower at 512 (docs/formats.md).
+CPU_MAX_ROWS_QUANTIZED = 256
 QUANTIZED_FORMATS = {"fp8": 1, "mxfp8": 2, "mxfp4": 3}  # moe_cpu_quantized.h's QFMT_*
 
 
