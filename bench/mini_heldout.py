@@ -38,21 +38,26 @@ def heldout_texts(corpus: str, bytes_per_domain: int) -> dict[str, list[str]]:
     return out
 
 
+def window_batches(model, tok, docs: list[str], seq_len: int, batch_size: int = 8):
+    """The documents as one stream `bos text eot ...`, in windows of seq_len + 1 tokens stepping by
+    seq_len, yielded as int64 batches [B, S + 1] of equal-length windows (the last may be shorter)."""
+    bos, eos = model.config.bos_token_id, model.config.eos_token_ids[0]
+    stream = np.array([t for text in docs for t in (bos, *tok.encode(text, add_special_tokens=False), eos)],
+                      dtype=np.int64)
+    windows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - 1, seq_len)]
+    for length in sorted({len(w) for w in windows}):
+        same = [w for w in windows if len(w) == length]
+        for i in range(0, len(same), batch_size):
+            yield torch.from_numpy(np.stack(same[i:i + batch_size]))
+
+
 @torch.no_grad()
 def nats_per_byte(model_name: str, texts: dict[str, list[str]], seq_len: int, batch_size: int = 8) -> dict[str, float]:
     loaded = load(model_name, dtype="float32", device="cpu", moe_backend="torch")
     model, tok = loaded.model.eval(), loaded.tokenizer
-    bos, eos = model.config.bos_token_id, model.config.eos_token_ids[0]
     out = {}
     for domain, docs in texts.items():
-        stream = np.array([t for text in docs for t in (bos, *tok.encode(text, add_special_tokens=False), eos)],
-                          dtype=np.int64)
-        windows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - 1, seq_len)]
-        total = 0.0
-        for length in sorted({len(w) for w in windows}):  # the last window may be shorter
-            same = [w for w in windows if len(w) == length]
-            for i in range(0, len(same), batch_size):
-                total += token_losses(model, torch.from_numpy(np.stack(same[i:i + batch_size]))).sum().item()
+        total = sum(token_losses(model, x).sum().item() for x in window_batches(model, tok, docs, seq_len, batch_size))
         out[domain] = total / sum(len(t.encode("utf-8")) for t in docs)
     return out
 

@@ -37,6 +37,9 @@ from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
 from locus.training.train import rows_batch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench/mini_heldout.py
+from mini_heldout import heldout_texts, window_batches  # noqa: E402
+
 FORMATS = ("fp8", "mxfp8", "mxfp4")
 TODO_ROWS = [("dispatch", "mxfp8"), ("dispatch", "mxint8"), ("both", "mxfp8")]
 
@@ -48,20 +51,13 @@ def shipped_texts(model_dir: Path) -> dict[str, list[str]]:
 @torch.no_grad()
 def score(model, tok, texts: dict[str, list[str]], seq_len: int, batch_size: int = 8) -> dict[str, dict]:
     """Per domain: summed next-token loss (nats), bytes, and the argmax token at every position."""
-    bos, eos = model.config.bos_token_id, model.config.eos_token_ids[0]
     out = {}
     for domain, docs in texts.items():
-        stream = np.array([t for text in docs for t in (bos, *tok.encode(text, add_special_tokens=False), eos)],
-                          dtype=np.int64)
-        windows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - 1, seq_len)]
         total, argmax = 0.0, []
-        for length in sorted({len(w) for w in windows}):  # the last window may be shorter
-            same = [w for w in windows if len(w) == length]
-            for i in range(0, len(same), batch_size):
-                x = torch.from_numpy(np.stack(same[i:i + batch_size]))
-                logits = model.compute_logits(model(rows_batch(x[:, :-1])).hidden)
-                total += torch.nn.functional.cross_entropy(logits, x[:, 1:].reshape(-1), reduction="sum").item()
-                argmax.append(logits.argmax(-1))
+        for x in window_batches(model, tok, docs, seq_len, batch_size):
+            logits = model.compute_logits(model(rows_batch(x[:, :-1])).hidden)
+            total += torch.nn.functional.cross_entropy(logits, x[:, 1:].reshape(-1), reduction="sum").item()
+            argmax.append(logits.argmax(-1))
         out[domain] = {"nats": total, "bytes": sum(len(t.encode("utf-8")) for t in docs),
                        "argmax": torch.cat(argmax)}
     return out
@@ -106,9 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.corpus:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from mini_heldout import heldout_texts
-
         texts, source = heldout_texts(args.corpus, args.bytes_per_domain), f"{args.corpus} (held-out split)"
     else:
         model_dir = Path(args.model) if Path(args.model).is_dir() else shipped_model(args.model)
