@@ -201,16 +201,19 @@ def quantize(x: torch.Tensor, fmt: str | Format, axis: int = -1) -> QuantizedTen
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values q stands for, computed in float32 (exact for every MX format), returned in dtype."""
-    fmt = q.fmt
-    n = q.shape[q.axis]
-    values = decode_elements(q.data.movedim(q.axis, -1), fmt.element, n)  # [..., n] float32
-    scale = q.scale.movedim(q.axis, -1)
-    if fmt.is_mx:
-        factor = e8m0_to_float(scale).repeat_interleave(fmt.block, dim=-1)[..., :n]
-    else:
-        factor = scale.float()
-    return (values * factor).movedim(-1, q.axis).to(dtype)
+    """The values q stands for, computed in float32 (exact for every MX format), returned in dtype.
+    Works in q's own layout (no transposition): the scales are broadcast along the axis."""
+    fmt, axis = q.fmt, q.axis
+    n = q.shape[axis]
+    values = decode_elements(q.data, fmt.element, n, axis)  # q.shape, float32
+    if not fmt.is_mx:
+        return (values * q.scale.float()).to(dtype)
+    nb = q.scale.shape[axis]
+    if nb * fmt.block != n:  # a short last block: pad to whole blocks, multiply, cut
+        pad = [0, 0] * (values.dim() - 1 - axis) + [0, nb * fmt.block - n]
+        values = torch.nn.functional.pad(values, pad)
+    blocks = values.unflatten(axis, (nb, fmt.block)) * e8m0_to_float(q.scale).unsqueeze(axis + 1)
+    return blocks.flatten(axis, axis + 1).narrow(axis, 0, n).to(dtype)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -220,14 +223,19 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale.to(torch.int32) == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
-def decode_elements(data: torch.Tensor, element: ElementFormat, n: int) -> torch.Tensor:
-    """Stored elements along the last dimension -> float32 element values [..., n]."""
+def decode_elements(data: torch.Tensor, element: ElementFormat, n: int, axis: int = -1) -> torch.Tensor:
+    """Stored elements -> float32 element values, n of them along `axis` (E2M1 unpacked along it)."""
     if element is E2M1:
+        axis = axis % data.dim()
         table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=data.device)
-        codes = torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2)[..., :n]
-        return table[codes.long()]
+        codes = torch.stack([data & 0x0F, data >> 4], dim=axis + 1).flatten(axis, axis + 1).narrow(axis, 0, n)
+        return torch.take(table, codes.long())
     if element is INT8:
         return data.float() * 2.0**-6
+    if element is E4M3:  # through float16 (vectorised conversion; torch's float8 one is per element)
+        bits = (data.view(torch.int8).to(torch.int16) << 7) & ~(1 << 14)  # float16 of value / 2^8
+        nan = (data.view(torch.uint8) & 0x7F) == 0x7F
+        return (bits.view(torch.float16).float() * 256.0).masked_fill_(nan, float("nan"))
     return data.float()
 
 

@@ -318,6 +318,13 @@ def test_element_grids_are_the_spec_tables():
         assert torch.equal(values.to(element.torch_dtype).float(), values)
 
 
+def test_e4m3_nan_codes_read_back_nan():
+    q = quantize(torch.ones(32), "mxfp8")
+    q.data.view(torch.uint8)[:2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+    out = q.dequantize()
+    assert out[:2].isnan().all() and not out[2:].isnan().any()
+
+
 def test_every_code_round_trips():
     """Every finite element value, scaled by a few powers of two, quantizes to itself."""
     for name, element in [("mxfp8", E4M3), ("mxfp8_e5m2", E5M2), ("mxfp4", E2M1), ("mxint8", INT8)]:

@@ -128,7 +128,8 @@ def test_prefill_sized_batches_use_the_reference(monkeypatch):
     calls = []
     monkeypatch.setattr(moe_cpu, "fused_moe_quantized_reference",
                         lambda *a: calls.append(1) or fused_moe_quantized_reference(*a))
-    x, gate_up, down, ids, weights = problem(200, 1, 2, 32, 32, "one_expert", torch.float32, "mxfp8")
+    x, gate_up, down, ids, weights = problem(moe_cpu.CPU_MAX_ROWS_QUANTIZED + 1, 1, 2, 32, 32, "one_expert",
+                                             torch.float32, "mxfp8")
     moe_cpu.fused_moe_cpu(x, gate_up, down, ids, weights)
     assert calls
 
