@@ -28,7 +28,6 @@ Anything else is refused with one LocusError naming the field or tensor.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,6 @@ import torch
 
 from locus.errors import LocusError
 from locus.kernels.formats import QuantizedTensor
-
-log = logging.getLogger("locus.engine")
 
 METHODS = ("fbgemm_fp8", "mxfp4")
 PREFIX = "language_model."  # the multimodal checkpoints' names (and their modules_to_not_convert)
@@ -81,6 +78,12 @@ def read_quantization(model_dir: Path) -> CheckpointQuantization | None:
         keep = ["lm_head"]  # transformers' default: the output embedding stays in full precision
     if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
         raise LocusError(f"{path}: quantization_config.modules_to_not_convert must be a list of module names")
+    for key in keep:
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise LocusError(f"{path}: quantization_config.modules_to_not_convert entry {key!r} is not a valid "
+                             f"pattern ({exc})") from None
     return CheckpointQuantization(method, tuple(keep))
 
 

@@ -172,6 +172,12 @@ def test_unsupported_quant_method_is_refused(fp8, tmp_path):
         load_model(bad)
 
 
+def test_bad_modules_to_not_convert_is_refused(fp8, tmp_path):
+    bad = rewrite(fp8[0], tmp_path / "b", config={"modules_to_not_convert": ["model.layers.(0"]})
+    with pytest.raises(LocusError, match=r"modules_to_not_convert entry 'model\.layers\.\(0' is not a valid pattern"):
+        load_model(bad)
+
+
 def test_fp8_tensor_of_a_kept_module_is_refused(fp8, tmp_path):
     bad = rewrite(fp8[0], tmp_path / "b", config={"modules_to_not_convert": KEEP + ["model.layers.1.self_attn"]})
     with pytest.raises(LocusError, match=r"'model\.layers\.1\.self_attn\.q_proj\.weight' is float8_e4m3fn, but "
