@@ -107,3 +107,17 @@ def test_serve_refuses_it_under_expert_parallelism():
     done = run_cli("serve", "--model", "tiny", "--ep-ranks", "2", "--quantize-experts", "mxfp8", "--port", "0")
     assert done.returncode != 0
     assert "--quantize-experts does not run under expert parallelism" in done.stderr
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_quantized_experts_matches_eager():
+    """--compile: the quantized experts are the opaque op locus::fused_moe_quantized in the graph."""
+    from locus.engine.engine_core import EngineConfig
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [list(range(3, 20)), list(range(5, 30))]
+    eager = LLM("tiny", moe_backend="cpu", quantize_experts="mxfp4").generate(prompts, params)
+    compiled = LLM("tiny", moe_backend="cpu", quantize_experts="mxfp4",
+                   engine_config=EngineConfig(compile_decode=True, compile_buckets=(1, 2), max_num_seqs=2))
+    assert [o.outputs[0].token_ids for o in compiled.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in eager]
