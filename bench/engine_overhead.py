@@ -1,0 +1,226 @@
+"""The host's share of a decode step: what the engine does around the model's forward, per batch size.
+
+A decode step is schedule -> prepare inputs -> forward -> sample -> postprocess (append, stop checks,
+detokenize) -> outputs -> hand-off to the streams. Everything but the forward is host work that a GPU
+waits through (until the overlapped schedule hides it). This script runs B sequences in decode and
+times each phase of every step, with the model's own work (its forward and lm_head, or the decode
+graph's replay) timed apart; on CUDA the forward's timer waits for the device, so device time never
+lands in a host phase.
+
+Phases (medians over the timed steps, ms):
+    schedule     Scheduler.schedule
+    prepare      ModelRunner.run minus the forward: batch tensors, block tables, static-buffer copies
+    forward      the model's forward + lm_head (eager), or the decode graph's call (compiled / CUDA graph)
+    sample       Sampler.sample (greedy: the argmax's read-back)
+    postprocess  the engine's per-token work after sampling: append, stop checks, detokenize
+    outputs      the rest of EngineCore.step: block registration, routing publish, RequestOutputs
+    hand-off     AsyncEngine._deliver_step: the step's outputs to each request's stream (one running loop)
+    host         step + hand-off - forward
+
+    python bench/engine_overhead.py [--model small] [--device cpu|cuda] [--batch-sizes 1,32,256]
+                                    [--decode eager|compiled|graph] [--steps 20] [--threads N] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+PHASES = ("schedule", "prepare", "forward", "sample", "postprocess", "outputs", "hand-off", "host")
+
+
+class Timers:
+    """Seconds spent in each wrapped call during the current step."""
+
+    def __init__(self, sync):
+        self.sync = sync  # waits for the device (CUDA) inside the forward's timer
+        self.now: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn, wait: bool = False):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if wait:
+                    self.sync()
+                self.now[name] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict[str, float]:
+        now, self.now = dict(self.now), defaultdict(float)
+        return now
+
+
+def instrument(core, timers: Timers) -> None:
+    """Wrap the engine's phase boundaries (instance attributes only; the classes stay untouched)."""
+    core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)
+    core.runner.run = timers.wrap("run", core.runner.run)
+    core.sampler.sample = timers.wrap("sample", core.sampler.sample)
+    core._sample = timers.wrap("engine_sample", core._sample)
+    model = core.model
+    model.forward = timers.wrap("forward", model.forward, wait=True)
+    model.compute_logits = timers.wrap("forward", model.compute_logits, wait=True)
+    graphs = getattr(core.runner, "graphs", None)
+    if graphs is not None:  # the compiled / captured decode step: its call is the forward
+        for name in ("_replay", "_compiled"):
+            if hasattr(graphs, name):
+                setattr(graphs, name, timers.wrap("forward", getattr(graphs, name), wait=True))
+                break
+
+
+class Streams:
+    """An AsyncEngine (not started) whose sinks live on an event loop in another thread, each with a
+    listener that takes every output: the hand-off's cost on the engine thread, with a live loop."""
+
+    def __init__(self, core):
+        from locus.engine.async_engine import AsyncEngine, _Sink
+
+        self.engine = AsyncEngine(core)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._sink = _Sink
+
+    def register(self, request_ids) -> None:
+        for rid in request_ids:
+            sink = self._sink()
+            sink.listen(lambda out: True)
+            self.engine._sinks[rid] = (sink, self.loop)
+
+    def deliver(self, outputs) -> None:
+        self.engine._publish_stats(0)
+        self.engine._deliver_step(outputs)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def measure(model, tokenizer, B: int, args, device: torch.device) -> dict:
+    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.sampling_params import SamplingParams
+    from offline import make_prompts
+
+    warm = 4
+    total_len = args.prompt_len + warm + args.steps + 4
+    blocks = B * (-(-total_len // 16) + 1)
+    config = dict(max_num_seqs=B, max_num_batched_tokens=max(2048, B * args.prompt_len), num_kv_blocks=blocks)
+    if args.decode == "compiled":
+        config.update(compile_decode=True, compile_buckets=(B,))
+    elif args.decode == "eager" and device.type == "cuda":
+        config.update(enforce_eager=True)
+    core = EngineCore(model, tokenizer, EngineConfig(**config))
+    params = SamplingParams(temperature=0.0, max_tokens=warm + args.steps + 3, ignore_eos=True)
+    prompts = make_prompts(B, args.prompt_len, model.config.vocab_size, seed=B)
+    ids = [f"r{i}" for i in range(B)]
+    for rid, prompt in zip(ids, prompts):
+        core.add_request(rid, prompt, params)
+    streams = Streams(core)
+    streams.register(ids)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timers = Timers(sync)
+    try:
+        while core.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in core.scheduler.running):
+            streams.deliver(core.step())  # prefill (possibly chunked)
+        for _ in range(warm):
+            streams.deliver(core.step())
+        instrument(core, timers)
+        rows = []
+        for _ in range(args.steps):
+            timers.take()
+            start = time.perf_counter()
+            outputs = core.step()
+            stepped = time.perf_counter()
+            streams.deliver(outputs)
+            end = time.perf_counter()
+            t = timers.take()
+            row = {
+                "schedule": t.get("schedule", 0.0),
+                "prepare": t.get("run", 0.0) - t.get("forward", 0.0),
+                "forward": t.get("forward", 0.0),
+                "sample": t.get("sample", 0.0),
+                "postprocess": t.get("engine_sample", 0.0) - t.get("sample", 0.0),
+                "outputs": (stepped - start) - t.get("schedule", 0.0) - t.get("run", 0.0) - t.get("engine_sample", 0.0),
+                "hand-off": end - stepped,
+            }
+            row["host"] = (end - start) - row["forward"]
+            rows.append(row)
+        decoded = sum(len(out.outputs[0].delta_token_ids) for out in outputs)
+        if decoded != B:
+            raise RuntimeError(f"the last timed step decoded {decoded} tokens, not {B}: not a pure decode batch")
+    finally:
+        streams.close()
+    return {phase: statistics.median(r[phase] for r in rows) * 1e3 for phase in PHASES}
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", help="preset name or checkpoint dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument("--batch-sizes", default="1,32,256")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--decode", default="default", choices=["default", "eager", "compiled", "graph"],
+                   help="how decode steps run: the engine's default for the device (CPU eager, CUDA graphs), "
+                        "eager, compiled (--compile), graph (CUDA graphs, CUDA only)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from locus.engine.checkpoint.loader import load
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if args.decode == "graph" and device.type != "cuda":
+        p.error("--decode graph needs --device cuda")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    loaded = load(args.model, args.dtype, str(device), args.moe_backend, 0)
+    results = {}
+    for B in sizes:
+        results[B] = measure(loaded.model, loaded.tokenizer, B, args, device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    workload = (f"{args.model}, {args.dtype}, {where}, decode {args.decode}, prompts of {args.prompt_len} tokens, "
+                f"median of {args.steps} steps")
+    print(f"host time of a decode step ({workload}), ms")
+    print("| sequences | " + " | ".join(PHASES) + " | host / step |")
+    print("|---" * (len(PHASES) + 2) + "|")
+    for B, r in results.items():
+        step = r["host"] + r["forward"]
+        print(f"| {B} | " + " | ".join(f"{r[ph]:.3f}" for ph in PHASES) + f" | {r['host'] / step:.0%} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "bench": "engine_overhead", "workload": workload, "command": " ".join(["python bench/engine_overhead.py", *(argv or sys.argv[1:])]),
+            "commit": git_commit(), "ms": {str(B): r for B, r in results.items()},
+            "machine": {"python": platform.python_version(), "torch": torch.__version__, "device": where},
+        }, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
