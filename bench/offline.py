@@ -2,11 +2,13 @@
 
 Default workload (the engine issue's): the `small` preset (hidden 256, 4 layers, 16 experts top-1,
 vocab 32000) written as a HuggingFace checkpoint, 32 prompts of 64 random tokens, 64 new tokens each,
-greedy, on this machine's CPU. transformers' Llama-4 MoE runs every expert on every token; Locus runs
-only the chosen ones and batches continuously. Both runs use the same weights, prompts and thread
-count, one after the other in one process, and each is timed best-of `--repeats`.
+greedy, on this machine's CPU (or `--device cuda`: Locus with its CUDA-graph decode, transformers on
+the same GPU). transformers' Llama-4 MoE runs every expert on every token; Locus runs only the chosen
+ones and batches continuously. Both runs use the same weights, prompts and thread count, one after
+the other in one process, and each is timed best-of `--repeats`.
 
     python bench/offline.py [--prompts 32 --prompt-len 64 --new-tokens 64 --out results/offline.json]
+    python bench/offline.py --device cuda --dtype bfloat16 --prompts 64
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time prefill alone (1 new token) to split each engine's time into prefill and decode")
     p.add_argument("--compile", action="store_true",
                    help="also run Locus with compiled decode steps (one bucket: the batch size), beside the eager run")
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu"],
-                   help="locus's expert kernels (auto: the C decode kernel where it builds, as `locus serve`)")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="locus's expert kernels (auto: the C decode kernel where it builds, Triton on CUDA, as "
+                        "`locus serve`)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     p.add_argument("--out", default="results/offline.json")
     return p.parse_args(argv)
 
@@ -58,7 +62,7 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
 
 
 def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str,
-              compile_decode: bool = False, moe_backend: str = "auto"):
+              compile_decode: bool = False, moe_backend: str = "auto", device: str = "cpu"):
     from locus.engine.engine_core import EngineConfig
     from locus.engine.llm import LLM
     from locus.engine.sampling import SamplingParams
@@ -67,7 +71,7 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
 
     def once():
         # a fresh engine per repeat: no prefix cache carried over between timed runs
-        llm = LLM(str(model_dir), dtype=dtype, device="cpu", moe_backend=moe_backend,
+        llm = LLM(str(model_dir), dtype=dtype, device=device, moe_backend=moe_backend,
                   engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                                              compile_decode=compile_decode,
                                              compile_buckets=(min(len(prompts), max_num_seqs),)))
@@ -80,16 +84,18 @@ def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_s
     return seconds, runs[0][1]
 
 
-def run_transformers(model_dir: Path, prompts, new_tokens: int, repeats: int, dtype: str):
+def run_transformers(model_dir: Path, prompts, new_tokens: int, repeats: int, dtype: str, device: str = "cpu"):
     from transformers import Llama4ForCausalLM
 
-    model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor(prompts)
+    model = Llama4ForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
 
     def once():
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if device != "cpu":
+            torch.cuda.synchronize()
         return out[:, ids.shape[1]:].tolist()
 
     return time_best(once, repeats)
@@ -111,33 +117,41 @@ def main(argv: list[str] | None = None) -> int:
         total_new = args.prompts * args.new_tokens
         rows = []
         locus_s, locus_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs, args.dtype,
-                                          moe_backend=args.moe_backend)
+                                          moe_backend=args.moe_backend, device=args.device)
         rows.append({"engine": "locus", "seconds": locus_s, "output_tokens_per_s": total_new / locus_s})
         if args.compile:
             compiled_s, compiled_tokens = run_locus(model_dir, prompts, args.new_tokens, args.repeats, args.max_num_seqs,
-                                                    args.dtype, compile_decode=True, moe_backend=args.moe_backend)
+                                                    args.dtype, compile_decode=True, moe_backend=args.moe_backend,
+                                                    device=args.device)
             rows.append({"engine": "locus-compiled", "seconds": compiled_s, "output_tokens_per_s": total_new / compiled_s,
                          "identical_to_eager_share": sum(a == b for a, b in zip(compiled_tokens, locus_tokens)) / len(prompts)})
-        agree = None
+        agree = hf_error = None
         if not args.skip_transformers:
-            hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats, args.dtype)
-            rows.append({"engine": "transformers", "seconds": hf_s, "output_tokens_per_s": total_new / hf_s})
-            agree = sum(a == b for a, b in zip(locus_tokens, hf_tokens)) / len(prompts)
+            try:
+                hf_s, hf_tokens = run_transformers(model_dir, prompts, args.new_tokens, args.repeats, args.dtype,
+                                                   args.device)
+            except Exception as exc:  # noqa: BLE001 - the baseline's failure must not lose Locus's figures
+                hf_error = f"{type(exc).__name__}: {exc}"
+                print(f"transformers failed, no comparison: {hf_error}", file=sys.stderr)
+            else:
+                rows.append({"engine": "transformers", "seconds": hf_s, "output_tokens_per_s": total_new / hf_s})
+                agree = sum(a == b for a, b in zip(locus_tokens, hf_tokens)) / len(prompts)
         phases = {}
         if args.phases:
             phases["locus"] = run_locus(model_dir, prompts, 1, args.repeats, args.max_num_seqs, args.dtype,
-                                        moe_backend=args.moe_backend)[0]
+                                        moe_backend=args.moe_backend, device=args.device)[0]
             if args.compile:  # one new token: the prefill alone, which stays eager
                 phases["locus-compiled"] = phases["locus"]
-            if not args.skip_transformers:
-                phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats, args.dtype)[0]
+            if any(r["engine"] == "transformers" for r in rows):
+                phases["transformers"] = run_transformers(model_dir, prompts, 1, args.repeats, args.dtype, args.device)[0]
             for r in rows:
                 r["prefill_seconds"] = phases[r["engine"]]
                 r["decode_seconds"] = r["seconds"] - phases[r["engine"]]
     hf = next((r for r in rows if r["engine"] == "transformers"), None)
     ratio = rows[0]["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU threads {torch.get_num_threads()}"
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"{args.dtype}, CPU threads {torch.get_num_threads()}")
+          f"{args.dtype}, {where}")
     print(f"{'engine':<16}{'seconds':>10}{'out tok/s':>12}{' vs transformers' if hf else ''}")
     for r in rows:
         vs = f"{r['output_tokens_per_s'] / hf['output_tokens_per_s']:>8.2f}x" if hf else ""
@@ -154,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "offline", "model": args.model or "small preset (seed 0)", "prompts": args.prompts,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "moe_backend": args.moe_backend, "repeats": args.repeats, "rows": rows,
-        "ratio_locus_over_transformers": ratio, "identical_greedy_share": agree,
+        "device": where,
+        "ratio_locus_over_transformers": ratio, "identical_greedy_share": agree, "transformers_error": hf_error,
         "machine": {"threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,23 +1,28 @@
-"""A decode step against its floor: the eager and the compiled engine side by side, and the floor
-measured in the same run.
+"""A decode step against its floor: the engine's decode modes side by side, and the floor measured in
+the same run.
 
-Workload of bench/offline.py (the `small` preset, 32 prompts of 64 random tokens, greedy). Two
-engines share one model: one eager, one with compiled decode steps (decode_graph.py, one bucket of
-the batch size). Both prefill the prompts, warm up, then their decode steps are timed alternately,
-one step each in turn, so that this shared machine's noise falls on both alike.
+Workload of bench/offline.py (the `small` preset, 32 prompts of 64 random tokens, greedy). Engines
+sharing one model, one per decode mode: on CPU eager and compiled (`--compile`); on CUDA eager
+(`--enforce-eager`), graph (CUDA graphs, the default there) and graph+compile. Each prefills the
+prompts and warms up, then their decode steps are timed alternately, one step each in turn, so that
+noise falls on all alike. A step is the engine's whole step (schedule, forward, sampling, outputs),
+waited for on a GPU.
 
-The floor is what a decode step cannot avoid, each part measured here, now:
-- lm_head: [B, H] x [H, V], the fastest of eager `F.linear`, `W @ h^T` and inductor with frozen
-  (prepacked) weights;
-- routed experts: reading the bytes of the experts the step's tokens touch (from the eager step's
-  routing), at the streaming bandwidth of a plain read over all expert weights (larger than the L3);
-- dense projections (attention q/k/v/o, router, shared expert, dense MLPs): their FLOPs at the peak
-  of a large GEMM in the same dtype.
+The floor is what a decode step cannot avoid, from the device's ceilings (bench/device_ceilings.py:
+bandwidth of a large copy on a GPU, of a large read on CPU; a large GEMM's FLOP/s in the dtype),
+measured in this run:
+- routed experts: the bytes of the experts the step's tokens touch (from an eager step's routing),
+  read at that bandwidth;
+- dense projections (attention q/k/v/o, router, shared expert, dense MLPs): their weight bytes at the
+  bandwidth or their FLOPs at the GEMM peak, whichever takes longer;
+- lm_head: on a GPU the same roofline; on CPU the fastest of eager `F.linear`, `W @ h^T` and inductor
+  with frozen (prepacked) weights, as timed here (a CPU GEMM of 32 rows is far from its peak).
 Attention itself, routing, sampling, scheduling and Python count as zero.
 
     python bench/profile_decode.py [--dtype float32|bfloat16] [--moe-backend auto|torch|cpu] [--steps 30] [--profile]
                                    [--out FILE.json]
     python bench/profile_decode.py --device cuda --model scout-2l --dtype bfloat16   # a GPU: CUDA graphs
+The JSON's `graphs_skipped` lists every bucket a CUDA-graph engine could not capture (it must be empty).
 """
 
 from __future__ import annotations
@@ -27,15 +32,20 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from offline import make_prompts  # the same prompts as bench/offline.py (bench/ is on the path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_ceilings import measure as measure_ceilings  # noqa: E402
+from offline import make_prompts  # noqa: E402  (the same prompts as bench/offline.py)
+
+MODES = {"cpu": ("eager", "compiled"), "cuda": ("eager", "graph", "graph+compile")}
 
 
 def best_ms(fn, repeats: int = 30) -> float:
-    """Median wall time of fn() in ms after a warm-up (the median of a few bursts resists noise); on a
-    GPU each call is waited for."""
+    """Median wall time of fn() in ms after a warm-up; on a GPU each call is waited for."""
     sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     for _ in range(3):
         fn()
@@ -49,43 +59,30 @@ def best_ms(fn, repeats: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
-def lm_head_ms(model, batch: int) -> dict:
+def lm_head_forms_ms(model, batch: int) -> dict:
+    """CPU: the lm_head's forms, timed (the fastest is the floor's lm_head)."""
     dev = model.device
     h = torch.randn(batch, model.config.hidden_size, dtype=model.dtype, device=dev)
     w = model.lm_head.weight.detach()
     head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=dev)
-    # CPU: freezing folds and prepacks the weight (oneDNN). It must be the global config while the
-    # graph compiles: torch 2.13 does not apply torch.compile's options={"freezing": True}. CUDA: plain inductor.
+    # Freezing folds and prepacks the weight (oneDNN). It must be the global config while the graph
+    # compiles: torch 2.13 does not apply torch.compile's options={"freezing": True}.
     head = torch.compile(head)
-    with torch.no_grad(), torch._inductor.config.patch(freezing=dev.type == "cpu"):
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
         head._orig_mod.weight.copy_(w)
         head(h)  # compiles here, under the patch
         forms = {"F.linear": best_ms(lambda: F.linear(h, w)), "W @ h^T": best_ms(lambda: (w @ h.T).T),
-                 "inductor" + (" frozen" if dev.type == "cpu" else ""): best_ms(lambda: head(h))}
+                 "inductor frozen": best_ms(lambda: head(h))}
     del head
-    return {"ms": min(forms.values()), "forms_ms": forms}
-
-
-def stream_gbps(model) -> float:
-    """GB/s of a plain read (a sum) over every expert weight of the model, viewed as float32 words."""
-    tensors = [m.experts.gate_up_proj for m in moe_blocks(model)] + [m.experts.down_proj for m in moe_blocks(model)]
-    words = [t.detach().reshape(-1).view(torch.float32) for t in tensors]
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    return total / (best_ms(lambda: [w.sum() for w in words], repeats=15) / 1e3) / 1e9
-
-
-def peak_gflops(dtype: torch.dtype, device: torch.device) -> float:
-    n = 1024 if device.type == "cpu" else 8192  # a GPU needs a large GEMM to reach its peak
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    return 2 * n ** 3 / (best_ms(lambda: a @ b, repeats=10) / 1e3) / 1e9
+    return forms
 
 
 def moe_blocks(model) -> list:
     return [layer.feed_forward for layer in model.model.layers if layer.is_moe]
 
 
-def dense_flops(model, batch: int) -> int:
-    """2 * B * weights of every projection a decode token always runs (not lm_head, not routed experts)."""
+def dense_weights(model) -> tuple[int, int]:
+    """(parameters, bytes) of every projection a decode token always runs (not lm_head, not routed experts)."""
     params = 0
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -93,14 +90,33 @@ def dense_flops(model, batch: int) -> int:
         ffn = layer.feed_forward
         dense = [ffn.router, ffn.shared_expert] if layer.is_moe else [ffn]
         params += sum(p.numel() for m in dense for p in m.parameters())
-    return 2 * batch * params
+    return params, params * model.dtype.itemsize
 
 
 def touched_expert_bytes(model, routing) -> int:
     cfg = model.config
     per_expert = (cfg.hidden_size * 2 * cfg.intermediate_size + cfg.intermediate_size * cfg.hidden_size) * \
-        torch.tensor([], dtype=model.dtype).element_size()
+        model.dtype.itemsize
     return sum(int(topk.ids.unique().numel()) for topk in routing.values()) * per_expert
+
+
+def roofline_ms(nbytes: float, flops: float, bandwidth: float, peak: float) -> float:
+    return max(nbytes / bandwidth, flops / peak) * 1e3
+
+
+def engine_config(mode: str, B: int, prompt_len: int):
+    from locus.engine.engine_core import EngineConfig
+
+    config = dict(max_num_seqs=max(B, 1), max_num_batched_tokens=max(4096, B * prompt_len), compile_buckets=(B,))
+    return EngineConfig(**config, compile_decode=mode in ("compiled", "graph+compile"), enforce_eager=mode == "eager")
+
+
+def graph_report(core) -> dict:
+    graphs = core.graphs
+    if graphs is None:
+        return {"captured": [], "skipped": {}}
+    return {"captured": graphs.captured, "skipped": {str(b): why for b, why in graphs.skipped.items()},
+            "capture": graphs.capture, "compiled": graphs.compiled}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,72 +126,102 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--device", default="cpu", help="cpu, or cuda: the compiled steps are CUDA graphs there "
-                   "(mode reduce-overhead) and the experts run on the Triton kernels")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: decode steps are CUDA graphs there and the experts "
+                   "run on the Triton kernels; a preset's weights are drawn on the GPU")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated decode modes to time (default: cpu eager,compiled; cuda eager,graph,graph+compile)")
     p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="expert kernels (auto: the C decode kernel on CPU, Triton on CUDA, as `locus serve`)")
-    p.add_argument("--profile", action="store_true", help="also print a torch-profiler table of compiled steps")
+    p.add_argument("--profile", action="store_true", help="also print a torch-profiler table of the last mode's steps")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
-    from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.loader import load
+    from locus.engine.engine_core import EngineCore
+    from locus.engine.runner import ModelRunner
     from locus.engine.sampling_params import SamplingParams
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
-    loaded = load(args.model, args.dtype, str(device), args.moe_backend, 0)
+    modes = args.modes.split(",") if args.modes else list(MODES[device.type])
+    unknown = set(modes) - set(MODES[device.type])
+    if unknown:
+        p.error(f"modes {sorted(unknown)} do not exist on {device.type} (choose from {', '.join(MODES[device.type])})")
+    loaded = load(args.model, args.dtype, str(device), args.moe_backend, 0, draw_on_device=device.type == "cuda")
     model, B = loaded.model, args.prompts
-    config = dict(max_num_seqs=max(B, 1), max_num_batched_tokens=max(4096, B * args.prompt_len))
-    eager = EngineCore(model, loaded.tokenizer, EngineConfig(**config))
-    compiled = EngineCore(model, loaded.tokenizer, EngineConfig(**config, compile_decode=True, compile_buckets=(B,)))
+    ceilings = measure_ceilings(device, model.dtype)
+
+    cores = {mode: EngineCore(model, loaded.tokenizer, engine_config(mode, B, args.prompt_len)) for mode in modes}
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 20, ignore_eos=True)
     prompts = make_prompts(B, args.prompt_len, model.config.vocab_size)
-    for core in (eager, compiled):
+    for core in cores.values():
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, params)
         for _ in range(6):  # the prefill, then warm decode steps
             core.step()
-    times = {"eager": [], "compiled": []}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = {mode: [] for mode in modes}
     for _ in range(args.steps):
-        for name, core in (("eager", eager), ("compiled", compiled)):
+        for mode, core in cores.items():
+            sync()
             start = time.perf_counter()
             core.step()
-            times[name].append(time.perf_counter() - start)
-    assert compiled.graphs.steps >= args.steps, "the compiled engine's decode steps did not run compiled"
-    step_ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            sync()
+            times[mode].append(time.perf_counter() - start)
+    for mode, core in cores.items():
+        if mode != "eager" and core.graphs.steps < args.steps:
+            raise RuntimeError(f"the {mode} engine's decode steps did not run through its decode graphs")
+    step_ms = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
 
-    items = eager.scheduler.schedule().micro_batches[0]  # one more eager decode step, for its routing
-    routing = eager.runner.run(items, record_routing=True).routing
-    head = lm_head_ms(model, B)
-    gbps, peak = stream_gbps(model), peak_gflops(model.dtype, device)
+    core = next(iter(cores.values()))
+    items = core.scheduler.schedule().micro_batches[0]  # one more step, eager, for its routing
+    routing = ModelRunner(model, core.cache).run(items, record_routing=True).routing
     expert_bytes = touched_expert_bytes(model, routing)
-    floor = {"lm_head_ms": head["ms"], "experts_ms": expert_bytes / gbps / 1e6,
-             "dense_ms": dense_flops(model, B) / peak / 1e6}
+    dense_params, dense_bytes = dense_weights(model)
+    bw, peak = ceilings.bandwidth, ceilings.matmul_flops
+    V, H = model.lm_head.weight.shape
+    head_forms = lm_head_forms_ms(model, B) if device.type == "cpu" else {}
+    head_ms = min(head_forms.values()) if head_forms else roofline_ms(V * H * model.dtype.itemsize, 2 * B * V * H, bw, peak)
+    floor = {"lm_head_ms": head_ms, "experts_ms": expert_bytes / bw * 1e3,
+             "dense_ms": roofline_ms(dense_bytes, 2 * B * dense_params, bw, peak)}
     floor_ms = sum(floor.values())
+    graphs = {mode: graph_report(core) for mode, core in cores.items()}
+    skipped = {mode: g["skipped"] for mode, g in graphs.items() if g["skipped"]}
+    inductor_skips = int(torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0))
 
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    where = ceilings.device if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     name = f"{args.model}, {args.dtype}, {B} sequences, {where}, MoE backend {args.moe_backend}"
     print(f"{name}: decode step median over {args.steps} alternating steps")
     print("| part | ms | note |\n|---|---|---|")
-    print(f"| lm_head | {head['ms']:.2f} | best of " + ", ".join(f"{k} {v:.2f}" for k, v in head["forms_ms"].items()) + " |")
-    print(f"| routed experts (read) | {floor['experts_ms']:.2f} | {expert_bytes / 2**20:.1f} MiB touched at {gbps:.1f} GB/s |")
-    print(f"| dense projections | {floor['dense_ms']:.2f} | {dense_flops(model, B) / 1e6:.0f} MFLOP at {peak:.0f} GFLOPS |")
-    print(f"| **floor** | **{floor_ms:.2f}** | |")
-    for kind in ("eager", "compiled"):
-        print(f"| {kind} step | {step_ms[kind]:.2f} | {step_ms[kind] / floor_ms:.2f}x the floor |")
-    print(f"compiled / eager: {step_ms['compiled'] / step_ms['eager']:.3f}; compile time {compiled.compile_seconds:.1f} s")
+    head_note = ("best of " + ", ".join(f"{k} {v:.2f}" for k, v in head_forms.items())) if head_forms else \
+        f"{V * H * model.dtype.itemsize / 2**20:.1f} MiB read"
+    print(f"| lm_head | {head_ms:.3f} | {head_note} |")
+    print(f"| routed experts (read) | {floor['experts_ms']:.3f} | {expert_bytes / 2**20:.1f} MiB touched |")
+    print(f"| dense projections | {floor['dense_ms']:.3f} | {dense_bytes / 2**20:.1f} MiB, {2 * B * dense_params / 1e6:.0f} MFLOP |")
+    print(f"| **floor** | **{floor_ms:.3f}** | {bw / 1e9:,.0f} GB/s, {peak / 1e12:,.1f} TFLOP/s (bench/device_ceilings.py) |")
+    for mode in modes:
+        print(f"| {mode} step | {step_ms[mode]:.3f} | {step_ms[mode] / floor_ms:.2f}x the floor |")
+    for mode, core in cores.items():
+        if core.graphs is not None:
+            print(f"{mode}: decode graphs captured {graphs[mode]['captured']}, set up in {core.compile_seconds:.1f} s")
+    if skipped:
+        print(f"GRAPHS SKIPPED: {skipped}")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"workload": name, "step_ms": step_ms, "floor_ms": floor_ms, "floor_parts_ms": floor,
-                       "lm_head_forms_ms": head["forms_ms"], "stream_gbps": gbps, "peak_gflops": peak,
-                       "touched_expert_bytes": expert_bytes, "compile_s": compiled.compile_seconds,
+            json.dump({"workload": name, "device": ceilings.device, "modes": modes, "step_ms": step_ms,
+                       "floor_ms": floor_ms, "floor_parts_ms": floor, "lm_head_forms_ms": head_forms,
+                       "bandwidth_gbps": bw / 1e9, "peak_tflops": peak / 1e12, "touched_expert_bytes": expert_bytes,
+                       "setup_s": {mode: core.compile_seconds for mode, core in cores.items()},
+                       "compile_s": sum(core.compile_seconds for core in cores.values()),
+                       "graphs": graphs, "graphs_skipped": skipped, "inductor_cudagraph_skips": inductor_skips,
                        "step_over_floor": {k: v / floor_ms for k, v in step_ms.items()}}, f, indent=1)
     if args.profile:
+        core = cores[modes[-1]]
         with torch.profiler.profile(record_shapes=True) as prof:
             for _ in range(args.steps // 2):
-                compiled.step()
+                core.step()
         print(prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40, max_shapes_column_width=56))
     return 0

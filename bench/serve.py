@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--compile", action="store_true",
                         help="compiled decode steps (torch.compile per batch-size bucket) in the offline engine and the "
                              "launched server alike")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA-graph decode (captured by default on CUDA), both sides")
     engine.add_argument("--compile-buckets", default=None, metavar="B1,B2,...",
                         help="decode batch sizes to compile, both sides (default: the engine's, 1, 2, 4, ... up to "
                              "--max-num-seqs)")

@@ -48,7 +48,7 @@ def run_offline(args: argparse.Namespace, prompts: list[str | list[int]], warmup
     def config(width: int) -> EngineConfig:
         return EngineConfig(max_num_seqs=width, max_num_batched_tokens=args.max_num_batched_tokens,
                             kv_cache_memory=parse_memory(args.kv_cache_memory), compile_decode=args.compile,
-                            compile_buckets=args.compile_buckets)
+                            compile_buckets=args.compile_buckets, enforce_eager=args.enforce_eager)
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, moe_backend=args.moe_backend, seed=args.model_seed,
               engine_config=config(args.max_num_seqs))

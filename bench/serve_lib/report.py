@@ -101,6 +101,7 @@ def write_json(path: str, args: argparse.Namespace, url: str, model: str, rounds
         "server": ({"command": server.command, "omp_num_threads": server.threads} if server else None),
         "engine_flags": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "kv_cache_memory": args.kv_cache_memory, "compile": args.compile,
+                         "enforce_eager": args.enforce_eager,
                          "compile_buckets": list(args.compile_buckets) if args.compile_buckets else None}
         if (server or offline) else None,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": loadavg, "loadavg_after": os.getloadavg(),

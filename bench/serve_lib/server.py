@@ -99,6 +99,8 @@ def launch_command(args: argparse.Namespace, port: int) -> list[str]:
     for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
         if value:
             cmd += [flag, value]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
     if args.compile:
         cmd.append("--compile")
         if args.compile_buckets:

@@ -40,6 +40,7 @@ from locus.engine.sequence import Request, Resumed, Sequence, SequenceStatus
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
+from locus.kernels import resolve_backend
 
 GiB = 1 << 30
 log = logging.getLogger("locus.engine")
@@ -66,10 +67,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_micro_batches: int = 1
     count_expert_load: bool = True  # per-layer expert token counters (for /metrics); costs a bincount per layer
-    # Compiled decode steps (decode_graph.py): pure decode batches run a torch.compile'd forward padded
-    # to the smallest bucket that holds them; None = 1, 2, 4, ... up to max_num_seqs.
+    # Decode graphs (decode_graph.py): pure decode batches run one forward per batch-size bucket, padded
+    # to the smallest bucket that holds them; buckets None = 1, 2, 4, ... up to max_num_seqs.
+    # On CUDA each bucket is captured as a CUDA graph unless enforce_eager (as vLLM's --enforce-eager);
+    # compile_decode torch.compiles the forward (CPU: called; CUDA: what gets captured).
     compile_decode: bool = False
     compile_buckets: tuple[int, ...] | None = None
+    enforce_eager: bool = False
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # output constraints' budgets
 
 
@@ -86,6 +90,13 @@ class EngineStats:
     generation_tokens: int  # tokens sampled
     prefix_cache_queries: int  # full prompt blocks looked up
     prefix_cache_hits: int  # of which reused
+
+
+def experts_capturable(model: Llama4ForCausalLM) -> bool:
+    """Whether every MoE block's experts run without asking the host anything (the Triton kernels):
+    what a CUDA graph capture needs."""
+    return all(resolve_backend(layer.feed_forward.moe_backend, model.device) == "triton"
+               for layer in model.model.layers if layer.is_moe)
 
 
 def parse_memory(value: str | int) -> int:
@@ -115,13 +126,7 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                                 config.num_micro_batches), grouping)
-        self.graphs: DecodeGraphs | None = None
-        if config.compile_decode:
-            buckets = [b for b in config.compile_buckets or default_buckets(config.max_num_seqs) if b <= config.max_num_seqs]
-            if not buckets:
-                raise LocusError(f"no compile bucket ({config.compile_buckets}) is at most max_num_seqs ({config.max_num_seqs})")
-            self.graphs = DecodeGraphs(model, self.cache, buckets)
-            self.graphs.warm_up()
+        self.graphs = self._decode_graphs(model, config)
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
@@ -141,9 +146,32 @@ class EngineCore:
             self.expert_load = ExpertLoadCounter(mc.moe_layers, mc.num_local_experts)
             self.routing.subscribe(self.expert_load)
 
+    def _decode_graphs(self, model: Llama4ForCausalLM, config: EngineConfig) -> DecodeGraphs | None:
+        """The decode graphs this configuration asks for (None: every step eager), compiled and
+        captured now."""
+        capture = model.device.type == "cuda" and not config.enforce_eager
+        why_not = None
+        if capture and getattr(model, "expert_parallel", None) is not None:
+            why_not = "expert parallelism's exchange is not captured"
+        elif capture and not experts_capturable(model):
+            why_not = "the torch MoE backend counts each expert's rows on the host (use --moe-backend triton or auto)"
+        if why_not is not None:  # docs/engine.md, "Decode graphs"
+            capture = False
+            log.info("decode steps are not captured as CUDA graphs: %s%s", why_not,
+                     "" if config.compile_decode else "; they run eagerly")
+        if not (capture or config.compile_decode):
+            return None
+        buckets = [b for b in config.compile_buckets or default_buckets(config.max_num_seqs) if b <= config.max_num_seqs]
+        if not buckets:
+            raise LocusError(f"no decode bucket ({config.compile_buckets}) is at most max_num_seqs ({config.max_num_seqs})")
+        max_blocks = -(-min(self.max_model_len, self.pool_tokens) // config.block_size)
+        graphs = DecodeGraphs(model, self.cache, buckets, max_blocks, compile=config.compile_decode, capture=capture)
+        graphs.warm_up()
+        return graphs
+
     @property
     def compile_seconds(self) -> float:
-        """Seconds the compiled decode buckets took to compile at start-up (0 without --compile)."""
+        """Seconds the decode graphs took to compile and capture at start-up (0 without them)."""
         return sum(self.graphs.compile_seconds.values()) if self.graphs is not None else 0.0
 
     # --- requests -------------------------------------------------------------------------------

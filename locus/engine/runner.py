@@ -42,11 +42,12 @@ class RunResult:
 class ModelRunner:
     def __init__(self, model: Llama4ForCausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
         self.model, self.cache = model, cache
-        self.graphs = graphs  # compiled decode steps (decode_graph.py); None = always eager
+        self.graphs = graphs  # decode graphs (decode_graph.py: captured and/or compiled); None = always eager
 
     def can_run_compiled(self, items: list[ScheduledSeq]) -> bool:
-        """A pure decode micro-batch (each sequence's one new token is its last) that fits a bucket.
-        Such a step scores no prompt positions: every prompt token is already computed."""
+        """A pure decode micro-batch (each sequence's one new token is its last) that fits a bucket:
+        it runs through the decode graphs. Such a step scores no prompt positions: every prompt
+        token is already computed."""
         return (self.graphs is not None and len(items) <= self.graphs.max_batch
                 and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens for item in items))
 
@@ -98,7 +99,7 @@ class ModelRunner:
 
     def _run_compiled(self, items: list[ScheduledSeq], record_routing: bool) -> RunResult:
         seqs = [item.seq for item in items]
-        token_ids = [seq.token_slice(seq.num_computed, seq.num_tokens)[0] for seq in seqs]
+        token_ids = [seq.last_token for seq in seqs]
         positions = [seq.num_computed for seq in seqs]
         out = self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs])
         routing = None

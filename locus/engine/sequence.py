@@ -104,6 +104,12 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[:stop - p]
 
     @property
+    def last_token(self) -> int:
+        """The newest token (what a decode step feeds the model)."""
+        outputs = self.output_ids
+        return outputs[-1] if outputs else self.prompt_ids[-1]
+
+    @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 

@@ -99,11 +99,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="split each step into two micro-batches on two sets of process groups, so one's attention and "
                         "experts run while the other's dispatch or combine is on the wire (two-batch overlap)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="run decode steps as torch.compile'd graphs, one per batch-size bucket, compiled at start-up "
-                        "(inductor's on-disk cache makes the next start fast); prefill stays eager. See docs/engine.md")
+                   help="torch.compile the decode forward, one graph per batch-size bucket, at start-up (inductor's "
+                        "on-disk cache makes the next start fast; on CUDA the compiled forward is what gets captured); "
+                        "prefill stays eager. See docs/engine.md")
     p.add_argument("--compile-buckets", default=None, metavar="B1,B2,...", type=bucket_list,
-                   help="decode batch sizes to compile (default: 1, 2, 4, ... up to --max-num-seqs); a batch pads "
-                        "to the smallest bucket that holds it, larger batches run eagerly")
+                   help="decode batch sizes with a graph of their own, compiled and/or captured (default: 1, 2, 4, ... "
+                        "up to --max-num-seqs); a batch pads to the smallest bucket that holds it, larger batches run "
+                        "eagerly")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, do not capture decode steps as CUDA graphs (captured by default there; CPU never "
+                        "captures)")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
@@ -139,7 +144,7 @@ def engine_config_of(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile,
-        compile_buckets=args.compile_buckets,
+        compile_buckets=args.compile_buckets, enforce_eager=args.enforce_eager,
         grammar_limits=grammar_limits_of(args))
 
 

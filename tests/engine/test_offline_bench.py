@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-from bench_scripts import run_bench as run
+from bench_scripts import BENCH, run_bench as run
 
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.checkpoint.weights import save_checkpoint
+
+sys.path.insert(0, str(BENCH))
+import gpu_suite  # noqa: E402
 
 
 def test_offline_bench_against_transformers(tmp_path):
@@ -26,6 +30,7 @@ def test_offline_bench_against_transformers(tmp_path):
     assert compiled["identical_to_eager_share"] == 1.0
     for row in (locus, compiled, hf):
         assert 0 < row["prefill_seconds"] and row["prefill_seconds"] + row["decode_seconds"] == pytest.approx(row["seconds"])
+    assert gpu_suite.offline_figures(result)["transformers_error"] is None  # what the GPU suite reads of it
 
 
 def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path):
@@ -41,6 +46,9 @@ def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path)
     for kind in ("eager", "compiled"):
         assert result["step_over_floor"][kind] == pytest.approx(result["step_ms"][kind] / result["floor_ms"])
     assert result["touched_expert_bytes"] > 0 and result["compile_s"] > 0
+    figures = gpu_suite.decode_figures(result, 3.0)  # what the GPU suite reads of it
+    assert figures["best_mode"] == "compiled" and figures["graphs_skipped"] == {}
+    assert figures["target_met"] == (result["step_over_floor"]["compiled"] <= 3.0)
 
 
 def test_omp_teams_bench_times_each_phase(tmp_path):

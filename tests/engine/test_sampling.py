@@ -320,6 +320,7 @@ def test_prompt_logprobs_score_each_prompt_token_from_its_prefix():
         assert [i for i, _ in got[t].top] == raw[t - 1].topk(2).indices.tolist()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_logits_sample_what_cpu_logits_sample():
     logits = random_logits(16, seed=9)

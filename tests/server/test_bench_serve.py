@@ -84,6 +84,10 @@ def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp
     assert load["ttft_ms"]["mean"] < load["e2e_ms"]["mean"]
     assert result["offline"] == [] and result["ratio_http_over_offline"] is None
     assert result["machine"]["cpus"] >= 1 and "source" in result
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_suite  # what the GPU suite reads of it
+
+    assert gpu_suite.serve_figures(result)["output_throughput"] == load["output_throughput"]
 
 
 def test_chat_with_poisson_arrivals_through_locus_bench(server_url, tmp_path):

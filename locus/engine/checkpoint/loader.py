@@ -63,18 +63,19 @@ def config_of(model: str | None) -> ModelConfig:
 
 def load(model: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = None,
          moe_backend: str = "auto", seed: int = 0, expert_slices: ExpertSlices | None = None,
-         quantize_experts: str | None = None) -> LoadedModel:
+         quantize_experts: str | None = None, draw_on_device: bool = False) -> LoadedModel:
     """A checkpoint directory, a shipped checkpoint's name (`mini`), or a preset name (random weights);
     None = the embedded `tiny` preset.
     expert_slices: an expert-parallel rank's experts, the only ones loaded (expert_slices.py).
-    quantize_experts: hold the routed experts (only the held ones) in fp8, mxfp8 or mxfp4 (quantize.py)."""
-    loaded = _load(model, dtype, device, moe_backend, seed, expert_slices)
+    quantize_experts: hold the routed experts (only the held ones) in fp8, mxfp8 or mxfp4 (quantize.py).
+    draw_on_device: a preset's weights are drawn on the device itself (build_preset)."""
+    loaded = _load(model, dtype, device, moe_backend, seed, expert_slices, draw_on_device)
     if quantize_experts:
         log.info("%s", quantize_model_experts(loaded.model, quantize_experts).describe())
     return loaded
 
 
-def _load(model, dtype, device, moe_backend, seed, expert_slices) -> LoadedModel:
+def _load(model, dtype, device, moe_backend, seed, expert_slices, draw_on_device) -> LoadedModel:
     device = device or default_device()
     name = model or DEFAULT_MODEL
     path = Path(name)
@@ -88,7 +89,7 @@ def _load(model, dtype, device, moe_backend, seed, expert_slices) -> LoadedModel
                            random_weights=False)
     if name in PRESETS:
         m = build_preset(name, seed=seed, dtype=resolve_dtype(dtype or PRESETS[name].dtype), device=device,
-                         moe_backend=moe_backend, expert_slices=expert_slices)
+                         moe_backend=moe_backend, expert_slices=expert_slices, draw_on_device=draw_on_device)
         return LoadedModel(m, load_tokenizer(None, m.config.vocab_size), name=name, random_weights=True)
     raise _no_such_model(name)
 

@@ -58,7 +58,9 @@ class ExpertParallelMoE(nn.Module):
         positions = self.runtime.positions
         if positions is None or positions.shape[0] != x.shape[0]:
             raise RuntimeError("the EP runtime must hold the batch's token positions before the forward")
-        if torch.compiler.is_compiling():  # the exchange is host work and collectives: one opaque op
+        if torch.compiler.is_compiling() or self.runtime.padded:
+            # compiled: the exchange is host work and collectives, one opaque op; padded (a decode
+            # graph's batch): the op also keeps padding rows out of the exchange
             routed = ep_routed_experts(x, topk.ids, topk.weights, positions, self.handle)
         else:
             routed = self.route_and_exchange(x, topk.ids, topk.weights, positions)
@@ -134,6 +136,8 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
     def take_positions(module, args, kwargs):  # the dispatch rule's tie-break needs them
         batch = args[0] if args else kwargs["batch"]
         runtime.positions = batch.positions
+        runtime.padded = getattr(batch, "padded", False)  # a decode graph's batch (position -1 = padding)
 
     model.register_forward_pre_hook(take_positions, with_kwargs=True)
+    model.expert_parallel = runtime  # what the engine reads to know (decode graphs are not captured)
     return runtime

@@ -117,6 +117,15 @@ class EPRuntime:
     def positions(self, value: torch.Tensor | None) -> None:
         self._local.positions = value
 
+    @property
+    def padded(self) -> bool:
+        """Whether the lane's forward is a padded decode batch (rows at position -1 are padding)."""
+        return getattr(self._local, "padded", False)
+
+    @padded.setter
+    def padded(self, value: bool) -> None:
+        self._local.padded = value
+
     def switch(self, placement: ExpertPlacement) -> None:
         """Make `placement` (a new epoch) the one the layers read from the next forward on; what the
         exchanges counted so far belongs to the epoch that ends."""

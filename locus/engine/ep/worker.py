@@ -295,8 +295,8 @@ def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:
     from dataclasses import replace
 
     if config.compile_decode:
-        raise LocusError("--ep-overlap runs two micro-batches at once in two threads; compiled decode graphs "
-                         "(--compile) share their input buffers and cannot: choose one")
+        raise LocusError("--ep-overlap runs two micro-batches at once in two threads; decode graphs (--compile) "
+                         "run over one set of static input buffers and cannot: choose one")
     return replace(config, num_micro_batches=n)
 
 

@@ -96,6 +96,9 @@ class Attention(nn.Module):
 
         if cache is not None:
             cache.write(self.layer, batch, k, v)
+            o = cache.attend(self.layer, batch, q, self.chunk_size, self.head_dim ** -0.5)
+            if o is not None:  # the cache attends itself (paged decode attention)
+                return self.o_proj(o.reshape(T, -1))
             keys, values, k_pos = cache.read(self.layer, batch, self.chunk_size)
         elif all(span.start == 0 for span in batch.spans):
             rows = batch.query_rows().clamp(min=0)  # without a cache each sequence sees only its own new tokens

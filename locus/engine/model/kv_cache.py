@@ -31,6 +31,11 @@ class KVCache(Protocol):
         tokens may see: positions from the start of the earliest query's attention chunk (0 when
         chunk_size is None) up to the sequence's last new token."""
 
+    def attend(self, layer: int, batch: ForwardBatch, q: torch.Tensor, chunk_size: int | None,
+               scale: float) -> torch.Tensor | None:
+        """The attention output [T, Hq, D] of q [T, Hq, D] computed by the cache itself (a paged
+        kernel that reads the pool in place), or None: attention reads k, v with `read`."""
+
 
 def first_visible(start: int, chunk_size: int | None) -> int:
     """Earliest key position that any query at position >= start can see."""
@@ -76,6 +81,9 @@ class FlatKVCache:
         rows = self._write_rows(batch)
         self.keys[layer].index_copy_(0, rows, k)
         self.values[layer].index_copy_(0, rows, v)
+
+    def attend(self, layer: int, batch: ForwardBatch, q: torch.Tensor, chunk_size: int | None, scale: float) -> None:
+        return None
 
     def read(self, layer: int, batch: ForwardBatch, chunk_size: int | None):
         rows, pos = self._read_rows(batch, chunk_size)

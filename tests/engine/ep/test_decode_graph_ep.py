@@ -1,7 +1,8 @@
-"""The compiled decode path under expert parallelism: two gloo ranks, each running its own requests
-through compiled decode graphs whose exchange is the opaque `locus::ep_routed_experts` op. Greedy
-tokens equal the single-process eager model's, and the padding rows of a bucket are never exchanged
-(the exchange counts exactly the real tokens)."""
+"""The decode graphs under expert parallelism: two gloo ranks, each running its own requests through
+decode graphs whose exchange is the opaque `locus::ep_routed_experts` op. Compiled: greedy tokens
+equal the single-process eager model's, and the padding rows of a bucket are never exchanged (the
+exchange counts exactly the real tokens). Static buffers, every bucket: each step's logits within
+1e-5 of the eager runner's on the same rank and KV state, in the fixed-capacity exchange."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from locus.engine.decode_graph import DecodeGraphs
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.layer import apply_expert_parallel
 from locus.engine.generate import generate_tokens
@@ -75,3 +77,73 @@ def test_compiled_decode_under_expert_parallelism_keeps_tokens_and_bytes(tmp_pat
         assert got["token_layers"] == got["expected"]
         for prompt, tokens in zip(prompts_of(rank), got["tokens"]):
             assert tokens == generate_tokens(model, prompt, NEW_TOKENS)
+
+
+class TwoPasses:
+    """The engine's lockstep, running every step's forward twice, in the same order on every rank: the
+    eager runner, then the decode graphs (a step the graphs do not take runs an idle exchange
+    instead), so that each rank compares the two on the same KV state while the exchanges pair up."""
+
+    def __init__(self, runtime, runner, checked: list):
+        self.runtime, self.runner, self.checked = runtime, runner, checked
+        self.eager = type(runner)(runner.model, runner.cache)
+
+    def run_forwards(self, micro_batches, forward):
+        if not micro_batches:
+            self.runtime.idle()
+            self.runtime.idle()
+            return []
+        (items,) = micro_batches
+        eager = self.eager.run(items)
+        if not self.runner.can_run_compiled(items):
+            self.runtime.idle()
+            return [eager]
+        fast = forward(items)
+        diff = float((fast.logits.float() - eager.logits).abs().max())
+        self.checked.append((len(items), diff, torch.equal(fast.argmax, eager.logits.argmax(-1))))
+        return [fast]
+
+
+def static_worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = build_preset("tiny", seed=0)
+        E = model.config.num_local_experts
+        plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
+        groups = make_groups(1, 2)
+        ctx = apply_expert_parallel(model, plan, groups, mode="fixed")
+        core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
+                          EngineConfig(block_size=16, num_kv_blocks=48, max_num_seqs=4))
+        assert core.graphs is None  # CPU without --compile: eager; the test adds uncompiled graphs
+        graphs = DecodeGraphs(model, core.cache, [1, 2, 4], max_blocks=8, compile=False)
+        graphs.warm_up()  # every rank warms the same buckets in the same order: the exchanges pair up
+        core.graphs = core.runner.graphs = graphs
+        checked: list = []
+        core.lockstep = TwoPasses(ctx, core.runner, checked)
+        prompts = prompts_of(rank) + prompts_of(rank + 2)[:1]
+        for i, prompt in enumerate(prompts):  # staggered lengths: the batch shrinks through the buckets
+            core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=3 + 3 * i, ignore_eos=True))
+        final = {o.request_id: o.outputs[0].token_ids
+                 for o in run_until_done(RankWorker(core, ctx, ControlPlane(groups.control, rank, world)))}
+        torch.save({"prompts": prompts, "tokens": [final[str(i)] for i in range(len(prompts))], "checked": checked,
+                    "transport": ctx.lanes[0].transport.name}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    end_rank()
+
+
+def test_static_decode_buffers_under_expert_parallelism_match_eager_in_every_bucket(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(static_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    model = build_preset("tiny", seed=0)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["transport"] == "fixed"
+        sizes = {n for n, _, _ in got["checked"]}
+        assert {1, 2} <= sizes and max(sizes) in (3, 4)  # buckets 1, 2 and 4
+        assert all(diff <= 1e-5 and same for _, diff, same in got["checked"])
+        for prompt, tokens, i in zip(got["prompts"], got["tokens"], range(10)):
+            assert tokens == generate_tokens(model, prompt, 3 + 3 * i)

@@ -1,0 +1,105 @@
+"""Decode graphs on a GPU: real torch.cuda.CUDAGraph captures replay what the eager runner computes,
+no bucket is left uncaptured, the compiled forward captures too, and the uncaptured forward never
+makes the host wait (CUDA's sync debug mode). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from locus.engine.checkpoint.presets import build_preset
+from locus.engine.checkpoint.tokenizer import ByteTokenizer
+from locus.engine.decode_graph import DecodeGraphs
+from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.sampling import SamplingParams
+from tests.engine.test_decode_graph import check_decode_steps, run_to_completion
+from tests.engine.test_engine import random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# The graph's attention is the paged Triton kernel, the eager runner's is SDPA: float32 sums in another
+# order, so the logits agree to float32 rounding of the longer reductions, not bit for bit.
+GPU_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    return build_preset("tiny", seed=0, device="cuda", moe_backend="auto")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer(ByteTokenizer.MIN_VOCAB)
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(block_size=16, num_kv_blocks=96, max_num_seqs=8, **kw)
+
+
+def generate(core: EngineCore, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in run_to_completion(core, prompts, params)]
+
+
+def staggered(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(count)]
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["captured", "compiled+captured"])
+def test_captured_graphs_replay_the_eager_logits_in_every_bucket(tiny_cuda, tok, monkeypatch, compile_decode):
+    core = EngineCore(tiny_cuda, tok, config(compile_decode=compile_decode, compile_buckets=(1, 2, 4, 8)))
+    graphs = core.graphs
+    assert graphs.capture and graphs.paged and graphs.skipped == {} and graphs.captured == [1, 2, 4, 8]
+    checked = check_decode_steps(core, monkeypatch, atol=GPU_ATOL)
+    prompts = random_prompts(8, 50, 70, seed=21)
+    fast = generate(core, prompts, staggered(8))
+    assert {graphs.bucket(n) for n in checked} == {1, 2, 4, 8}
+    eager = EngineCore(tiny_cuda, tok, config(enforce_eager=True))
+    assert eager.graphs is None
+    assert fast == generate(eager, prompts, staggered(8))
+
+
+def test_graphs_are_on_by_default_on_cuda_and_off_with_enforce_eager(tiny_cuda, tok):
+    assert EngineCore(tiny_cuda, tok, config(compile_buckets=(2,))).graphs.captured == [2]
+    assert EngineCore(tiny_cuda, tok, config(enforce_eager=True)).graphs is None
+
+
+def test_the_uncaptured_forward_never_syncs(tiny_cuda, tok):
+    """The forward a graph captures, run uncaptured under CUDA's sync debug mode "error"."""
+    core = EngineCore(tiny_cuda, tok, config(enforce_eager=True))
+    max_blocks = -(-min(core.max_model_len, core.pool_tokens) // 16)
+    graphs = DecodeGraphs(tiny_cuda, core.cache, [4], max_blocks, compile=False, capture=False)
+    graphs.warm_up()
+    core.graphs = core.runner.graphs = graphs
+    call = graphs._call
+
+    def strict(args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return call(args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    graphs._call = strict
+    tokens = generate(core, random_prompts(3, 10, 30, seed=22), staggered(3))
+    assert graphs.steps >= 6 and all(tokens)
+
+
+def test_bfloat16_scout_shaped_decode_replays_eager(tok, monkeypatch):
+    """Scout's attention shape (40 query, 8 kv heads, D 128) in bfloat16, 2 layers, shrunk elsewhere:
+    the captured step's logits stay within bfloat16 rounding of the eager step's (the two attention
+    kernels round differently, which may flip a near-tied expert choice, so experts are not compared)."""
+    from locus.engine.checkpoint.presets import PRESETS
+    from locus.engine.model.model import Llama4ForCausalLM
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["scout-2l"], hidden_size=1024, intermediate_size=512, intermediate_size_mlp=1024,
+                              vocab_size=4096, num_local_experts=8)
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(cfg, "auto").to("cuda", torch.bfloat16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p.dim() > 1 else 1.0)
+    core = EngineCore(model, tok, config(compile_buckets=(4, 8)))
+    assert core.graphs.captured == [4, 8]
+    checked = check_decode_steps(core, monkeypatch, atol=0.25, same_experts=False)  # bfloat16 logits, O(10)
+    generate(core, random_prompts(6, 20, 40, seed=23), staggered(6))
+    assert checked

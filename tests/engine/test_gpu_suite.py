@@ -1,0 +1,110 @@
+"""bench/gpu_suite.py's CPU self-check: without CUDA it exits 2 and says why; --dry-run writes the JSON's
+shape; a stage that hangs is cut at its budget with its whole process group; the parsers read what the
+bench scripts write (the offline and profile_decode tests feed them real output)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bench_scripts import BENCH
+
+sys.path.insert(0, str(BENCH))
+import gpu_suite  # noqa: E402
+
+
+def run_suite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_without_cuda_it_exits_2_and_says_why():
+    done = run_suite("--stages", "tests")
+    assert done.returncode == 2 and "no CUDA device" in done.stderr
+
+
+def test_dry_run_writes_every_stage_with_its_figures_keys(tmp_path):
+    out = tmp_path / "suite.json"
+    done = run_suite("--dry-run", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().splitlines()[-1].startswith("| serve | dry-run")  # the table comes last
+    report = json.loads(out.read_text())
+    assert report["format"] == "locus-gpu-suite" and report["dry_run"] and not report["passed"]
+    assert list(report["stages"]) == list(gpu_suite.STAGES)
+    for name, stage in report["stages"].items():
+        assert stage["status"] == "dry-run" and set(stage) == {"name", "status", "seconds", "reason", "command",
+                                                               "figures", "output_tail"}
+        assert stage["figures"] == gpu_suite.dry_figures(name)
+    assert report["targets"]["decode-scout"]["target"] == 1.5
+    assert set(gpu_suite.DECODE_KEYS) <= set(report["stages"]["decode-small"]["figures"])
+
+
+def test_stages_subset_and_bad_names(tmp_path):
+    out = tmp_path / "s.json"
+    assert run_suite("--dry-run", "--stages", "parity,serve", "--out", str(out)).returncode == 0
+    assert list(json.loads(out.read_text())["stages"]) == ["parity", "serve"]
+    done = run_suite("--dry-run", "--stages", "nope")
+    assert done.returncode == 2 and "unknown stages" in done.stderr
+    done = run_suite("--dry-run", "--budget", "tests")
+    assert done.returncode != 0 and "STAGE=SECONDS" in done.stderr
+
+
+def test_a_stage_over_budget_is_cut_with_its_children():
+    r = gpu_suite.StageResult("x")
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+            "print('started', flush=True); time.sleep(60)"
+    start = time.perf_counter()
+    assert gpu_suite.run_command(r, [sys.executable, "-c", child], budget=3) is None
+    assert time.perf_counter() - start < 20 and r.status == "timeout" and "started" in r.output_tail
+    r = gpu_suite.StageResult("y")
+    assert gpu_suite.run_command(r, [sys.executable, "-c", "raise ValueError('boom')"], budget=30) == 1
+    assert r.status == "failed" and "ValueError: boom" in r.reason
+
+
+def test_junit_counts_name_the_failures():
+    xml = ('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+           '<testcase classname="a" name="t1"/><testcase classname="a" name="t2"><failure/></testcase>'
+           '<testcase classname="b" name="t3"><skipped/></testcase></testsuite></testsuites>')
+    counts = gpu_suite.junit_counts(xml)
+    assert (counts["tests"], counts["failures"], counts["skipped"]) == (3, 1, 1) and counts["failed_tests"] == ["a::t2"]
+
+
+@pytest.mark.slow  # two engines and the interpreted Triton experts
+def test_parity_stage_self_check_on_cpu_and_its_table_row(tmp_path):
+    """bench/gpu_parity.py on `tiny` on CPU (interpreted Triton experts, uncompiled static-buffer
+    graphs): it passes, and the suite's table row reads its figures."""
+    out = tmp_path / "parity.json"
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_parity.py"), "--model", "tiny", "--device", "cpu",
+                           "--prompts", "3", "--new-tokens", "5", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["passed"] and figures["graph_vs_eager"]["steps_compared"] >= 4
+    assert figures["graph_vs_eager"]["logits_max_diff"] <= 1e-5 and figures["triton_vs_torch"]["logits_max_diff"] <= 1e-4
+    row = gpu_suite.summary_row(gpu_suite.StageResult("parity", "ok", 1.0, figures=figures))
+    assert "3/3 identical" in row and "incomplete" not in row
+
+
+def test_table_rows_read_every_stage_figures():
+    """Rows built from figures shaped as the parsers return them (the parsers read real bench output
+    in the offline, profile_decode and serve bench tests)."""
+    decode = gpu_suite.decode_figures({
+        "workload": "w", "floor_ms": 0.2, "floor_parts_ms": {}, "step_ms": {"eager": 9.0, "graph": 0.5, "graph+compile": 0.4},
+        "step_over_floor": {"eager": 45.0, "graph": 2.5, "graph+compile": 2.0}, "bandwidth_gbps": 3000.0,
+        "peak_tflops": 700.0, "graphs": {}, "graphs_skipped": {}, "inductor_cudagraph_skips": 0}, 3.0)
+    assert decode["best_mode"] == "graph+compile" and decode["target_met"]
+    percentiles = {"mean": 1.0, "median": 1.0, "p90": 1.0, "p99": 1.0}
+    serve = {"successful": 64, "failed": 0, "duration_s": 1.0, "output_throughput": 4096.0, "ttft_ms": percentiles,
+             "tpot_ms": percentiles, "itl_ms": percentiles, "errors": []}
+    offline = {"rows": [{"engine": "locus", "output_tokens_per_s": 9000.0}], "ratio_locus_over_transformers": 3.0,
+               "identical_greedy_share": 1.0, "transformers_error": None}
+    tests = {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "failed_tests": ["a::b"]}
+    for name, figures in (("decode-small", decode), ("serve", serve), ("offline", offline), ("tests", tests)):
+        row = gpu_suite.summary_row(gpu_suite.StageResult(name, "ok", 1.0, figures=figures))
+        assert "incomplete" not in row and row.startswith(f"| {name} | ok |")
