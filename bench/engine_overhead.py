@@ -46,9 +46,13 @@ class Timers:
     def __init__(self, sync):
         self.sync = sync  # waits for the device (CUDA) inside the forward's timer
         self.now: dict[str, float] = defaultdict(float)
+        self._open: set[str] = set()  # a wrapped call inside another of the same name counts once
 
     def wrap(self, name: str, fn, wait: bool = False):
         def timed(*args, **kwargs):
+            if name in self._open:
+                return fn(*args, **kwargs)
+            self._open.add(name)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -56,6 +60,7 @@ class Timers:
                 if wait:
                     self.sync()
                 self.now[name] += time.perf_counter() - start
+                self._open.discard(name)
         return timed
 
     def take(self) -> dict[str, float]:
@@ -73,11 +78,12 @@ def instrument(core, timers: Timers) -> None:
     model.forward = timers.wrap("forward", model.forward, wait=True)
     model.compute_logits = timers.wrap("forward", model.compute_logits, wait=True)
     graphs = getattr(core.runner, "graphs", None)
-    if graphs is not None:  # the compiled / captured decode step: its call is the forward
-        for name in ("_replay", "_compiled"):
+    if graphs is not None:  # the decode graphs: a compiled or uncaptured call, or a CUDA graph's replay
+        for name in ("_call", "_compiled"):  # (_compiled: the code before the decode-graph runner)
             if hasattr(graphs, name):
                 setattr(graphs, name, timers.wrap("forward", getattr(graphs, name), wait=True))
-                break
+        for graph in getattr(graphs, "_graphs", {}).values():
+            graph.replay = timers.wrap("forward", graph.replay, wait=True)
 
 
 class Streams:

@@ -216,7 +216,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         args = self._args(self.inputs, B)
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 outputs = self._call(args)
         except Exception as exc:  # noqa: BLE001 - a bucket that cannot be captured still runs, uncaptured
             self.skipped[B] = f"{type(exc).__name__}: {exc}"

@@ -143,9 +143,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"head dim {D} must be a power of two >= 16")
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two in 1..{MAX_SPLITS}, got {splits}")
-    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride() or block_tables.stride(1) != 1:
-        raise ValueError("q, the caches and the block tables need a unit last stride (and the caches one layout)")
-    out = torch.empty_like(q)
+    if k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride() or block_tables.stride(1) != 1:
+        raise ValueError("the caches and the block tables need a unit last stride (and the caches one layout)")
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     group = Hq // Hkv
@@ -204,4 +205,4 @@ def paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @paged_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, context_lens, block_size, chunk_size, scale, splits) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)

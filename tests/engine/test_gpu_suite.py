@@ -14,6 +14,7 @@ import torch
 
 from bench_scripts import BENCH
 
+ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import gpu_suite  # noqa: E402
 
@@ -105,6 +106,8 @@ def test_table_rows_read_every_stage_figures():
     offline = {"rows": [{"engine": "locus", "output_tokens_per_s": 9000.0}], "ratio_locus_over_transformers": 3.0,
                "identical_greedy_share": 1.0, "transformers_error": None}
     tests = {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "failed_tests": ["a::b"]}
-    for name, figures in (("decode-small", decode), ("serve", serve), ("offline", offline), ("tests", tests)):
+    overhead = gpu_suite.overhead_figures(json.loads((ROOT / "results" / "engine_overhead_before.json").read_text()))
+    for name, figures in (("decode-small", decode), ("serve", serve), ("offline", offline), ("tests", tests),
+                          ("overhead", overhead)):
         row = gpu_suite.summary_row(gpu_suite.StageResult(name, "ok", 1.0, figures=figures))
         assert "incomplete" not in row and row.startswith(f"| {name} | ok |")

@@ -34,15 +34,27 @@ def prompts_of(rank: int) -> list[list[int]]:
     return [torch.randint(0, 256, (4 + 9 * i + rank,), generator=g).tolist() for i in range(2 + rank)]
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def tiny_on_two_ranks(rank: int, world: int, port: int, mode: str = "exact"):
+    """This rank of a 1x2 gloo group over the tiny preset, experts dealt round-robin: (model, plan, groups, runtime)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = build_preset("tiny", seed=0)
+    E = model.config.num_local_experts
+    plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
+    groups = make_groups(1, 2)
+    return model, plan, groups, apply_expert_parallel(model, plan, groups, mode=mode)
+
+
+def spawn_two(worker, tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
     try:
-        model = build_preset("tiny", seed=0)
-        E = model.config.num_local_experts
-        plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
-        groups = make_groups(1, 2)
-        ctx = apply_expert_parallel(model, plan, groups)
+        model, plan, groups, ctx = tiny_on_two_ranks(rank, world, port)
         # rank 0 runs 2 sequences, rank 1 three: both pad to the bucket of 4
         core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
                           EngineConfig(block_size=16, num_kv_blocks=32, max_num_seqs=4, compile_decode=True,
@@ -64,10 +76,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_compiled_decode_under_expert_parallelism_keeps_tokens_and_bytes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_two(worker, tmp_path)
     model = build_preset("tiny", seed=0)
     assert PRESETS["tiny"].num_local_experts % 2 == 0
     for rank in range(2):
@@ -105,14 +114,8 @@ class TwoPasses:
 
 
 def static_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = build_preset("tiny", seed=0)
-        E = model.config.num_local_experts
-        plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model="tiny")
-        groups = make_groups(1, 2)
-        ctx = apply_expert_parallel(model, plan, groups, mode="fixed")
+        model, plan, groups, ctx = tiny_on_two_ranks(rank, world, port, mode="fixed")
         core = EngineCore(model, ByteTokenizer(ByteTokenizer.MIN_VOCAB),
                           EngineConfig(block_size=16, num_kv_blocks=48, max_num_seqs=4))
         assert core.graphs is None  # CPU without --compile: eager; the test adds uncompiled graphs
@@ -134,10 +137,7 @@ def static_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_static_decode_buffers_under_expert_parallelism_match_eager_in_every_bucket(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(static_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_two(static_worker, tmp_path)
     model = build_preset("tiny", seed=0)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
