@@ -34,7 +34,7 @@ def test_dry_run_writes_every_stage_with_its_figures_keys(tmp_path):
     out = tmp_path / "suite.json"
     done = run_suite("--dry-run", "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.rstrip().splitlines()[-1].startswith("| serve | dry-run")  # the table comes last
+    assert done.stdout.rstrip().splitlines()[-1].startswith(f"| {gpu_suite.STAGES[-1]} | dry-run")  # the table: last
     report = json.loads(out.read_text())
     assert report["format"] == "locus-gpu-suite" and report["dry_run"] and not report["passed"]
     assert list(report["stages"]) == list(gpu_suite.STAGES)
