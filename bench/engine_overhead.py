@@ -50,7 +50,8 @@ class Timers:
 
     def wrap(self, name: str, fn, wait: bool = False):
         def timed(*args, **kwargs):
-            if name in self._open:
+            # inside a compiled graph (dynamo traces the model's forward): not timed, the graph's call is
+            if torch.compiler.is_compiling() or name in self._open:
                 return fn(*args, **kwargs)
             self._open.add(name)
             start = time.perf_counter()

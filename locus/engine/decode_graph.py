@@ -11,7 +11,10 @@ so the buffer logic that CUDA graphs depend on is tested on CPU too:
   copies its inputs into the buffers and replays it;
 - compiled (`--compile`): torch.compile'd (inductor) per bucket; on CUDA the compiled forward is what
   gets captured, on CPU it is called (inductor's C++ wrapper);
-- plain: the same forward, called eagerly (expert parallelism on CUDA with `--compile`; tests).
+- plain: the same forward, called eagerly (the CPU tests of the buffer logic; bench/gpu_parity.py's
+  CPU self-check).
+(Under expert parallelism on CUDA the compiled forward runs uncaptured, and without `--compile`
+there are no decode graphs.)
 
 What the forward holds: embedding, every layer (norms, RoPE, q/k/v/o, the in-place KV write, decode
 attention, router, shared expert, routed experts as `locus::fused_moe`, dense MLPs), the final norm,
