@@ -223,7 +223,7 @@ class DecodeGraphs:
                 outputs = self._call(args)
         except Exception as exc:  # noqa: BLE001 - a bucket that cannot be captured still runs, uncaptured
             self.skipped[B] = f"{type(exc).__name__}: {exc}"
-            torch.cuda.synchronize()
+            log.exception("decode bucket %d: capture failed; it runs uncaptured", B)
             return pool
         self._graphs[B], self._outputs[B] = graph, outputs
         torch.cuda.synchronize()
