@@ -123,9 +123,10 @@ def measure(model, tokenizer, B: int, args, device: torch.device) -> dict:
     warm = 4
     total_len = args.prompt_len + warm + args.steps + 4
     blocks = B * (-(-total_len // 16) + 1)
-    config = dict(max_num_seqs=B, max_num_batched_tokens=max(2048, B * args.prompt_len), num_kv_blocks=blocks)
+    config = dict(max_num_seqs=B, max_num_batched_tokens=max(2048, B * args.prompt_len), num_kv_blocks=blocks,
+                  compile_buckets=(B,))  # decode graphs (compiled or captured): the one bucket timed
     if args.decode == "compiled":
-        config.update(compile_decode=True, compile_buckets=(B,))
+        config.update(compile_decode=True)
     elif args.decode == "eager" and device.type == "cuda":
         config.update(enforce_eager=True)
     core = EngineCore(model, tokenizer, EngineConfig(**config))

@@ -209,7 +209,7 @@ class DecodeGraphs:
                 pool = self._capture(B, pool)
             self.compile_seconds[B] = time.perf_counter() - start
         what = " and ".join(w for w, on in (("compiled", self.compiled), ("captured", self.capture)) if on) or "prepared"
-        log.info("decode graphs %s for buckets %s in %.1f s (%s)", what, self.buckets, sum(self.compile_seconds.values()),
+        log.info("%s decode buckets %s in %.1f s (%s)", what, self.buckets, sum(self.compile_seconds.values()),
                  ", ".join(f"{b}: {s:.1f} s" for b, s in sorted(self.compile_seconds.items())))
         if self.skipped:
             log.error("decode buckets run uncaptured: %s", "; ".join(f"{b}: {why}" for b, why in self.skipped.items()))
