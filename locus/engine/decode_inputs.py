@@ -61,12 +61,20 @@ class DecodeInputs:
         else:
             self.meta = torch.zeros(4, max_batch, dtype=torch.int32)
         self.tables = torch.full((max_batch, self.max_width), scratch_block, dtype=torch.int32, device=device)
+        if not self.staged:  # the host writes the buffers themselves
+            self._meta_np, self._tables_np = self.meta.numpy(), self.tables.numpy()
+        self._views: dict[int, DecodeArgs] = {}  # per bucket, at the whole table width
 
     def args(self, B: int, width: int | None = None) -> DecodeArgs:
         """Bucket B's views; `width` None = the whole table width (paged attention)."""
-        m = self.meta
-        tables = self.tables[:B] if width is None else self.tables[:B, :width]
-        return DecodeArgs(m[0, :B], m[1, :B], m[2, :B], m[3, :B], tables)
+        whole = self._views.get(B)
+        if whole is None:
+            m = self.meta
+            whole = self._views[B] = DecodeArgs(m[0, :B], m[1, :B], m[2, :B], m[3, :B], self.tables[:B])
+        if width is None:
+            return whole
+        return DecodeArgs(whole.input_ids, whole.positions, whole.write_rows, whole.context_lens,
+                          self.tables[:B, :width])
 
     def stage(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], B: int) -> int:
         """Write a step of n <= B sequences (and B - n padding rows); returns the widest table W."""
@@ -112,7 +120,7 @@ class DecodeInputs:
     def _host_views(self, B: int, W: int) -> tuple[np.ndarray, np.ndarray]:
         """(meta [4, B_max], tables [B, W]) numpy views the host writes."""
         if not self.staged:
-            return self.meta.numpy(), self.tables[:B, :W].numpy()
+            return self._meta_np, self._tables_np[:B, :W]
         event = self._copied[self._turn]
         if event is not None:
             event.synchronize()  # the copy that last read this staging area is done
