@@ -111,3 +111,32 @@ def test_table_rows_read_every_stage_figures():
                           ("overhead", overhead)):
         row = gpu_suite.summary_row(gpu_suite.StageResult(name, "ok", 1.0, figures=figures))
         assert "incomplete" not in row and row.startswith(f"| {name} | ok |")
+
+
+def test_the_suite_loop_runs_each_stage_and_keeps_going(tmp_path, monkeypatch):
+    """main() with a pretend GPU and stand-in stages: a passing, a failing and a hanging stage each
+    get their status and reason, a stage past the deadline is skipped, the JSON and the table come
+    out, and the exit code says a stage failed."""
+    def stand_in(code: str):
+        def stage(result, budget, work):
+            gpu_suite.run_command(result, [sys.executable, "-c", code], budget)
+        return stage
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_suite, "environment", lambda dry_run: {"device": "Pretend GPU", "torch": torch.__version__,
+                                                                    "python": "3", "cuda": "0", "triton": None,
+                                                                    "commit": None})
+    monkeypatch.setattr(gpu_suite, "RUNNERS", {"tests": stand_in("print('fine')"),
+                                               "parity": stand_in("import sys; sys.exit('parity broke')"),
+                                               "kernels": stand_in("import time; time.sleep(30)"),
+                                               "serve": stand_in("print('never')")})
+    out = tmp_path / "suite.json"
+    code = gpu_suite.main(["--stages", "tests,parity,kernels,serve", "--budget", "kernels=2", "--deadline", "16.5",
+                           "--out", str(out)])
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    assert code == 1 and not report["passed"] and report["device"] == "Pretend GPU"
+    assert stages["tests"]["status"] == "ok" and "fine" in stages["tests"]["output_tail"]
+    assert stages["parity"]["status"] == "failed" and "parity broke" in stages["parity"]["reason"]
+    assert stages["kernels"]["status"] == "timeout"
+    assert stages["serve"]["status"] == "skipped" and "deadline" in stages["serve"]["reason"]
