@@ -93,9 +93,10 @@ class EngineStats:
 
 
 def experts_capturable(model: Llama4ForCausalLM) -> bool:
-    """Whether every MoE block's experts run without asking the host anything (the Triton kernels):
-    what a CUDA graph capture needs."""
+    """Whether every MoE block's experts run without asking the host anything (the Triton kernels on
+    float weights; quantized weights still take the reference on CUDA): what a CUDA graph capture needs."""
     return all(resolve_backend(layer.feed_forward.moe_backend, model.device) == "triton"
+               and layer.feed_forward.experts.weight_format is None
                for layer in model.model.layers if layer.is_moe)
 
 
@@ -154,7 +155,8 @@ class EngineCore:
         if capture and getattr(model, "expert_parallel", None) is not None:
             why_not = "expert parallelism's exchange is not captured"
         elif capture and not experts_capturable(model):
-            why_not = "the torch MoE backend counts each expert's rows on the host (use --moe-backend triton or auto)"
+            why_not = ("the experts run the torch reference, which counts each expert's rows on the host "
+                       "(--moe-backend torch, or quantized expert weights)")
         if why_not is not None:  # docs/engine.md, "Decode graphs"
             capture = False
             log.info("decode steps are not captured as CUDA graphs: %s%s", why_not,
