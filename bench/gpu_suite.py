@@ -327,6 +327,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / "results" / f"gpu_suite_{device_tag}.json")
     results = {name: StageResult(name) for name in stages}
     start = time.perf_counter()
+
+    def report() -> dict:
+        """The JSON as it stands (written after every stage, so a run cut short keeps what it measured)."""
+        ran = [r for r in results.values() if r.status not in ("dry-run", "not run", "skipped")]
+        targets = {name: {"target": results[name].figures.get("target_step_over_floor"),
+                          "met": results[name].figures.get("target_met")} for name in TARGETS if name in results}
+        data = {"format": FORMAT, "version": 1, **env,
+                "command": " ".join(["python bench/gpu_suite.py", *(argv if argv is not None else sys.argv[1:])]),
+                "dry_run": args.dry_run, "seconds": time.perf_counter() - start,
+                "passed": bool(ran) and all(r.status == "ok" for r in ran),
+                "complete": all(r.status not in ("skipped", "not run") for r in results.values()),
+                "targets": targets, "stages": {name: asdict(r) for name, r in results.items()}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+        return data
+
     with tempfile.TemporaryDirectory(prefix="locus-gpu-suite-") as tmp:
         for name in stages:
             r = results[name]
@@ -343,23 +359,18 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a stage's own bug must not lose the others
                 r.status, r.reason = "failed", f"the suite's stage code raised {type(exc).__name__}: {exc}"
             print(f"[gpu_suite] {name}: {r.status} in {r.seconds:.0f} s{f' ({r.reason})' if r.reason else ''}", flush=True)
-    total = time.perf_counter() - start
-    ran = [r for r in results.values() if r.status not in ("dry-run", "not run")]
-    passed = bool(ran) and all(r.status == "ok" for r in ran)
-    targets = {name: {"target": results[name].figures.get("target_step_over_floor"),
-                      "met": results[name].figures.get("target_met")} for name in TARGETS if name in results}
-    report = {"format": FORMAT, "version": 1, **env, "command": " ".join(["python bench/gpu_suite.py", *(argv or sys.argv[1:])]),
-              "dry_run": args.dry_run, "seconds": total, "passed": passed, "targets": targets,
-              "stages": {name: asdict(r) for name, r in results.items()}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+            report()
+    data = report()
+    skipped = [name for name, r in results.items() if r.status == "skipped"]
+    verdict = "PASSED" if data["passed"] else "FAILED" if any(
+        r.status in ("ok", "failed", "timeout") for r in results.values()) else "nothing run"
     print(f"\nGPU suite on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}, "
-          f"commit {env['commit']}): {'PASSED' if passed else 'FAILED' if ran else 'nothing run'} in {total:.0f} s; "
-          f"wrote {out}\n")
+          f"commit {env['commit']}): {verdict} in {data['seconds']:.0f} s; wrote {out}"
+          + (f"\nnot run (deadline): python bench/gpu_suite.py --stages {','.join(skipped)}" if skipped else "") + "\n")
     print("| stage | status | s | figures |\n|---|---|---|---|")
     for r in results.values():
         print(summary_row(r))
-    return 0 if passed or not ran else 1
+    return 1 if verdict == "FAILED" else 0
 
 
 if __name__ == "__main__":

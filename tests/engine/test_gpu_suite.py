@@ -113,7 +113,7 @@ def test_table_rows_read_every_stage_figures():
         assert "incomplete" not in row and row.startswith(f"| {name} | ok |")
 
 
-def test_the_suite_loop_runs_each_stage_and_keeps_going(tmp_path, monkeypatch):
+def test_the_suite_loop_runs_each_stage_and_keeps_going(tmp_path, monkeypatch, capsys):
     """main() with a pretend GPU and stand-in stages: a passing, a failing and a hanging stage each
     get their status and reason, a stage past the deadline is skipped, the JSON and the table come
     out, and the exit code says a stage failed."""
@@ -135,8 +135,16 @@ def test_the_suite_loop_runs_each_stage_and_keeps_going(tmp_path, monkeypatch):
                            "--out", str(out)])
     report = json.loads(out.read_text())
     stages = report["stages"]
-    assert code == 1 and not report["passed"] and report["device"] == "Pretend GPU"
+    assert code == 1 and not report["passed"] and not report["complete"] and report["device"] == "Pretend GPU"
     assert stages["tests"]["status"] == "ok" and "fine" in stages["tests"]["output_tail"]
     assert stages["parity"]["status"] == "failed" and "parity broke" in stages["parity"]["reason"]
     assert stages["kernels"]["status"] == "timeout"
     assert stages["serve"]["status"] == "skipped" and "deadline" in stages["serve"]["reason"]
+    # every stage that ran passed, one did not fit the deadline: passed, not complete, exit 0, and the
+    # command for the rest is printed
+    monkeypatch.setattr(gpu_suite, "RUNNERS", {"tests": stand_in("import time; time.sleep(2)"),
+                                               "serve": stand_in("print('never')")})
+    code = gpu_suite.main(["--stages", "tests,serve", "--deadline", "16.5", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["passed"] and not report["complete"]
+    assert "--stages serve" in capsys.readouterr().out
