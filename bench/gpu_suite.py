@@ -66,7 +66,7 @@ def run_command(result: StageResult, command: list[str], budget: float, env: dic
     result.command = command
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": _python_path(), **(env or {})})
     try:
         output, _ = proc.communicate(timeout=budget)
     except subprocess.TimeoutExpired:
@@ -86,6 +86,11 @@ def run_command(result: StageResult, command: list[str], budget: float, env: dic
     else:
         result.status = "ok"
     return proc.returncode
+
+
+def _python_path() -> str:
+    """This checkout first, then whatever the caller put on the path (packages carried to the device)."""
+    return os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
