@@ -46,17 +46,22 @@ class DecodeArgs:
 
 class DecodeInputs:
     def __init__(self, max_batch: int, max_width: int, block_size: int, scratch_block: int,
-                 device: torch.device):
+                 device: torch.device, staged: bool | None = None):
+        """staged: write a staging area and copy it over (default: on any device but the CPU; a test
+        may stage on CPU too, to run that path without a GPU)."""
         self.max_batch, self.max_width = max_batch, max(max_width, MIN_TABLE_WIDTH)
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
-        self.staged = device.type != "cpu"
+        self.staged = device.type != "cpu" if staged is None else staged
+        on_cuda = device.type == "cuda"
         meta_size = 4 * max_batch
         if self.staged:
             # device: [meta | dense tables of the step]; the graphs read meta in place, tables after a copy
             self._flat = torch.zeros(meta_size + max_batch * self.max_width, dtype=torch.int32, device=device)
             self.meta = self._flat[:meta_size].view(4, max_batch)
-            self._staging = [torch.zeros(self._flat.numel(), dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._staging = [torch.zeros(self._flat.numel(), dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
+            # the copy that last read each staging area (CUDA copies are asynchronous; others are done at once)
             self._copied: list[torch.cuda.Event | None] = [None, None]
+            self._track_copies = on_cuda
             self._turn = 0
         else:
             self.meta = torch.zeros(4, max_batch, dtype=torch.int32)
@@ -109,12 +114,13 @@ class DecodeInputs:
         both queued on the current stream, ahead of the graph that reads them)."""
         if not self.staged:
             return
-        W, meta_size = self._width, self.meta.numel()
+        W, meta_size = self.width, self.meta.numel()
         used = meta_size + B * W
         self._flat[:used].copy_(self._staging[self._turn][:used], non_blocking=True)
         self.tables[:B, :W].copy_(self._flat[meta_size:used].view(B, W))
-        event = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
-        event.record()
+        if self._track_copies:
+            event = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
+            event.record()
         self._turn ^= 1
 
     def _host_views(self, B: int, W: int) -> tuple[np.ndarray, np.ndarray]:

@@ -87,12 +87,18 @@ def test_the_decode_forward_never_waits_for_the_device(tok):
     assert {"Tensor.tolist", "boolean-mask index"} <= {what for what, _ in found}
 
 
-def test_inputs_are_staged_as_the_graph_reads_them():
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_inputs_are_staged_as_the_graph_reads_them(staged):
     """Token ids, positions, KV write rows and context lengths per row; padding rows at position -1
-    writing the scratch block; tables scratch-padded to the step's widest; too wide a table refused."""
-    inputs = DecodeInputs(max_batch=4, max_width=6, block_size=16, scratch_block=99, device=torch.device("cpu"))
+    writing the scratch block; tables scratch-padded to the step's widest; too wide a table refused.
+    `staged` runs the GPU's layout (a staging area copied over, alternating areas) on the CPU."""
+    inputs = DecodeInputs(max_batch=4, max_width=6, block_size=16, scratch_block=99, device=torch.device("cpu"),
+                          staged=staged)
     inputs.tables.fill_(7)  # stale ids from earlier steps
+    inputs.stage([1, 2], [3, 4], [[5], [6]], B=2)  # an earlier step in the other staging area
+    inputs.commit(2)
     W = inputs.stage([5, 6, 8], [0, 17, 40], [[3], [4, 9], [1, 2, 11]], B=4)
+    inputs.commit(4)
     assert W == 3
     args = inputs.args(4, W)
     assert args.input_ids.tolist() == [5, 6, 8, 0] and args.positions.tolist() == [0, 17, 40, -1]
