@@ -261,8 +261,10 @@ def environment(dry_run: bool) -> dict:
     except ImportError:
         env["triton"] = None
     env["device"] = "dry-run" if dry_run else torch.cuda.get_device_name()
+    # LOCUS_COMMIT: the commit of a tree copied without its history (a device machine's copy)
+    env["commit"] = os.environ.get("LOCUS_COMMIT")
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        env["commit"] = env["commit"] or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                        check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         env["commit"] = None
