@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from bench_scripts import BENCH, run_bench
+from tests.bench.bench_scripts import BENCH, run_bench
 
 spec = importlib.util.spec_from_file_location("bench_astra", BENCH / "astra.py")
 astra = importlib.util.module_from_spec(spec)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.bench_scripts import BENCH
+from tests.bench.bench_scripts import BENCH
 
 sys.path.insert(0, str(BENCH))
 from ep import prompt_source, workload  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.bench_scripts import run_bench
+from tests.bench.bench_scripts import run_bench
 
 
 def test_bench_ep_measures_what_the_replay_predicts(tmp_path):

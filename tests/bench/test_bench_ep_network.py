@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.bench_scripts import BENCH
+from tests.bench.bench_scripts import BENCH
 
 
 def namespaces() -> set[str]:

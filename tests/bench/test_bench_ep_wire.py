@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from tests.bench_scripts import BENCH
-from tests.server.test_bench_ep_network import namespaces
+from tests.bench.bench_scripts import BENCH
+from tests.bench.test_bench_ep_network import namespaces
 
 
 def test_bench_ep_wire_measures_each_collective_and_cleans_up(tmp_path):

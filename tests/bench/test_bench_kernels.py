@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from bench_scripts import BENCH
-from bench_scripts import run_bench as run
 
 from locus.kernels import argmax_cpu
 from locus.kernels.moe_configs import config_file_name, load_table
+from tests.bench.bench_scripts import BENCH
+from tests.bench.bench_scripts import run_bench as run
 
 
 def test_moe_kernels_bench_small(tmp_path):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from locus.engine.checkpoint.loader import shipped_model
-from tests.bench_scripts import run_bench
+from tests.bench.bench_scripts import run_bench
 
 
 def test_mini_trace_records_every_domain(tmp_path):

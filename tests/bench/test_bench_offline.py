@@ -6,10 +6,10 @@ import json
 import sys
 
 import pytest
-from bench_scripts import BENCH, run_bench as run
 
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.checkpoint.weights import save_checkpoint
+from tests.bench.bench_scripts import BENCH, run_bench as run
 
 sys.path.insert(0, str(BENCH))
 import gpu_suite  # noqa: E402

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.bench_scripts import BENCH
+from tests.bench.bench_scripts import BENCH
 
 sys.path.insert(0, str(BENCH))
 from serve_lib.load import settle  # noqa: E402

@@ -201,7 +201,7 @@ def test_compare_constrained_runs_the_workload_twice_and_reports_the_ratio(serve
 def test_the_client_skips_decoding_only_chunks_that_carry_a_token_and_nothing_else():
     """The load client leaves plain token chunks undecoded; every chunk our formats produce, even
     with text that looks like the keys it looks for, is classified as decoding it would."""
-    from tests.bench_scripts import BENCH
+    from tests.bench.bench_scripts import BENCH
     sys.path.insert(0, str(BENCH))
     from serve_lib.load import carries_token, plain_token_chunk
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.bench_scripts import run_bench
+from tests.bench.bench_scripts import run_bench
 
 
 def test_soak_smoke_answers_every_request(tmp_path):

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from routing_reference import reference_destination, reference_node_aware
+from tests.routing.routing_reference import reference_destination, reference_node_aware
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.plan.placement import PlacementPlan

@@ -16,7 +16,7 @@ from locus.routing.planners.slot_search import contributions, copies_per_rank
 from locus.routing.replay.simulator import replay
 from locus.traces.reader import TraceReader
 
-from planner_fixtures import synth_trace
+from tests.routing.planners.planner_fixtures import synth_trace
 
 
 def _one_copy_per_node_plan(rng, N, G, S, E, L):

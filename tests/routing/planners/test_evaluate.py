@@ -6,7 +6,7 @@ from locus.cli import main
 from locus.routing.plan.caps import Caps
 from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_markdown
 
-from planner_fixtures import separable_trace, synth_trace
+from tests.routing.planners.planner_fixtures import separable_trace, synth_trace
 
 VARIANTS = ["round_robin", "eplb", "eplb, node-aware rule", "locality placement only (balanced assignment)", "locality placement + grouper"]
 

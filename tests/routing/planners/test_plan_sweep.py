@@ -7,7 +7,7 @@ import pytest
 from locus.cli import main
 from locus.routing.planners.sweep import parse_slot_range
 
-from planner_fixtures import synth_trace
+from tests.routing.planners.planner_fixtures import synth_trace
 
 
 def test_slot_ranges():

@@ -16,7 +16,7 @@ from locus.routing.replay.simulator import replay
 from locus.routing.plan.topology import Topology
 from locus.traces.reader import TraceReader
 
-from planner_fixtures import separable_trace, synth_trace
+from tests.routing.planners.planner_fixtures import separable_trace, synth_trace
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from locus.cli import main
 from locus.routing.plan.placement import load_plan
 
-from planner_fixtures import synth_trace
+from tests.routing.planners.planner_fixtures import synth_trace
 
 
 @pytest.fixture(scope="module")

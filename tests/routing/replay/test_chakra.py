@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
-from routing_reference import reference_destination, reference_steps
+from tests.routing.routing_reference import reference_destination, reference_steps
 
 from locus.cli import main
 from locus.errors import LocusError

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from routing_reference import reference_replay
+from tests.routing.routing_reference import reference_replay
 
 from locus.routing.replay import simulator as replay_module
 from locus.routing.replay.assignment import Assignment
