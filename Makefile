@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.locus-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test serve generate venv clean
+.PHONY: test test-fast serve generate venv clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked slow (those that start servers, ranks or bench
+# scripts, or run long). CI runs `make test`, which includes them.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
 # no download). --model tiny serves the random-weight preset instead.

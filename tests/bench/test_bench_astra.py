@@ -23,6 +23,7 @@ OUTPUT = """\
 """
 
 
+@pytest.mark.slow  # runs bench/astra.py as a subprocess
 def test_skips_without_a_binary(monkeypatch, tmp_path):
     monkeypatch.delenv(astra.ENV_BIN, raising=False)
     out = run_bench("astra.py", "--out", str(tmp_path / "astra.json"))
@@ -69,6 +70,7 @@ for r in range(ranks):
 """
 
 
+@pytest.mark.slow  # runs bench/astra.py as a subprocess
 def test_runs_every_plan_through_the_binary(tmp_path):
     fake = tmp_path / "fake_astra"
     fake.write_text(FAKE.format(python=sys.executable))

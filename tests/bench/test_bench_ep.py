@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench.bench_scripts import run_bench
+
+pytestmark = pytest.mark.slow  # runs bench/ep.py: a 4-rank server
 
 
 def test_bench_ep_measures_what_the_replay_predicts(tmp_path):

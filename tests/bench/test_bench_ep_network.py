@@ -14,6 +14,8 @@ import pytest
 
 from tests.bench.bench_scripts import BENCH
 
+pytestmark = pytest.mark.slow  # runs bench/ep_network.py: namespaces and torchrun agents
+
 
 def namespaces() -> set[str]:
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)

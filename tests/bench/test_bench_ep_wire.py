@@ -14,6 +14,8 @@ import pytest
 from tests.bench.bench_scripts import BENCH
 from tests.bench.test_bench_ep_network import namespaces
 
+pytestmark = pytest.mark.slow  # runs bench/ep_wire.py: rank processes in namespaces
+
 
 def test_bench_ep_wire_measures_each_collective_and_cleans_up(tmp_path):
     out = tmp_path / "ep_wire.json"

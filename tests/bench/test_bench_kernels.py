@@ -14,6 +14,8 @@ from locus.kernels.moe_configs import config_file_name, load_table
 from tests.bench.bench_scripts import BENCH
 from tests.bench.bench_scripts import run_bench as run
 
+pytestmark = pytest.mark.slow  # every test runs a bench script as a subprocess
+
 
 def test_moe_kernels_bench_small(tmp_path):
     out = tmp_path / "results" / "moe_kernels.json"

@@ -9,6 +9,8 @@ import pytest
 from locus.engine.checkpoint.loader import shipped_model
 from tests.bench.bench_scripts import run_bench
 
+pytestmark = pytest.mark.slow  # runs bench/mini_trace.py as a subprocess
+
 
 def test_mini_trace_records_every_domain(tmp_path):
     if shipped_model("mini") is None:

@@ -14,6 +14,8 @@ from tests.bench.bench_scripts import BENCH, run_bench as run
 sys.path.insert(0, str(BENCH))
 import gpu_suite  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test runs a bench script as a subprocess
+
 
 def test_offline_bench_against_transformers(tmp_path):
     model = save_checkpoint(build_preset("tiny", seed=3), tmp_path / "tiny")

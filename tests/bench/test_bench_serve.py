@@ -61,6 +61,7 @@ def bench(*args: str, via_cli: bool = False, timeout: int = 120) -> subprocess.C
     return subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # bench/serve.py against a real server
 @pytest.mark.parametrize("client", ["raw", "aiohttp"])
 def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp_path, client):
     out = tmp_path / "serve.json"
@@ -90,6 +91,7 @@ def test_completions_with_token_id_prompts_reports_exact_lengths(server_url, tmp
     assert gpu_suite.serve_figures(result)["output_throughput"] == load["output_throughput"]
 
 
+@pytest.mark.slow  # bench/serve.py against a real server
 def test_chat_with_poisson_arrivals_through_locus_bench(server_url, tmp_path):
     out = tmp_path / "chat.json"
     r = bench("--base-url", server_url, "--endpoint", "chat", "--num-prompts", "3", "--input-len", "6",
@@ -100,6 +102,7 @@ def test_chat_with_poisson_arrivals_through_locus_bench(server_url, tmp_path):
     assert load["prompt_tokens"] > 3 * 6  # words and the chat template: more tokens than words
 
 
+@pytest.mark.slow  # bench/serve.py against a real server
 def test_text_dataset_file(server_url, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "The expert said"}\n{"prompt": "Once upon"}\n')
@@ -111,6 +114,7 @@ def test_text_dataset_file(server_url, tmp_path):
     assert (load["successful"], load["output_tokens"]) == (3, 9)
 
 
+@pytest.mark.slow  # runs bench/serve.py as a subprocess
 def test_unreachable_server_is_one_line_and_exit_2(tmp_path):
     r = bench("--port", str(free_port()), "--num-prompts", "2", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2
@@ -118,6 +122,7 @@ def test_unreachable_server_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # runs bench/serve.py as a subprocess
 def test_compile_reaches_both_sides_and_bad_bucket_flags_are_refused(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     try:
@@ -171,6 +176,7 @@ def prefix_cache_hits(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("locus_prefix_cache_hits"))
 
 
+@pytest.mark.slow  # bench/serve.py against a real server
 def test_rounds_draw_new_prompts_so_the_prefix_cache_never_hits(server_url, tmp_path):
     # 40-token prompts fill two 16-token blocks each, which a repeat of the same prompt would reuse
     before = prefix_cache_hits(server_url)
@@ -186,6 +192,7 @@ def test_rounds_draw_new_prompts_so_the_prefix_cache_never_hits(server_url, tmp_
     assert prefix_cache_hits(server_url) > before
 
 
+@pytest.mark.slow  # bench/serve.py against a real server
 def test_compare_constrained_runs_the_workload_twice_and_reports_the_ratio(server_url, tmp_path):
     out = tmp_path / "serve.json"
     r = bench("--base-url", server_url, "--num-prompts", "4", "--input-len", "8", "--output-len", "6",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench.bench_scripts import run_bench
+
+pytestmark = pytest.mark.slow  # runs bench/soak.py: a server under load
 
 
 def test_soak_smoke_answers_every_request(tmp_path):

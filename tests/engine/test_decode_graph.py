@@ -76,6 +76,7 @@ def check_decode_steps(core: EngineCore, monkeypatch, atol: float = 1e-5, same_e
     return checked
 
 
+@pytest.mark.slow  # compiles decode graphs (torch.compile of every bucket)
 def test_each_decode_step_has_the_eager_logits_and_routing(compiled, monkeypatch):
     """Every compiled step against the eager runner: 3 sequences padded to 4, contexts crossing block
     boundaries and the tiny model's 64-token attention chunks. Logits agree to 1e-5, experts exactly."""
@@ -85,6 +86,7 @@ def test_each_decode_step_has_the_eager_logits_and_routing(compiled, monkeypatch
     assert len(checked) >= 39 and 3 in checked  # every decode step (the prefill samples the first token)
 
 
+@pytest.mark.slow  # compiles decode graphs (torch.compile of every bucket)
 def test_greedy_outputs_equal_the_eager_engine_with_padding_forks_and_preemption(tiny, tok):
     """Mixed lengths, n = 2 (forked sequences share blocks), and a pool small enough to preempt: every
     token equals the eager engine's, and the pool is whole at the end."""
@@ -102,6 +104,7 @@ def test_greedy_outputs_equal_the_eager_engine_with_padding_forks_and_preemption
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.mark.slow  # compiles decode graphs (the module's compiled engine)
 def test_growing_contexts_reuse_the_bucket_graphs(compiled):
     """The block-table width is dynamic: decoding far past the warm-up's table width compiles nothing
     new; and the compiled path really ran (its graphs exist for both buckets)."""

@@ -7,8 +7,11 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import pytest
 
 from tests.server.server_process import running_server
+
+pytestmark = pytest.mark.slow  # starts a real `locus serve --compile` process
 
 PROMPTS = ["The expert said", "Routing tokens", "a", "Many small ops make a slow step"]
 

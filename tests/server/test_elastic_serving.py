@@ -14,11 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
 from tests.server.server_process import running_server
 from tests.server.test_expert_parallel_serving import alive, children_of
+
+pytestmark = pytest.mark.slow  # a server of 4 rank processes, two of them killed
 
 PROMPTS = [f"stream number {i} says" for i in range(8)]
 TOKENS = 120

@@ -22,6 +22,8 @@ from locus.engine.sampling import SamplingParams
 from locus.traces.prompt_families import FAMILIES, family_prompt
 from tests.server.server_process import free_port, running_server
 
+pytestmark = pytest.mark.slow  # every test starts a server of 2-4 rank processes
+
 PROMPTS = ["expert parallel", "a longer prompt that takes a few more tokens to prefill", "x"]
 
 

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test talks to a real `locus serve` process
+
 HUGE = st.one_of(st.integers(min_value=-(2**70), max_value=2**70),
                  st.sampled_from([2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 5, -(2**63) - 1, -1, 0]))
 # any code point, lone surrogates included, with the troublesome ones made common

@@ -13,6 +13,8 @@ import pytest
 
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test talks to a real `locus serve` process
+
 MODEL = "tiny"
 
 

@@ -17,6 +17,8 @@ from locus.routing.plan.topology import Topology
 from locus.traces.reader import TraceReader
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # starts a real `locus serve` process
+
 
 def test_serving_with_a_plan_made_from_an_engine_recorded_trace(tmp_path):
     model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)

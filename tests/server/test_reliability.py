@@ -15,6 +15,8 @@ import pytest
 from tests.server.faulty_serve import FAULT
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test talks to a real `locus serve` process
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -13,6 +13,8 @@ import pytest
 
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test talks to a real `locus serve` process
+
 
 def schema_with(properties: int) -> dict:
     return {"type": "object", "properties": {f"property_number_{i}": {"type": "string"} for i in range(properties)}}

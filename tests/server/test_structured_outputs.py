@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test talks to a real `locus serve` process
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "sunny", "degrees"],
           "properties": {"city": {"enum": ["Paris", "Lima", "Oslo"]}, "sunny": {"type": "boolean"},
                          "degrees": {"type": "integer", "minimum": -50, "maximum": 50}}}

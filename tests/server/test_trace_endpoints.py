@@ -11,6 +11,8 @@ import pytest
 from locus.traces.reader import TraceReader
 from tests.server.server_process import running_server
 
+pytestmark = pytest.mark.slow  # every test starts a real `locus serve` process
+
 
 def complete(base: str, prompt: str, domain: str | None = None, header: bool = False) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}

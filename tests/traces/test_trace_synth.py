@@ -160,6 +160,7 @@ def test_more_zipf_more_imbalance_and_flatter_decode(tmp_path):
     assert flat.decode_max_mean < flat.prefill_max_mean - 0.3
 
 
+@pytest.mark.slow  # two subprocesses synthesising traces
 def test_memory_stays_flat_as_the_trace_grows(tmp_path):
     """Peak RSS of a child process barely moves when the trace gets 4x larger (rows stream to disk)."""
     script = textwrap.dedent("""

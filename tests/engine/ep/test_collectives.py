@@ -27,6 +27,8 @@ from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.test_expert_parallel import end_rank, free_port
 
+pytestmark = pytest.mark.slow  # spawns 4 rank processes
+
 COUNTED = ("all_to_all_single", "all_to_all", "all_gather_single", "all_gather_into_tensor", "all_gather",
            "all_reduce", "broadcast", "gather", "scatter", "reduce", "barrier", "broadcast_object_list",
            "gather_object", "all_gather_object", "send", "recv", "isend", "irecv", "batch_isend_irecv")

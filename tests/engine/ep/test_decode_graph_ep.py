@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,6 +26,8 @@ from locus.engine.ep.worker import RankWorker
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.test_expert_parallel import end_rank, run_until_done
+
+pytestmark = pytest.mark.slow  # spawns 2 rank processes that compile
 
 NEW_TOKENS = 12
 

@@ -12,6 +12,7 @@ import time
 import weakref
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,6 +29,8 @@ from locus.engine.sampling import SamplingParams
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.test_expert_parallel import end_rank, free_port
+
+pytestmark = pytest.mark.slow  # spawns rank processes
 
 TIMEOUT = timedelta(seconds=60)
 

@@ -29,6 +29,8 @@ from locus.routing.plan.topology import Topology
 from locus.traces.merge import merge_traces
 from locus.traces.reader import TraceReader
 
+pytestmark = pytest.mark.slow  # every test spawns 2-4 rank processes
+
 H_BYTES = 64 * 4  # the tiny preset's hidden size, float32
 
 

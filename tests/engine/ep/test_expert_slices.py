@@ -67,6 +67,7 @@ def test_a_sliced_checkpoint_reads_only_its_experts(tmp_path, monkeypatch, per_e
                                       for layer, ids in SLICES.items() for kind in ("down_proj", "gate_up_proj"))
 
 
+@pytest.mark.slow  # builds the `small` preset five times
 def test_expert_memory_shrinks_with_the_slots():
     config = config_of("small")
     plan = round_robin(16, config.moe_layers, Topology(2, 2, 4))

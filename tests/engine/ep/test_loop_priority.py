@@ -38,6 +38,7 @@ def probe(nice: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a subprocess with gloo groups
 def test_every_loop_thread_of_the_groups_is_lowered_and_nothing_else():
     seen = probe(11)
     assert seen["kept"] == 11  # kept for a regroup's new groups
@@ -46,6 +47,7 @@ def test_every_loop_thread_of_the_groups_is_lowered_and_nothing_else():
     assert set(seen["others"]) == {0}, "the rank's own threads (main, gloo workers) keep their priority"
 
 
+@pytest.mark.slow  # a subprocess with gloo groups
 def test_zero_leaves_the_loop_threads_alone():
     seen = probe(0)
     assert (seen["kept"], set(seen["loops"]), set(seen["others"])) == (0, {0}, {0})

@@ -89,6 +89,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     end_rank()
 
 
+@pytest.mark.slow  # spawns 4 rank processes
 def test_a_forced_replan_mid_stream_keeps_tokens_and_bytes_equal_the_replay(tmp_path):
     from locus.engine.llm import LLM
     from locus.routing.replay.assignment import assign_recorded

@@ -50,6 +50,7 @@ def test_logits_match_transformers(pair):
     assert expected.std() > 0.1, "the reference must not be degenerate"
 
 
+@pytest.mark.slow  # transformers' generate on every configuration
 def test_greedy_continuation_matches_generate(pair):
     hf, ours, _ = pair
     ids = prompt_ids(48, seed=2)

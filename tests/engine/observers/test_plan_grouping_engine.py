@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import pytest
+
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.grouping import FirstComeGrouping
 from locus.engine.observers.plan_grouping import PlanGrouping
@@ -61,6 +63,7 @@ def record_micro_batches(core: EngineCore) -> list[list[list[str]]]:
     return steps
 
 
+@pytest.mark.slow  # runs 12 prompts through two engines
 def test_each_request_runs_in_the_micro_batch_of_the_node_its_grouper_chose():
     model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)
     batch = prompts(12, seed=2)
@@ -83,6 +86,7 @@ def test_each_request_runs_in_the_micro_batch_of_the_node_its_grouper_chose():
     assert all(TOPOLOGY.node_of(r) == n for ranks, (n,) in zip(policy.last_ranks, policy.last_nodes) for r in ranks)
 
 
+@pytest.mark.slow  # runs 12 prompts on two micro-batches
 def test_first_come_grouping_would_fail_the_same_check():
     """The check above is about the grouper's decision: first-come micro-batches mix the domains."""
     model, tok = build_preset("tiny"), ByteTokenizer(ByteTokenizer.MIN_VOCAB)

@@ -32,6 +32,7 @@ def recompute(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return ids, weights
 
 
+@pytest.mark.slow  # recomputes every request's routing with full forwards
 def test_recorded_trace_equals_recomputed_routing(tiny, tmp_path):
     tok = ByteTokenizer(ByteTokenizer.MIN_VOCAB)
     # small pool and step budget: chunked prefill and preemption happen while recording

@@ -66,6 +66,7 @@ def locus(*args):
     return subprocess.run([sys.executable, "-m", "locus.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # runs `locus replay` as a subprocess
 def test_cli_plan_embedded_and_plans_dir(tmp_path):
     trace = write_trace(tmp_path / "t")
     a, b = plans()
@@ -84,6 +85,7 @@ def test_cli_plan_embedded_and_plans_dir(tmp_path):
     assert one.returncode == 0 and "2 placement epochs" in one.stderr  # a what-if: said, not refused
 
 
+@pytest.mark.slow  # runs `locus replay` as a subprocess
 @pytest.mark.parametrize("setup,message", [
     ("no-plans", "keeps no plans"), ("missing-epoch", "no plan for them"), ("empty-dir", "no epoch-<e>.json")])
 def test_cli_refuses_what_cannot_be_replayed(tmp_path, setup, message):
@@ -100,6 +102,7 @@ def test_cli_refuses_what_cannot_be_replayed(tmp_path, setup, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # runs `locus replay` as a subprocess
 def test_a_trace_with_no_routed_token_says_so_instead_of_nan(tmp_path):
     """Issue 30, finding 8: a trace whose ids are all -1 printed `nan` locality."""
     meta = TraceMeta(model="toy", num_experts=8, top_k=2, moe_layers=(0, 1), hidden_size=16)
