@@ -232,14 +232,3 @@ def test_stop_string_work_is_linear_in_the_output():
         detok.add(ord("a"))
     assert detok.text == "a" * tokens
     assert _CountingStr.reads <= 4 * (3 * length + 2 * tokens), _CountingStr.reads  # old: ~4 x 500 x 300 = 600k
-
-
-def test_the_stop_string_bench_runs(tmp_path):
-    import json
-
-    from tests.bench_scripts import run_bench
-
-    out = run_bench("stop_strings.py", "--lengths", "150,300", "--stop-lengths", "100", "--out", str(tmp_path / "s.json"))
-    assert "re-scan ms/token" in out
-    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert [(r["output_chars"], r["stop_chars"]) for r in rows] == [(150, 100), (300, 100)]

@@ -114,6 +114,7 @@ def test_a_trace_with_no_routed_token_says_so_instead_of_nan(tmp_path):
 
 
 
+@pytest.mark.slow  # runs `locus replay` as a subprocess
 @pytest.mark.parametrize("content, message", [
     ('{"format": "locus-placement"}'.encode("utf-16"), "not a plan file of an epoch ('utf-8' codec can't decode"),
     (b"[" * 100_000, "not a plan file of an epoch (JSON nested too deeply to read)"),
