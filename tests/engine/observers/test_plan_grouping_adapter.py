@@ -77,7 +77,7 @@ def test_an_untagged_prompt_is_placed_by_the_plans_predictor(tmp_path):
     from locus.routing.plan.topology import parse_topology
     from locus.routing.planners.planner import make_plan as plan_from
     from locus.traces.reader import TraceReader
-    from tests.routing.planner_fixtures import worded_trace
+    from tests.routing.planners.planner_fixtures import worded_trace
 
     reader = TraceReader(worded_trace(tmp_path / "t"))
     plan = plan_from("locality", reader, parse_topology("4x1", 16, 5), (0, 120)).plan

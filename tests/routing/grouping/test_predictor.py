@@ -17,7 +17,7 @@ from locus.routing.plan.placement import PlanError, load_plan
 from locus.routing.plan.topology import parse_topology
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.traces.reader import TraceReader
-from tests.routing.planner_fixtures import separable_trace, worded_trace
+from tests.routing.planners.planner_fixtures import separable_trace, worded_trace
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from locus.routing.replay.simulator import replay
 from locus.traces.admissions import AdmissionLog
 from locus.traces.format import RequestRecord
 from locus.traces.reader import TraceReader
-from tests.routing.planner_fixtures import worded_trace
+from tests.routing.planners.planner_fixtures import worded_trace
 
 TOPOLOGY = Topology(2, 2, 2)  # 2 nodes x 2 GPUs
 

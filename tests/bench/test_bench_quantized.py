@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_scripts import run_bench as run
 
 from locus.engine.checkpoint.loader import shipped_model
 from locus.kernels import moe_cpu
+from tests.bench.bench_scripts import run_bench as run
+
+pytestmark = pytest.mark.slow  # every test runs a bench script as a subprocess
 
 
 @pytest.mark.skipif(not moe_cpu.available(), reason="no C compiler: the kernel is unavailable")
