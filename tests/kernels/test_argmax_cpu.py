@@ -70,6 +70,7 @@ def test_fallbacks_are_torch_argmax():
         vocab_argmax(empty)
 
 
+@pytest.mark.slow  # compiles a graph (torch.compile)
 def test_inside_a_compiled_graph():
     """As in the compiled decode step: the op takes the [V, B] product of a matmul."""
     w, h = torch.randn(2000, 64), torch.randn(8, 64)

@@ -5,6 +5,7 @@ On CPU the Triton kernels run in the interpreter, so the prompt and continuation
 
 from __future__ import annotations
 
+import pytest
 import torch
 from moe_problems import DEVICE
 
@@ -16,6 +17,7 @@ from locus.engine.checkpoint.loader import load
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 101, 120, 112, 101, 114, 116, 115, 33]  # BOS + bytes
 
 
+@pytest.mark.slow  # the whole tiny model through the Triton interpreter
 def test_tiny_model_greedy_tokens_match_torch_backend(monkeypatch):
     calls = []
     real = moe_triton.fused_moe_triton

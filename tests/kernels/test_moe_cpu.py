@@ -107,6 +107,7 @@ def test_large_batches_and_other_dtypes_use_the_reference(monkeypatch):
     assert calls == [torch.float32, torch.bfloat16, torch.float16, torch.float16]
 
 
+@pytest.mark.slow  # compiles a graph (torch.compile)
 def test_public_entry_point_and_compiled_graph_use_it():
     """`fused_moe(backend="auto")` on CPU is this kernel, eagerly and inside a compiled graph (the
     custom op `locus::fused_moe`)."""

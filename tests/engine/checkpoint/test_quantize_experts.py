@@ -98,11 +98,13 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "locus.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # runs `locus generate` as a subprocess
 def test_generate_cli_takes_the_flag():
     done = run_cli("generate", "--model", "tiny", "--prompt", "ab", "--max-tokens", "2", "--quantize-experts", "mxfp4")
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow  # runs `locus serve` as a subprocess
 def test_serve_refuses_it_under_expert_parallelism():
     done = run_cli("serve", "--model", "tiny", "--ep-ranks", "2", "--quantize-experts", "mxfp8", "--port", "0")
     assert done.returncode != 0
