@@ -20,9 +20,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests marked slow (those that start servers, ranks or bench
-# scripts, or run long). CI runs `make test`, which includes them.
+# scripts, or run long). CI runs `make test`, which includes them. One torch thread by default
+# (FAST_THREADS=2 for two): where other processes share the cores, torch's OpenMP threads wait on
+# each other at every parallel region and the same run takes many times longer. `make test` keeps
+# torch's default, so the multi-threaded kernel paths still run there.
+FAST_THREADS ?= 1
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
 # no download). --model tiny serves the random-weight preset instead.
