@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from bench_scripts import BENCH
+from tests.bench.bench_scripts import BENCH
 
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
@@ -24,12 +24,14 @@ def run_suite(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow  # runs bench/gpu_suite.py as a subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_without_cuda_it_exits_2_and_says_why():
     done = run_suite("--stages", "tests")
     assert done.returncode == 2 and "no CUDA device" in done.stderr
 
 
+@pytest.mark.slow  # runs bench/gpu_suite.py as a subprocess
 def test_dry_run_writes_every_stage_with_its_figures_keys(tmp_path):
     out = tmp_path / "suite.json"
     done = run_suite("--dry-run", "--out", str(out))
@@ -46,6 +48,7 @@ def test_dry_run_writes_every_stage_with_its_figures_keys(tmp_path):
     assert set(gpu_suite.DECODE_KEYS) <= set(report["stages"]["decode-small"]["figures"])
 
 
+@pytest.mark.slow  # runs bench/gpu_suite.py as a subprocess, three times
 def test_stages_subset_and_bad_names(tmp_path):
     out = tmp_path / "s.json"
     assert run_suite("--dry-run", "--stages", "parity,serve", "--out", str(out)).returncode == 0
@@ -56,6 +59,7 @@ def test_stages_subset_and_bad_names(tmp_path):
     assert done.returncode != 0 and "STAGE=SECONDS" in done.stderr
 
 
+@pytest.mark.slow  # a stage's process tree, cut at its budget
 def test_a_stage_over_budget_is_cut_with_its_children():
     r = gpu_suite.StageResult("x")
     child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
