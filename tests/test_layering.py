@@ -1,4 +1,4 @@
-"""DESIGN.md's layering rule, checked on the source: a lower layer never imports a higher one."""
+"""The layering rule of docs/design.md ("Layout and layering"), checked on the source: a lower layer never imports a higher one."""
 
 from __future__ import annotations
 

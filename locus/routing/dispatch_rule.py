@@ -6,7 +6,7 @@ A token on rank s routed to expert e goes to
   1. the replica of e on rank s, if s holds e;
   2. else a replica on s's node;
   3. else a replica on another node.
-`position` (DESIGN.md's rule): within the first non-empty tier it takes the replica at index
+`position`: within the first non-empty tier it takes the replica at index
 `position % count`, replicas sorted by rank (a rank holding e in two slots contributes two consecutive
 entries), `position` being the token's 0-based position in its request. The tie-break spreads a
 request's tokens over replicas deterministically, with no shared state between ranks.

@@ -9,7 +9,7 @@ while some node holds two or more still-uncovered flexible experts, the node hol
 (ties rotate by the token's position: the tied nodes in node order, index `position % ties`). Every
 flexible expert that a reached node holds takes the replica at `position % count` of its replicas on
 the reached nodes (rank order); one left uncovered needs a node of its own whichever it takes, so it
-takes `position % count` of all its replicas, exactly as under DESIGN.md's rule. So the rule only
+takes `position % count` of all its replicas, exactly as under the `position` rule. So the rule only
 departs from `position` where that saves a node, and a lone remote expert (always, with top-1) is
 spread over its replicas exactly as before: the load balance EPLB and the planner count on is kept
 except where a node is saved.

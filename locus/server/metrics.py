@@ -89,7 +89,7 @@ def recording_metrics(core, model_name: str):
 
 
 def ep_metrics(driver, model_name: str):
-    """Expert parallelism: exchange bytes summed over ranks by tier and direction (DESIGN.md's
+    """Expert parallelism: exchange bytes summed over ranks by tier and direction (docs/design.md's
     definitions, as GET /ep/stats and `locus replay`), and per rank its tokens, expert load and step
     time split, as of the last iteration every rank reported."""
     counters, times = driver.counters, driver.times

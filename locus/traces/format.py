@@ -1,6 +1,6 @@
 """The locus-trace v1 contract: file names, metadata and request records, and their validation.
 
-A token trace is a directory (see DESIGN.md "Trace format"):
+A token trace is a directory (see docs/design.md, "Trace format"):
     meta.json           TraceMeta.to_json()
     requests.jsonl      one RequestRecord per line, in row order
     expert_ids.npy      int16 [N, L, K]; -1 = no expert

@@ -23,7 +23,7 @@ def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def max_over_mean(load: np.ndarray, empty: float = 1.0) -> np.ndarray:
-    """The one imbalance measure (DESIGN.md): max / mean over the last axis (expert load of a layer
+    """The one imbalance measure (docs/design.md, "Metrics"): max / mean over the last axis (expert load of a layer
     over its experts or ranks, tokens over ranks); `empty` where nothing is loaded (mean 0)."""
     load = np.asarray(load)
     mean = load.mean(axis=-1)

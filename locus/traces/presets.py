@@ -1,7 +1,7 @@
 """Named synthetic-trace presets: real model shapes, routing knobs calibrated to published figures.
 
 Shapes are the public checkpoints' (MoE layers as their configs define them). The routing knobs are
-tuned so that `locus trace stats` on a preset trace lands in the ranges DESIGN.md "What real routing
+tuned so that `locus trace stats` on a preset trace lands in the ranges docs/design.md, "What real routing
 looks like" quotes; docs/traces.md lists what each preset measures and the command that measured it.
 """
 

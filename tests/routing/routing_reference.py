@@ -1,6 +1,6 @@
 """Brute-force, one-token-at-a-time references for the dispatch rule and the replay metrics.
 
-Written straight from DESIGN.md's wording, with plain Python loops and sets, so the vectorised code
+Written straight from the wording of docs/design.md ("Topology, placement plan, dispatch rule", "Metrics"), with plain Python loops and sets, so the vectorised code
 is checked against something that shares none of its tricks (no tables, no bitmasks).
 """
 

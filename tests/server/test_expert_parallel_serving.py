@@ -201,7 +201,7 @@ def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES
 
 
 def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_path):
-    """DESIGN.md's promise: what a running server counts equals, to the byte, what `locus replay`
+    """docs/design.md's promise ("Expert-parallel serving"): what a running server counts equals, to the byte, what `locus replay`
     computes for the same routing, plan and request -> rank assignment. `small` on 2x2 under a
     locality plan (replicas, and a grouping: the front-end assigns requests with the plan's grouper)."""
     from locus.routing.plan.grouping_spec import spec_of

@@ -1,8 +1,8 @@
 """What a rank's expert-parallel runtime counts: bytes by tier and direction, tokens, expert load,
 collectives, and where a step's time went.
 
-Payload bytes follow DESIGN.md (rows of H * dtype_bytes, dispatch and combine each, counted on the
-token's source rank); routing metadata (slot ids and weights) is counted apart; wire bytes are what
+Payload bytes follow docs/design.md (sends of H * dtype_bytes, dispatch and combine each, counted by
+the sending rank); routing metadata (slot ids and weights) is counted apart; wire bytes are what
 the collectives really put on the network, padding and packed metadata included (never payload).
 """
 

@@ -315,7 +315,7 @@ class EPDriver:
         return sum(self.rank_tokens(r) for r in range(self.world))
 
     def epoch_totals(self) -> list[dict]:
-        """Per placement epoch, summed over ranks: bytes (DESIGN.md's) and tokens."""
+        """Per placement epoch, summed over ranks: bytes (docs/design.md's) and tokens."""
         layers = max(1, len(self.runtime.layers))
         epochs = sorted({e for per_rank in self.epoch_counters for e in per_rank})
         out = []

@@ -1,4 +1,4 @@
-"""Two-tier dispatch and combine of one MoE layer over torch.distributed (DESIGN.md, "Expert-parallel
+"""Two-tier dispatch and combine of one MoE layer over torch.distributed (docs/design.md, "Expert-parallel
 serving"; docs/expert_parallel.md).
 
 Dispatch of a token held on rank s whose k chosen replicas sit in physical slots p_1..p_k:
@@ -20,7 +20,7 @@ into one byte row (`RowFormat`). How the rows travel is the transport's business
 A rank with no tokens takes part with empty tensors (in every collective; exact's point-to-point
 batches pair up from the counts), so no rank ever waits on one that skipped a layer.
 
-Bytes are counted as DESIGN.md defines them, on the token's source rank: payload rows of
+Bytes are counted as docs/design.md defines them, by the sending rank: payload rows of
 H * dtype_bytes, dispatch and combine each; tier 1 is the inter-node figure, tier 2 (own and proxied
 rows) the intra-node one; routing metadata apart; wire bytes (what was really sent) apart again.
 

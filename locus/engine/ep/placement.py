@@ -2,7 +2,7 @@
 
 Every expert-parallel layer reads `runtime.placement` when it is called, so a new placement (a live
 re-plan, or a re-plan onto the ranks that survive a failure) is swapped in as one assignment between
-two steps; the epoch names which placement a step ran under (DESIGN.md, "Placement epochs").
+two steps; the epoch names which placement a step ran under (docs/design.md, "Expert-parallel serving").
 
 The dispatch rule is the one of locus/routing/dispatch_rule.py. For a source rank s its `position`
 part is a lookup: the chosen tier of expert e is one run `start[l, s, e] .. + count[l, s, e]` of the

@@ -42,7 +42,7 @@ class RowFormat:
     dtype: torch.dtype
     x_bytes: int = field(init=False)
     weight_bytes: int = field(init=False)
-    meta_bytes: int = field(init=False)  # routing metadata per row as DESIGN.md counts it: K slot ids (4 bytes) and K weights
+    meta_bytes: int = field(init=False)  # routing metadata per packet as docs/design.md counts it: K slot ids (4 bytes) and K weights
     row_bytes: int = field(init=False)
 
     def __post_init__(self):

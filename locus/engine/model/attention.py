@@ -1,6 +1,6 @@
 """Llama-4 attention: GQA with per-layer position rules.
 
-Every rule of DESIGN.md's attention section lives here:
+Every attention rule of docs/design.md ("The model") lives here:
 - RoPE layers (`no_rope_layers[i] == 1`): pairwise RoPE, then (if `use_qk_norm`) an L2 norm of q and k
   over head_dim, and causal attention *within chunks* of `attention_chunk_size` tokens.
 - NoPE layers: no rotation, causal attention over everything, and (if `attn_temperature_tuning`) q is

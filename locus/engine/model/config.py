@@ -79,7 +79,7 @@ class ModelConfig:
         if problems:
             raise LocusError("invalid model config: " + "; ".join(problems))
 
-    # The per-layer rules of DESIGN.md, in one place.
+    # The per-layer rules of docs/design.md ("The model"), in one place.
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 

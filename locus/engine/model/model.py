@@ -1,4 +1,4 @@
-"""Llama-4 text MoE model (the math of DESIGN.md; parity target: transformers' Llama4ForCausalLM).
+"""Llama-4 text MoE model (the math of docs/design.md, "The model"; parity target: transformers' Llama4ForCausalLM).
 
 Per decoder layer i (pre-norm residual):
     h   = x + attn_i(rmsnorm(x))          attention rules per layer: attention.py

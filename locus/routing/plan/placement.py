@@ -10,7 +10,7 @@ counts as a replica for the dispatch rule's `position % count`.
 Optional `dispatch`: the dispatch rule the plan is meant to run under (`position` or `node-aware`,
 docs/replay.md); absent means the default rule (dispatch_rule.DEFAULT_RULE).
 
-The JSON layout is DESIGN.md's; `load_plan` and `validate` reject anything else with a message that
+The JSON layout is docs/design.md's ("Placement plan format"); `load_plan` and `validate` reject anything else with a message that
 names the layer, rank, slot or expert at fault.
 """
 

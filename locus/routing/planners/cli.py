@@ -63,7 +63,7 @@ def _dispatch_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-model", choices=("dispatch", "even"),
                    help="locality: the expected expert loads the cap search balances; dispatch = under the plan's "
                    "dispatch rule (node-aware: measured by routing a sample of the planning requests with it); "
-                   "even = DESIGN.md's even spread over replicas. Default: dispatch with --replica-budget "
+                   "even = the position rule's even spread over replicas. Default: dispatch with --replica-budget "
                    "marginal, even with top (docs/planner.md)")
 
 

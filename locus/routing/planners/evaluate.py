@@ -1,7 +1,7 @@
 """The planner comparison (`locus plan evaluate`): plan on the first half of a trace's requests, replay
 the second half, for round_robin, eplb and locality, and write the results as JSON and Markdown.
 
-Rows per case (same replayed requests, same replay, DESIGN.md's metrics; every row routes by the
+Rows per case (same replayed requests, same replay, docs/design.md's metrics; every row routes by the
 evaluation's dispatch rule except EPLB's, which route by `position`, the rule EPLB is made for):
   round_robin                      balanced assignment
   eplb [policy]                    balanced assignment (DeepSeek-V3 also with the hierarchical policy)

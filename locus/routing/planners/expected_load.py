@@ -9,7 +9,7 @@ of e on node n:
 At rank granularity the own-rank tier matters a little: a rank holding e keeps its own tokens, the
 node's other ranks spread theirs over the node's replicas. `rank_loads` models that exactly, with a
 node's tokens spread evenly over its ranks (the grouper fills a node's ranks least-loaded first).
-This is DESIGN.md's `position` rule. Under the `node-aware` rule (the default, docs/replay.md) a remote
+This is the `position` rule. Under the `node-aware` rule (the default, docs/replay.md) a remote
 pair may instead join a node its token reaches anyway, so the remote share of an expert held on
 several nodes is no longer even. Every function here therefore takes an optional `pull`: per source
 node n, expert e and node j, the weight of one replica of e on j for n's remote pairs. n's remote

@@ -68,7 +68,7 @@ class PlanOptions:
     replica_budget: str = "top"  # locality: "top" (each node's most used experts) or "marginal" (replica_budget.py)
     # locality: the expected-load model the cap search balances. "dispatch": the plan's dispatch rule (under
     # node-aware, remote pairs split as a routed sample of the planning requests shows, dispatch_pull.py);
-    # "even": DESIGN.md's even spread over replicas (exact under `position`). None: load_model_for(budget).
+    # "even": the `position` rule's even spread over replicas (exact under `position`). None: load_model_for(budget).
     load_model: str | None = None
     # locality: the prompt predictor stored with the plan (grouping.predictor), learned from the planning
     # rows' token ids when the trace has them: at most this many token ids (0: none), each with its

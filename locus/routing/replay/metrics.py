@@ -1,5 +1,5 @@
 """The replay simulator's core: route chunks of trace rows through the dispatch rule and accumulate the
-traffic and balance metrics of DESIGN.md ("Traffic and balance metrics"). numpy in, counters out.
+traffic and balance metrics of docs/design.md ("Metrics"). numpy in, counters out.
 
 Shape legend: T rows (tokens) in a chunk, L MoE layers, K top-k, R ranks, N nodes, G GPUs per node.
     expert_ids [T, L, K] int (-1 = none)   src [T] rank where each token's request runs
@@ -10,7 +10,7 @@ Definitions (a "pair" is one (token, layer, k) with an expert id other than -1):
   inter-node, deduplicated: per (token, layer), the number of distinct nodes other than the token's own
       among its destinations; times `2 * hidden * dtype_bytes` (dispatch there, combine back);
   inter-node, not deduplicated: pairs whose destination is on another node;
-  intra-node, deduplicated: the tier-2 payload of the two-tier dispatch (DESIGN.md, "Expert-parallel
+  intra-node, deduplicated: the tier-2 payload of the two-tier dispatch (docs/design.md, "Expert-parallel
       serving"): per (token, layer), the number of distinct destination ranks whose local index
       differs from the token's own rank's: the other ranks of its own node, and in each remote node
       the ranks other than the proxy (the rank with the token's local index) that tier 1 sent it to;

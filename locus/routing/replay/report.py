@@ -1,5 +1,5 @@
 """ReplayReport: the figures `locus replay` prints, built from TrafficTotals (definitions in
-replay_metrics.py and DESIGN.md "Traffic and balance metrics")."""
+replay/metrics.py and docs/design.md, "Metrics")."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 
 Step orders (whole-replay figures do not depend on it; per-step figures do):
   trace  the rows of the assignment's request range in trace order; a step is `batch_tokens`
-         consecutive rows (DESIGN.md's definition). A step then holds a few whole requests, so it
+         consecutive rows (docs/design.md's definition). A step then holds a few whole requests, so it
          sees only the ranks those requests run on.
   ranks  what a DP-attention deployment runs: each rank works through its own queue (its requests'
          rows, in trace order), and step j takes the next c = max(1, batch_tokens // R) rows of

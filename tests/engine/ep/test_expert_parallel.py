@@ -1,6 +1,6 @@
 """Expert parallelism on real gloo process groups: each rank holds only its slots' experts, its tokens
 travel by two-tier all-to-all, and the logits equal the single-process model's; the bytes each rank
-counts add up to DESIGN.md's definitions, computed independently from the dispatch rule."""
+counts add up to the definitions of docs/design.md ("Expert-parallel serving"), computed independently from the dispatch rule."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def free_port() -> int:
 
 
 def expected_bytes(plan: PlacementPlan, results: list[dict]) -> tuple[int, int]:
-    """DESIGN.md's inter-/intra-node bytes (dispatch + combine) of the first forward, token by token."""
+    """docs/design.md's inter-/intra-node bytes (dispatch + combine) of the first forward, token by token."""
     table, G = build_dispatch_table(plan), plan.topology.gpus_per_node
     inter = intra = 0
     for src, r in enumerate(results):
@@ -142,7 +142,7 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
     measured_intra = sum(r["bytes"].intra_node for r in results)
     assert (measured_inter, measured_intra) == (inter, intra)
     assert (intra > 0) == (plan.topology.gpus_per_node > 1) and (inter > 0) == (plan.topology.nodes > 1)
-    if plan.dispatch == "node-aware":  # the case exercises the choice: DESIGN.md's rule sends more
+    if plan.dispatch == "node-aware":  # the case exercises the choice: the `position` rule sends more
         assert inter < expected_bytes(dataclasses.replace(plan, dispatch="position"), results)[0]
 
 

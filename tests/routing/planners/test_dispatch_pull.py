@@ -63,7 +63,7 @@ def test_rank_loads_with_measured_pull_equal_the_node_aware_rule(seed):
     x = node_replicas(slots, N, E)
     pull = pull_from_counts(counts, x, prior_pairs=0.0)
     np.testing.assert_allclose(rank_loads(slots, demand, pull), actual, rtol=1e-9, atol=1e-9)
-    # The even spread (DESIGN.md's `position` rule) does not: the node-aware rule concentrates remote pairs.
+    # The even spread (the `position` rule) does not: the node-aware rule concentrates remote pairs.
     even = rank_loads(slots, demand)
     assert np.abs(even - actual).max() > 0.05 * actual.mean()
     # The cap search's incremental form (slot_search.contributions) agrees with rank_loads.

@@ -86,7 +86,7 @@ def test_plan_file_contradicting_flags(trace, tmp_path, capsys):
 
 def test_dispatch_flag_chooses_the_rule_and_the_plan_records_it(trace, tmp_path, capsys):
     """Top-2 on 4 nodes of 1 GPU, 6 slots each: EPLB's replicas sit on several nodes, so the node-aware
-    rule reaches fewer remote nodes than DESIGN.md's `position` rule, the built-in EPLB plan's own."""
+    rule reaches fewer remote nodes than the `position` rule, the built-in EPLB plan's own."""
     figures = {}
     for rule in ("position", "node-aware", None):
         out, plan = tmp_path / f"{rule}.json", tmp_path / f"{rule}-plan.json"
