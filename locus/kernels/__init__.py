@@ -8,7 +8,8 @@
               per expert), the reference's per-expert loop otherwise; CPU tensors
     "auto"    triton for CUDA tensors; cpu for CPU tensors when its kernel builds, else torch
 gate_up and down may be `QuantizedTensor`s (moe_quantized.py: fp8, mxfp8, mxfp4 expert weights): the
-cpu backend reads them in its C kernel; torch and (for now) triton run fused_moe_quantized_reference.
+cpu backend reads them in its C kernel, triton in its GEMMs (moe_narrow.py); torch runs
+fused_moe_quantized_reference.
 The Triton modules are imported on first use, so importing this package never needs triton. On CPU,
 TRITON_INTERPRET=1 must be set before anything imports Triton at all (tests/conftest.py, bench scripts).
 """
@@ -52,10 +53,9 @@ def fused_moe(
 def run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend) -> torch.Tensor:
     """`fused_moe` run eagerly (what the custom op's implementation calls)."""
     backend = resolve_backend(backend, x.device)
-    if isinstance(gate_up, QuantizedTensor) and backend != "cpu":
-        # TODO(triton): the Triton kernel does not read narrow weights yet; until it does, CUDA runs the reference
-        return fused_moe_quantized_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
     if backend == "torch":
+        if isinstance(gate_up, QuantizedTensor):
+            return fused_moe_quantized_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
         return fused_moe_reference(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map)
     if backend == "cpu":
         from locus.kernels.moe_cpu import fused_moe_cpu

@@ -3,13 +3,18 @@
 The best tiles depend on the expert shape (E, I, H), the dtype, the GPU, and the batch: a decode batch
 gives each expert a handful of rows (small BLOCK_M, wide weight tiles, memory-bound), a prefill batch
 gives it hundreds (large square tiles, compute-bound). `bench/tune_moe.py` times candidates on a GPU
-and writes one JSON file per (E, I, H, dtype, device) under `configs/`, named like
-`E128_I8192_H5120_bfloat16_NVIDIA_H200.json`:
+and writes one JSON file per (E, I, H, weights, device) under `configs/`, named like
+`E128_I8192_H5120_bfloat16_NVIDIA_H200.json`, where the weights field is the float dtype of the
+expert weights (and activations), or the narrow format they are held in (`..._fp8_NVIDIA_H200.json`,
+`_mxfp8_`, `_mxfp4_`: moe_quantized.py; the bytes per weight change the best tiles):
 
     {"format": "locus-moe-configs", "version": 2,
-     "E": 128, "I": 8192, "H": 5120, "dtype": "bfloat16", "device": "NVIDIA H200",
+     "E": 128, "I": 8192, "H": 5120, "dtype": "bfloat16", "weights": "fp8", "device": "NVIDIA H200",
      "configs": {"1": {"block_m": 16, ..., "split_k": 4}, "64": {...}, "4096": {...}},   # keyed by T
      "provenance": {...}}
+
+("dtype" is the activations' dtype; files written before narrow weights have no "weights" field and
+mean weights in that dtype.)
 
 Version 2 added `split_k`; a table whose entries all have split_k 1 is written as version 1 (without
 the field), so older readers still load it, and version 1 files load with split_k 1.
@@ -85,9 +90,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def config_file_name(E: int, I: int, H: int, dtype: torch.dtype | str, device: str) -> str:
+    """`dtype`: the float weights' dtype, or the narrow weight format's name ("fp8", "mxfp4", ...)."""
     dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
     safe_device = re.sub(r"[^A-Za-z0-9.-]+", "_", device)
     return f"E{E}_I{I}_H{H}_{dtype}_{safe_device}.json"
+
+
+def weights_key(dtype: torch.dtype, weights: str | None) -> str:
+    """What a table is keyed by: the narrow weight format, else the (weights' and activations') dtype."""
+    return weights if weights and weights != "float" else dtype_name(dtype)
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, device: str,
@@ -142,16 +153,19 @@ def get_config(
     dtype: torch.dtype,
     device: str,
     config_dir: Path | None = None,
+    weights: str | None = None,
 ) -> MoeConfig:
-    """Tuned config for this shape and batch if a table exists, else `default_config`."""
-    return _cached_config(num_tokens, top_k, E, I, H, dtype, device, Path(config_dir or CONFIG_DIR))
+    """Tuned config for this shape and batch if a table exists, else `default_config`.
+    weights: the experts' narrow format (fp8, mxfp8, mxfp4), None for float weights in `dtype`."""
+    return _cached_config(num_tokens, top_k, E, I, H, dtype, device, Path(config_dir or CONFIG_DIR),
+                          weights_key(dtype, weights))
 
 
 @functools.lru_cache(maxsize=1024)
 def _cached_config(num_tokens: int, top_k: int, E: int, I: int, H: int, dtype: torch.dtype, device: str,
-                   config_dir: Path) -> MoeConfig:
+                   config_dir: Path, key: str) -> MoeConfig:
     # Every fused-MoE call looks its config up: keep that off the host's critical path.
-    table = load_table(config_dir, config_file_name(E, I, H, dtype, device))
+    table = load_table(config_dir, config_file_name(E, I, H, key, device))
     if table:
         return pick_nearest(table, num_tokens)
     return default_config(num_tokens, top_k, E, dtype, device, I=I, H=H)
@@ -181,16 +195,19 @@ def write_table(
     device: str,
     table: dict[int, MoeConfig],
     provenance: dict | None = None,
+    weights: str | None = None,
 ) -> Path:
-    """Write a table in the format `load_table` reads; `path` is a directory or a file name."""
+    """Write a table in the format `load_table` reads; `path` is a directory or a file name.
+    weights: the narrow weight format the table was tuned for (None: float weights in `dtype`)."""
     path = Path(path)
+    key = weights_key(dtype, weights)
     if path.suffix != ".json":
-        path = path / config_file_name(E, I, H, dtype, device)
+        path = path / config_file_name(E, I, H, key, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     version = 2 if any(c.split_k != 1 for c in table.values()) else 1
     data = {
         "format": CONFIG_FORMAT, "version": version,
-        "E": E, "I": I, "H": H, "dtype": dtype_name(dtype), "device": device,
+        "E": E, "I": I, "H": H, "dtype": dtype_name(dtype), "weights": key, "device": device,
         "configs": {str(t): table[t].to_json() for t in sorted(table)},
         "provenance": provenance or {},
     }

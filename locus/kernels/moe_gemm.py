@@ -22,6 +22,12 @@ tile, reading only the block's real rows) adds the S partials in a fixed order a
 epilogue (SwiGLU for gate_up, the routing weight for down), so results are deterministic and do
 not depend on S beyond fp32 rounding. No atomics, so the workspace needs no clearing.
 
+Narrow expert weights (fp8, mxfp8, mxfp4 QuantizedTensors, moe_quantized.py) are read as stored:
+each K step loads the step's narrow tile (and its scales) and multiplies it in one of the dot forms
+of moe_narrow.py (widened in registers then the ordinary dot; tl.dot_scaled; or FP8 tensor cores),
+so split-K, the weight on input or output and the expert map work unchanged. The "fp8" form
+quantizes each GEMM's activations once per row before its launch (x, then h).
+
 Tiles are visited GROUP_M blocks at a time down M before moving along N (Triton tutorial 03): nearby
 blocks usually share an expert, so a weight tile loaded into L2 serves the whole group.
 Accumulation is fp32. With fp32 inputs tl.dot runs at "ieee" precision (no TF32) so fp32 results
@@ -30,8 +36,8 @@ match the torch reference tightly. Every size these kernels see comes from shape
 arguments are not specialised on, so one compiled kernel serves every batch size.
 
 Shape legend: T tokens, K slots, P = T*K pairs, E local experts, H hidden, I expert width, S splits.
-    x        [T, H]        gate_up [E, H, 2I]   (gate = first I columns)
-    h        [P, I]        down    [E, I, H]
+    x        [T, H]        gate_up [E, H, 2I]   (gate = first I columns; narrow: scales along H)
+    h        [P, I]        down    [E, I, H]    (narrow: scales along I)
     y        [P, H]        topk_weights [T, K] (read flat as [P])
     partials [S, P, 2I] (gate_up) or [S, P, H] (down), fp32
 Rows of h and y belong to pairs; rows of pairs that no block computes are not written.
@@ -43,10 +49,24 @@ import torch
 import triton
 import triton.language as tl
 
+from locus.kernels.formats import QuantizedTensor
 from locus.kernels.moe_align import AlignedRouting
 from locus.kernels.moe_configs import MoeConfig
+from locus.kernels.moe_narrow import (
+    MIN_BLOCK_K,
+    WeightOperand,
+    check_dot,
+    choose_dot,
+    apply_scales,
+    dot_fp8_tile,
+    dot_scaled_tile,
+    load_weight_tile,
+    quantize_activations,
+    weight_operand,
+)
 
 REDUCE_TILE = 4096  # elements of one reduce program's [BLOCK_M, columns] tile
+_LHS_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's name for 16-bit activations
 
 
 @triton.jit
@@ -61,12 +81,31 @@ def _tile_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _multiply_step(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
+                   FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ rows k .. k + BLOCK_K of one expert's weight, in the dot form DOT
+    (moe_narrow.py; for "fp8", a is already E4M3 and its row scales come after the loop)."""
+    if DOT == "scaled":
+        return dot_scaled_tile(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk,
+                               stride_sn, FORMAT, LHS_FORMAT, BLOCK_K)
+    elif DOT == "fp8":
+        return dot_fp8_tile(acc, a, w_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, BLOCK_K)
+    else:
+        w = load_weight_tile(w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
+                             FORMAT, BLOCK_K, a.dtype)
+        return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, N, H, max_blocks, k_per_split,
-    stride_xt, stride_xh, stride_we, stride_wh, stride_wn, stride_os, stride_op, stride_on,
+    stride_xt, stride_xh, stride_we, stride_wh, stride_wn, stride_se, stride_sh, stride_sn,
+    stride_os, stride_op, stride_on,
     TOP_K: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -81,24 +120,28 @@ def _gate_up_kernel(
     tokens = (pairs // TOP_K).to(tl.int64)
 
     k_begin = split * k_per_split
-    k_len = tl.minimum(H - k_begin, k_per_split)
+    k_stop = tl.minimum(H, k_begin + k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + (k_begin + offs_k)[None, :] * stride_xh
-    g_ptrs = w_ptr + expert * stride_we + (k_begin + offs_k)[:, None] * stride_wh + offs_n[None, :] * stride_wn
-    u_ptrs = g_ptrs + N * stride_wn  # up columns sit N = I columns after the gate columns
+    g_ptr = w_ptr + expert * stride_we
+    u_ptr = g_ptr + N * stride_wn  # up columns sit N = I columns after the gate columns
+    gs_ptr = ws_ptr + expert * stride_se
+    us_ptr = gs_ptr + N * stride_sn
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(k_len, BLOCK_K)):
-        k_ok = offs_k < k_len - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & (offs_n[None, :] < N)
-        acc_g = tl.dot(a, tl.load(g_ptrs, mask=b_mask, other=0.0), acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, tl.load(u_ptrs, mask=b_mask, other=0.0), acc_u, input_precision=DOT_PRECISION)
+    for k0 in range(0, tl.cdiv(k_stop - k_begin, BLOCK_K)):
+        k = k_begin + k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k + offs_k < k_stop)[None, :], other=0.0)
+        acc_g = _multiply_step(acc_g, a, g_ptr, gs_ptr, k, k_stop, offs_n, n_ok, stride_wh, stride_wn, stride_sh,
+                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
+        acc_u = _multiply_step(acc_u, a, u_ptr, us_ptr, k, k_stop, offs_n, n_ok, stride_wh, stride_wn, stride_sh,
+                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
         a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
+    acc_g = apply_scales(acc_g, gs_ptr, offs_n, n_ok, stride_sn, xs_ptr, tokens, row_ok, FORMAT, DOT)
+    acc_u = apply_scales(acc_u, us_ptr, offs_n, n_ok, stride_sn, xs_ptr, tokens, row_ok, FORMAT, DOT)
 
     if WEIGHT_ON_INPUT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -106,7 +149,7 @@ def _gate_up_kernel(
         acc_u = acc_u * w[:, None]
     rows = pairs.to(tl.int64)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_on
-    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(g) * u, still in fp32
         tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -117,10 +160,12 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
+    h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, N, I, max_blocks, k_per_split,
-    stride_hp, stride_hk, stride_we, stride_wk, stride_wn, stride_os, stride_op, stride_on,
+    stride_hp, stride_hk, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+    stride_os, stride_op, stride_on,
     WEIGHT_ON_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -135,23 +180,25 @@ def _down_kernel(
     rows = pairs.to(tl.int64)
 
     k_begin = split * k_per_split
-    k_len = tl.minimum(I - k_begin, k_per_split)
+    k_stop = tl.minimum(I, k_begin + k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hp + (k_begin + offs_k)[None, :] * stride_hk
-    b_ptrs = w_ptr + expert * stride_we + (k_begin + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    b_ptr = w_ptr + expert * stride_we
+    bs_ptr = ws_ptr + expert * stride_se
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(k_len, BLOCK_K)):
-        k_ok = offs_k < k_len - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    for k0 in range(0, tl.cdiv(k_stop - k_begin, BLOCK_K)):
+        k = k_begin + k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k + offs_k < k_stop)[None, :], other=0.0)
+        acc = _multiply_step(acc, a, b_ptr, bs_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk,
+                             stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
         a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+    acc = apply_scales(acc, bs_ptr, offs_n, n_ok, stride_sn, hs_ptr, rows, row_ok, FORMAT, DOT)
 
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_op + offs_n[None, :] * stride_on
-    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
         if WEIGHT_ON_OUTPUT:
             acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -203,19 +250,24 @@ def split_plan(reduce_width: int, block_k: int, split_k: int) -> tuple[int, int]
 
 def multiply_gate_up(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
+    gate_up: torch.Tensor | QuantizedTensor,
     routing: AlignedRouting,
     topk_weights: torch.Tensor,
     weight_on_input: bool,
     config: MoeConfig,
+    dot: str | None = None,
 ) -> torch.Tensor:
-    """h [P, I] = silu(g) * u for every aligned pair (Triton); rows of skipped pairs are garbage."""
+    """h [P, I] = silu(g) * u for every aligned pair (Triton); rows of skipped pairs are garbage.
+    gate_up: float [E, H, 2I] in x's dtype, or fp8 / mxfp8 / mxfp4 (moe_narrow.py; `dot` picks the
+    dot form, default `choose_dot`'s)."""
     T, H = x.shape
-    E, _, two_i = gate_up.shape
-    top_k = _check(x, gate_up, routing, topk_weights, config, H)
+    w = weight_operand(gate_up)
+    E, _, two_i = w.shape
+    top_k = _check(x, w, routing, topk_weights, config, H)
     I = two_i // 2
-    if gate_up.shape[1] != H or two_i % 2:
-        raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [E, H={H}, 2I]")
+    if w.shape[1] != H or two_i % 2:
+        raise ValueError(f"gate_up {w.shape} must be [E, H={H}, 2I]")
+    dot = _dot_form(w, x, dot)
     h = torch.empty(routing.num_pairs, I, dtype=x.dtype, device=x.device)
     if routing.max_blocks == 0:
         return h
@@ -224,12 +276,14 @@ def multiply_gate_up(
     out = h if splits == 1 else torch.empty(splits, routing.num_pairs, 2 * I, dtype=torch.float32, device=x.device)
     stride_os = 0 if splits == 1 else out.stride(0)
     grid = (routing.max_blocks * triton.cdiv(I, config.block_n), splits)
+    a, a_scale = quantize_activations(x) if dot == "fp8" else (x, x)
     _gate_up_kernel[grid](
-        x, gate_up, out, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        a, a_scale, w.data, w.scale, out, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.num_pairs, I, H, routing.max_blocks, per_split,
-        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        a.stride(0), a.stride(1), *w.strides, *w.scale_strides,
         stride_os, out.stride(-2), out.stride(-1),
         TOP_K=top_k, WEIGHT_ON_INPUT=weight_on_input, DOT_PRECISION=_dot_precision(x.dtype),
+        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(x.dtype, ""),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -240,19 +294,23 @@ def multiply_gate_up(
 
 def multiply_down(
     h: torch.Tensor,
-    down: torch.Tensor,
+    down: torch.Tensor | QuantizedTensor,
     routing: AlignedRouting,
     topk_weights: torch.Tensor,
     weight_on_output: bool,
     config: MoeConfig,
     out: torch.Tensor | None = None,
+    dot: str | None = None,
 ) -> torch.Tensor:
-    """y [P, H] = h[p] @ down[e] for every aligned pair (Triton); other rows of `out` are untouched."""
+    """y [P, H] = h[p] @ down[e] for every aligned pair (Triton); other rows of `out` are untouched.
+    down: float [E, I, H] in h's dtype, or narrow as in `multiply_gate_up`."""
     P, I = h.shape
-    E, _, H = down.shape
-    _check(h, down, routing, topk_weights, config, I, rows=P)
-    if down.shape[1] != I:
-        raise ValueError(f"down {tuple(down.shape)} must be [E, I={I}, H]")
+    w = weight_operand(down)
+    E, _, H = w.shape
+    _check(h, w, routing, topk_weights, config, I, rows=P)
+    if w.shape[1] != I:
+        raise ValueError(f"down {w.shape} must be [E, I={I}, H]")
+    dot = _dot_form(w, h, dot)
     if out is None:
         out = torch.empty(P, H, dtype=h.dtype, device=h.device)
     if out.shape != (P, H) or out.dtype != h.dtype:
@@ -264,12 +322,14 @@ def multiply_down(
     dest = out if splits == 1 else torch.empty(splits, P, H, dtype=torch.float32, device=h.device)
     stride_os = 0 if splits == 1 else dest.stride(0)
     grid = (routing.max_blocks * triton.cdiv(H, config.block_n), splits)
+    a, a_scale = quantize_activations(h) if dot == "fp8" else (h, h)
     _down_kernel[grid](
-        h, down, dest, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        a, a_scale, w.data, w.scale, dest, weights, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         routing.num_pairs, H, I, routing.max_blocks, per_split,
-        h.stride(0), h.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        a.stride(0), a.stride(1), *w.strides, *w.scale_strides,
         stride_os, dest.stride(-2), dest.stride(-1),
         WEIGHT_ON_OUTPUT=weight_on_output, DOT_PRECISION=_dot_precision(h.dtype),
+        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(h.dtype, ""),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -355,14 +415,14 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _check(a: torch.Tensor, w: torch.Tensor, routing: AlignedRouting, topk_weights: torch.Tensor,
+def _check(a: torch.Tensor, w: WeightOperand, routing: AlignedRouting, topk_weights: torch.Tensor,
            config: MoeConfig, inner: int, rows: int | None = None) -> int:
     """Shared shape/dtype checks; returns K (slots per token)."""
-    if a.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"expected a 2-D input and 3-D expert weights, got {tuple(a.shape)} and {tuple(w.shape)}")
-    if a.dtype != w.dtype:
-        raise ValueError(f"input dtype {a.dtype} differs from expert weight dtype {w.dtype}")
-    if a.device != w.device or a.device != routing.sorted_pair_ids.device:
+    if a.dim() != 2:
+        raise ValueError(f"expected a 2-D input and 3-D expert weights, got {tuple(a.shape)} and {w.shape}")
+    if w.format == "float" and a.dtype != w.data.dtype:
+        raise ValueError(f"input dtype {a.dtype} differs from expert weight dtype {w.data.dtype}")
+    if a.device != w.data.device or a.device != routing.sorted_pair_ids.device:
         raise ValueError("input, expert weights and routing must be on one device")
     if topk_weights.dim() != 2 or topk_weights.numel() != routing.num_pairs:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must be [T, K] with T*K = {routing.num_pairs}")
@@ -370,4 +430,13 @@ def _check(a: torch.Tensor, w: torch.Tensor, routing: AlignedRouting, topk_weigh
         raise ValueError(f"input has {rows} rows, routing has {routing.num_pairs} pairs")
     if config.block_m != routing.block_m:
         raise ValueError(f"config.block_m {config.block_m} differs from the routing's block_m {routing.block_m}")
+    if w.format != "float" and config.block_k < MIN_BLOCK_K:
+        raise ValueError(f"{w.format} expert weights need block_k >= {MIN_BLOCK_K} (got {config.block_k})")
     return topk_weights.shape[1]
+
+
+def _dot_form(w: WeightOperand, a: torch.Tensor, dot: str | None) -> str:
+    if dot is None:
+        return choose_dot(w.format, a.dtype, a.device)
+    check_dot(dot, w.format, a.dtype)
+    return dot

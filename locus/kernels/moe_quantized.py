@@ -15,6 +15,9 @@ Semantics (what the kernels must compute): each weight is `element * scale` in f
 the MX formats every such product is a float32), rounded to x's dtype, then the unquantized
 fused_moe_reference. Only the experts some pair uses are dequantized.
 
+The Triton kernels' "fp8" dot form (moe_narrow.py) computes something else on purpose: W8A8, the
+activations quantized to E4M3 per row as well; `fused_moe_w8a8_reference` is that form's reference.
+
 Shape legend: T tokens, K slots, E experts held here, H hidden, I expert width.
 """
 
@@ -77,3 +80,39 @@ def fused_moe_quantized_reference(
         return torch.zeros_like(x)
     gu, dn = gate_up[used].dequantize(x.dtype), down[used].dequantize(x.dtype)
     return fused_moe_reference(x, gu, dn, ids, topk_weights, weight_on_input, None)
+
+
+def fused_moe_w8a8_reference(
+    x: torch.Tensor,
+    gate_up: QuantizedTensor,
+    down: QuantizedTensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weight_on_input: bool = True,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the "fp8" dot form computes for row-wise fp8 weights: x quantized to E4M3 per token and
+    h = silu(g) * u (rounded to x's dtype) per pair, each with its own float32 scale, products in
+    float32, the routing weight scaling the gate_up product (weight on the input) or the output."""
+    check_expert_weights(gate_up, down)
+    if gate_up.format != "fp8":
+        raise ValueError(f"W8A8 is the fp8 dot form of row-wise fp8 weights, not {gate_up.format}")
+    T, K = topk_ids.shape
+    ids = topk_ids.long().reshape(-1)
+    if expert_map is not None:
+        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
+    weights = topk_weights.reshape(-1).float()
+    xq = quantize(x, "fp8", axis=1).dequantize()  # [T, H] float32
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        pairs = (ids == e).nonzero().flatten()
+        gu = xq[pairs // K] @ gate_up[e].dequantize()
+        if weight_on_input:
+            gu = gu * weights[pairs, None]
+        gate, up = gu.chunk(2, dim=-1)
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y = quantize(h, "fp8", axis=1).dequantize() @ down[e].dequantize()
+        if not weight_on_input:
+            y = y * weights[pairs, None]
+        out.index_add_(0, pairs // K, y)
+    return out.to(x.dtype)

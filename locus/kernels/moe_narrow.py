@@ -1,0 +1,220 @@
+"""Narrow expert weights in the Triton grouped GEMMs: reading one weight tile per format, and the dot.
+
+The expert weights of moe_quantized.py ([E, K, N], scales along K) are read as they are stored, so
+a decode step moves ~2x (fp8, mxfp8) or ~4x (mxfp4) fewer weight bytes than bfloat16; the kernels
+widen each tile in registers inside their K loop. Three ways to multiply a tile (`DOT_FORMS`):
+
+  "dequant"  portable (every device, the interpreter, float32 activations): the tile is widened to
+             float32, multiplied by its scales (E8M0 per 32 rows of K for MX; row-wise FP8's
+             per-column scale is applied once to the accumulator after the loop, since it is constant
+             along K), cast to x's dtype and multiplied with the ordinary tl.dot. Every MX weight
+             times its power-of-two scale is exact in bfloat16, so this is the reference's math up
+             to summation order (row-wise FP8 skips the reference's rounding of weight * scale).
+  "scaled"   mxfp8 / mxfp4 with 16-bit activations: tl.dot_scaled(x, None, "bf16", w, scale, "e4m3"
+             or "e2m1"), the MX tile handed to Triton as stored (E2M1 packed along K, scales [N, K/32]).
+             Triton lowers it to block-scaled tensor-core instructions where the GPU has them
+             (Blackwell) and otherwise, Hopper included, to its own upcast to bfloat16 and a bf16
+             dot: the same math as "dequant", with Triton's conversion and layouts.
+  "fp8"      W8A8 for row-wise fp8 weights on GPUs with FP8 tensor cores (compute capability 8.9+):
+             each GEMM's activations (x, then h) are quantized once to E4M3 with one float32 scale
+             per row (`quantize_activations`: FBGEMM's quantize_fp8_per_row, which is how Meta's
+             FP8 Llama-4 experts run in transformers), the kernels multiply E4M3 x E4M3, and both
+             scales (the activation row's, the weight column's) are applied after the K loop.
+             It adds the activations' E4M3 rounding (~2^-5 relative per element) to the weights'.
+             Quantizing the tile inside the kernel instead would repeat the work in every N tile
+             and cost about as many CUDA-core cycles as the FP8 product saves.
+             MXFP8 has no fp8 form: its scale changes every 32 rows of K along every column, so
+             each 32-row step would need a product and a promotion of its own.
+
+`choose_dot` picks the form: "scaled" for MX weights with 16-bit activations on GPUs that lower
+tl.dot_scaled; for fp8 weights "fp8" only on prefill-sized batches (more than DECODE_ROWS rows an
+expert on average), where the tensor-core rate decides. A decode batch's time is the weight read,
+which "dequant" already halves; the "fp8" form would add two quantize passes and the activations'
+rounding for no gain there. `LOCUS_MOE_DOT=dequant|scaled|fp8` overrides the choice (per call:
+`fused_moe_triton(..., dot=...)`). A fast form that fails to build falls back to "dequant" with a
+warning (moe_triton.py). Shape legend: R rows, K contraction rows, N columns.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from locus.kernels.formats import QuantizedTensor, quantize
+
+DOT_FORMS = ("dequant", "scaled", "fp8")
+FORM_OF_FORMAT = {"fp8": ("dequant", "fp8"), "mxfp8": ("dequant", "scaled"), "mxfp4": ("dequant", "scaled")}
+MIN_BLOCK_K = 32  # one E8M0 scale per 32 rows of K; an FP8 tensor-core dot takes K >= 32 too
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: E4M3 tensor-core dots
+SCALED_CAPABILITY = (8, 0)  # tl.dot_scaled lowers on Ampere and later
+DECODE_ROWS = 16  # rows an expert gets on average up to which a batch is weight-read bound (moe_configs)
+
+
+@dataclass(frozen=True)
+class WeightOperand:
+    """One GEMM's expert weight as the kernels read it: logical [E, K, N], data, scales, strides."""
+
+    data: torch.Tensor
+    scale: torch.Tensor  # the data itself for float weights (never read)
+    format: str  # "float", "fp8", "mxfp8", "mxfp4"
+    shape: tuple[int, int, int]
+
+    @property
+    def strides(self) -> tuple[int, int, int]:
+        return tuple(self.data.stride())
+
+    @property
+    def scale_strides(self) -> tuple[int, int, int]:
+        return tuple(self.scale.stride()) if self.format != "float" else (0, 0, 0)
+
+
+def weight_operand(w: torch.Tensor | QuantizedTensor) -> WeightOperand:
+    if isinstance(w, QuantizedTensor):
+        if w.format not in FORM_OF_FORMAT or w.dim() != 3 or w.axis != 1:
+            raise ValueError(f"the Triton kernels read {', '.join(FORM_OF_FORMAT)} expert weights [E, K, N] with "
+                             f"scales along K (got {w.format}, shape {w.shape}, axis {w.axis})")
+        return WeightOperand(w.data, w.scale, w.format, tuple(w.shape))
+    if w.dim() != 3:
+        raise ValueError(f"expert weights must be 3-D [E, K, N], got {tuple(w.shape)}")
+    return WeightOperand(w, w, "float", tuple(w.shape))
+
+
+def weight_format(w: torch.Tensor | QuantizedTensor) -> str:
+    return w.format if isinstance(w, QuantizedTensor) else "float"
+
+
+def choose_dot(fmt: str, dtype: torch.dtype, device: torch.device, rows_per_expert: float = 0.0) -> str:
+    """The dot form for `fmt` weights with `dtype` activations on `device` ("dequant" for float
+    weights): LOCUS_MOE_DOT if set, else the fastest form the device has for a batch that gives each
+    expert `rows_per_expert` rows on average."""
+    if fmt == "float":
+        return "dequant"
+    forced = os.environ.get("LOCUS_MOE_DOT")
+    if forced:
+        check_dot(forced, fmt, dtype)
+        return forced
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "dequant"
+    capability = torch.cuda.get_device_capability(device)
+    if fmt == "fp8" and capability >= FP8_CAPABILITY and rows_per_expert > DECODE_ROWS:
+        return "fp8"
+    if fmt in ("mxfp8", "mxfp4") and capability >= SCALED_CAPABILITY:
+        return "scaled"
+    return "dequant"
+
+
+def check_dot(dot: str, fmt: str, dtype: torch.dtype) -> None:
+    """ValueError unless `dot` can multiply `fmt` weights with `dtype` activations."""
+    if dot not in DOT_FORMS:
+        raise ValueError(f"unknown dot form {dot!r}; choose one of {', '.join(DOT_FORMS)}")
+    if fmt == "float":
+        if dot != "dequant":
+            raise ValueError(f"the {dot!r} dot form is for narrow expert weights; these are float")
+        return
+    if dot not in FORM_OF_FORMAT[fmt]:
+        raise ValueError(f"{fmt} expert weights take the dot forms {', '.join(FORM_OF_FORMAT[fmt])}, not {dot!r}")
+    if dot == "scaled" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"tl.dot_scaled takes bfloat16 or float16 activations, not {dtype}")
+
+
+@triton.jit
+def e8m0_to_float(s):
+    """E8M0 bytes -> float32 2^(s - 127); byte 0 is 2^-127 (a subnormal), byte 255 NaN."""
+    bits = s.to(tl.int32) << 23
+    bits = tl.where(s == 0, 0x00400000, bits)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_float(code):
+    """4-bit E2M1 codes (uint8) -> float32, exactly: the exponent and mantissa bits land in a float16's
+    fields, which reads them as the value times 2^-14 (0.5 as a subnormal too)."""
+    bits = ((code & 7).to(tl.uint16) << 9) | ((code & 8).to(tl.uint16) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _scale_blocks(w, s, ROWS: tl.constexpr):
+    """w [R, BN] float32 times s [R / ROWS, BN]: each scale row covers ROWS consecutive rows of w."""
+    return tl.reshape(tl.reshape(w, (w.shape[0] // ROWS, ROWS, w.shape[1])) * s[:, None, :], (w.shape[0], w.shape[1]))
+
+
+@triton.jit
+def load_weight_tile(w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
+                     FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows k .. k + BLOCK_K of one expert's weight (rows from k_stop on read as 0) as a [BLOCK_K, BN]
+    tile in DTYPE. Row-wise fp8 comes back without its column scale (see `column_scale`)."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    if FORMAT == "float" or FORMAT == "fp8":
+        ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        return tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0).to(DTYPE)
+    else:
+        blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + blocks[:, None] * stride_sk + offs_n[None, :] * stride_sn,
+                    mask=(blocks * 32 < k_stop)[:, None] & n_ok[None, :], other=127)
+        scale = e8m0_to_float(s)  # [BLOCK_K / 32, BN]
+        if FORMAT == "mxfp8":
+            ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            return _scale_blocks(w, scale, 32).to(DTYPE)
+        else:  # mxfp4: byte row j holds rows 2j (low nibble) and 2j + 1 (high)
+            rows = k // 2 + tl.arange(0, BLOCK_K // 2)
+            ptrs = w_ptr + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
+            packed = tl.load(ptrs, mask=(2 * rows < k_stop)[:, None] & n_ok[None, :], other=0)
+            lo = _scale_blocks(e2m1_to_float(packed & 15), scale, 16)
+            hi = _scale_blocks(e2m1_to_float(packed >> 4), scale, 16)
+            return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, lo.shape[1])).to(DTYPE)
+
+
+@triton.jit
+def dot_scaled_tile(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
+                    FORMAT: tl.constexpr, LHS_FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ (rows k .. k + BLOCK_K of an MX weight), through tl.dot_scaled on the stored tile."""
+    blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_ptr + blocks[None, :] * stride_sk + offs_n[:, None] * stride_sn,
+                    mask=(blocks * 32 < k_stop)[None, :] & n_ok[:, None], other=127)  # [BN, BLOCK_K / 32]
+    if FORMAT == "mxfp4":
+        rows = k // 2 + tl.arange(0, BLOCK_K // 2)
+        ptrs = w_ptr + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        w = tl.load(ptrs, mask=(2 * rows < k_stop)[:, None] & n_ok[None, :], other=0)
+        return tl.dot_scaled(a, None, LHS_FORMAT, w, scale, "e2m1", acc)
+    else:
+        offs_k = k + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0)
+        return tl.dot_scaled(a, None, LHS_FORMAT, w, scale, "e4m3", acc)
+
+
+def quantize_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "fp8" form's left operand: a [R, C] as E4M3 [R, C] with one float32 scale per row [R]
+    (row-wise fp8, FBGEMM's quantize_fp8_per_row rule), computed once per GEMM, not per program."""
+    q = quantize(a, "fp8", axis=1)
+    return q.data, q.scale.reshape(-1)
+
+
+@triton.jit
+def dot_fp8_tile(acc, a_q, w_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, BLOCK_K: tl.constexpr):
+    """acc + a_q (E4M3) @ rows k .. k + BLOCK_K of an E4M3 weight on FP8 tensor cores; the partial
+    products are promoted to the fp32 accumulator every BLOCK_K rows (Hopper accumulates FP8
+    products in less than fp32 precision otherwise)."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0)
+    return tl.dot(a_q, w, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
+def apply_scales(acc, s_ptr, offs_n, n_ok, stride_sn, as_ptr, a_rows, row_ok, FORMAT: tl.constexpr,
+                 DOT: tl.constexpr):
+    """After the K loop: row-wise fp8 weights' column scales and the "fp8" form's row scales of the
+    quantized activations (as_ptr[a_rows]); other formats and forms leave acc as it is."""
+    if FORMAT == "fp8":
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=1.0)[None, :]
+    if DOT == "fp8":
+        acc = acc * tl.load(as_ptr + a_rows, mask=row_ok, other=1.0)[:, None]
+    return acc
