@@ -52,11 +52,9 @@ import triton.language as tl
 from locus.kernels.formats import QuantizedTensor
 from locus.kernels.moe_align import AlignedRouting
 from locus.kernels.moe_configs import MoeConfig
+from locus.kernels.moe_dot_forms import MIN_BLOCK_K, check_dot, choose_dot
 from locus.kernels.moe_narrow import (
-    MIN_BLOCK_K,
     WeightOperand,
-    check_dot,
-    choose_dot,
     apply_scales,
     dot_fp8_tile,
     dot_scaled_tile,

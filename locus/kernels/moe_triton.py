@@ -30,7 +30,8 @@ from locus.kernels.formats import QuantizedTensor
 from locus.kernels.moe_align import AlignedRouting, align_routing
 from locus.kernels.moe_configs import MoeConfig, device_name, get_config
 from locus.kernels.moe_gemm import is_interpreted, multiply_down, multiply_gate_up
-from locus.kernels.moe_narrow import choose_dot, weight_format
+from locus.kernels.moe_dot_forms import choose_dot
+from locus.kernels.moe_narrow import weight_format
 
 log = logging.getLogger("locus.kernels")
 _FALLBACK: set[tuple] = set()  # (format, dtype, device) whose chosen dot form failed to build: "dequant"

@@ -1,4 +1,4 @@
-"""The Triton fused MoE reading fp8 / mxfp8 / mxfp4 expert weights (moe_narrow.py, moe_gemm.py):
+"""The Triton fused MoE reading fp8 / mxfp8 / mxfp4 expert weights (moe_dot_forms.py, moe_gemm.py):
 every dot form against its reference under the interpreter (decode sizes T = 1..8 and larger ones,
 split-K, weight on input and output, an expert map, odd shapes, special scales), the choice of the
 form per device and its fallback, and on a GPU bf16 parity, a sync-free call and a CUDA graph.
@@ -16,9 +16,9 @@ import torch
 from moe_problems import DEVICE, half_expert_map, make_experts, make_routing, requires_gpu
 
 import locus.kernels as kernels
-from locus.kernels import fused_moe, moe_narrow, moe_triton
+from locus.kernels import fused_moe, moe_dot_forms, moe_triton
 from locus.kernels.moe_configs import MoeConfig
-from locus.kernels.moe_narrow import choose_dot
+from locus.kernels.moe_dot_forms import choose_dot
 from locus.kernels.moe_quantized import (
     EXPERT_FORMATS,
     fused_moe_quantized_reference,
@@ -225,16 +225,16 @@ def test_a_failure_of_the_portable_form_is_raised(monkeypatch):
 
 
 def test_forms_per_format_are_listed():
-    assert set(moe_narrow.FORM_OF_FORMAT) == set(EXPERT_FORMATS)
-    assert all(form in moe_narrow.DOT_FORMS for forms in moe_narrow.FORM_OF_FORMAT.values() for form in forms)
+    assert set(moe_dot_forms.FORM_OF_FORMAT) == set(EXPERT_FORMATS)
+    assert all(form in moe_dot_forms.DOT_FORMS for forms in moe_dot_forms.FORM_OF_FORMAT.values() for form in forms)
 
 
 def gpu_forms(fmt):
     forms = ["dequant"]
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-    if fmt != "fp8" and capability >= moe_narrow.SCALED_CAPABILITY:
+    if fmt != "fp8" and capability >= moe_dot_forms.SCALED_CAPABILITY:
         forms.append("scaled")
-    if fmt == "fp8" and capability >= moe_narrow.FP8_CAPABILITY:
+    if fmt == "fp8" and capability >= moe_dot_forms.FP8_CAPABILITY:
         forms.append("fp8")
     return forms
 

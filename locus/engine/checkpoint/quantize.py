@@ -16,6 +16,8 @@ import torch
 
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.kernels import resolve_backend
+from locus.kernels.moe_cpu import CPU_MAX_ROWS_QUANTIZED
+from locus.kernels.moe_dot_forms import DECODE_ROWS, choose_dot
 from locus.kernels.moe_quantized import EXPERT_FORMATS, quantize_experts
 from locus.errors import LocusError
 
@@ -60,16 +62,28 @@ def quantize_model_experts(model: Llama4ForCausalLM, fmt: str) -> ExpertQuantiza
         experts.hold_quantized(*quantize_experts(gate_up, down, fmt))
         after += _nbytes(experts)
     report = ExpertQuantization(fmt, len(model.config.moe_layers), before, after)
-    backend = resolve_backend(model.model.layers[model.config.moe_layers[0]].feed_forward.moe_backend, model.device) \
-        if model.config.moe_layers else "cpu"
-    if backend == "triton":
-        log.warning("the Triton MoE kernel does not read narrow expert weights yet: the routed experts run through "
-                    "the torch reference (dequantized per call); --moe-backend cpu reads them in its C kernel")
+    if model.config.moe_layers:
+        log.info("%s experts: %s", fmt, expert_kernel_path(model, fmt))
     return report
 
 
+def expert_kernel_path(model: Llama4ForCausalLM, fmt: str) -> str:
+    """Which code reads `fmt` expert weights in this model's MoE backend, in words (for the load log)."""
+    backend = resolve_backend(model.model.layers[model.config.moe_layers[0]].feed_forward.moe_backend, model.device)
+    if backend == "cpu":
+        return (f"the CPU C kernel reads them narrow (up to {CPU_MAX_ROWS_QUANTIZED} rows an expert; the torch "
+                f"reference above that)")
+    if backend == "torch":
+        return "the torch reference dequantizes the experts a batch uses, per call"
+    decode = choose_dot(fmt, model.dtype, model.device, rows_per_expert=1)
+    prefill = choose_dot(fmt, model.dtype, model.device, rows_per_expert=DECODE_ROWS + 1)
+    forms = f"the {decode!r} dot form" + (f" ({prefill!r} for prefill-sized batches)" if prefill != decode else "")
+    return f"the Triton kernels read them narrow with {forms} (locus/kernels/moe_narrow.py)"
+
+
 def dequantize_model_experts(model: Llama4ForCausalLM) -> None:
-    """Back to float Parameters in the model's dtype (for backends that cannot read narrow weights)."""
+    """Back to float Parameters in the model's dtype (every MoE backend reads the narrow formats; this
+    is for comparing a model with its float twin)."""
     dtype = model.dtype
     for experts in moe_layers(model):
         if experts.weight_format is None:

@@ -13,8 +13,9 @@ the list, only lm_head is kept). Converted tensors, E4M3 with float32 scales:
         gate_up_proj  [E, H, 2I] E4M3         gate_up_proj_scale [E, 1, 2I]  per output column
         down_proj     [E, I, H] E4M3          down_proj_scale    [E, H, 1]   per output column (note
                                                                              the transposed shape)
-The experts stay FP8 (row-wise `fp8` QuantizedTensors, scale [E, 1, N]) where the MoE backend reads
-narrow weights (cpu, torch); the linear layers are dequantized at load to the compute dtype (logged).
+The experts stay FP8 (row-wise `fp8` QuantizedTensors, scale [E, 1, N]) on every MoE backend (the
+cpu and Triton kernels read them narrow, torch dequantizes per call); the linear layers are
+dequantized at load to the compute dtype (logged).
 
 `quant_method: "mxfp4"` (gpt-oss's layout, on Llama-4's expert names): the fused experts as
     gate_up_proj_blocks [E, 2I, H/32, 16] uint8 (E2M1, two a byte, the even element low)

@@ -25,14 +25,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from locus.engine.checkpoint.quantize import dequantize_model_experts
+from locus.engine.checkpoint.quantize import expert_kernel_path
 from locus.engine.checkpoint.quantized import quantized_experts, quantized_linears, read_experts, read_fp8_linear, \
     read_quantization
 from locus.engine.model.config import load_config
 from locus.engine.ep.slices import ExpertSlices, keep_slices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.errors import LocusError
-from locus.kernels import resolve_backend
 
 log = logging.getLogger("locus.engine")
 
@@ -169,20 +168,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
 
 
 def _note_quantization(model: Llama4ForCausalLM, quant, linears: set[str], experts: dict) -> None:
-    """Say what a pre-quantized checkpoint became; experts go back to float where the backend needs it."""
+    """Say what a pre-quantized checkpoint became and which kernel reads its experts (every MoE
+    backend reads them narrow)."""
     if linears:
         log.info("%s checkpoint: %d FP8 linear weights dequantized to %s at load (only the routed experts run "
                  "in a narrow format)", quant.method, len(linears), str(model.dtype).removeprefix("torch."))
     if not experts:
         return
-    backend = resolve_backend(model.model.layers[model.config.moe_layers[0]].feed_forward.moe_backend, model.device)
-    if backend == "triton":
-        log.info("%s checkpoint: the Triton MoE kernel does not read narrow expert weights yet; the routed experts "
-                 "are dequantized to %s at load", quant.method, str(model.dtype).removeprefix("torch."))
-        dequantize_model_experts(model)
-    else:
-        log.info("%s checkpoint: routed experts of %d MoE layers held in %s", quant.method, len(experts),
-                 next(iter(experts.values())).weight_format)
+    fmt = next(iter(experts.values())).weight_format
+    log.info("%s checkpoint: routed experts of %d MoE layers held in %s; %s", quant.method, len(experts), fmt,
+             expert_kernel_path(model, fmt))
 
 
 def _held_rows(model: Llama4ForCausalLM, name: str) -> list[int] | None:
