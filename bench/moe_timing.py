@@ -8,8 +8,8 @@ per call is the median replay over the number of calls. Each call in the list ha
 not find the previous call's weights in L2. Calls that cannot be captured are timed eagerly with
 CUDA events. On CPU (the Triton interpreter) the wall clock stands in.
 
-Importing this module imports torch only, never Triton (the bench scripts set TRITON_INTERPRET on
-CPU before anything imports Triton).
+Importing this module imports torch (and locus's Triton-free formats) only, never Triton (the bench
+scripts set TRITON_INTERPRET on CPU before anything imports Triton).
 """
 
 from __future__ import annotations
@@ -22,14 +22,20 @@ from typing import Callable
 
 import torch
 
+from locus.kernels.formats import QuantizedTensor
+from locus.kernels.moe_quantized import EXPERT_FORMATS, quantize_experts
+
 # Expert shapes: E experts, H hidden, I expert width, K experts per token.
 SHAPES = {
     "llama4-scout": {"E": 16, "H": 5120, "I": 8192, "K": 1},
     "llama4-maverick": {"E": 128, "H": 5120, "I": 8192, "K": 1},
     "tiny": {"E": 8, "H": 64, "I": 64, "K": 2},  # the `tiny` preset's experts
     "small": {"E": 16, "H": 256, "I": 512, "K": 1},  # the `small` preset's experts
+    "mini": {"E": 8, "H": 256, "I": 256, "K": 1},  # the trained `mini`'s experts
+    "scout-slice": {"E": 4, "H": 1024, "I": 2048, "K": 1},  # a few experts of Scout's width / 5
 }
 SMALL_SHAPES = ("tiny", "small")
+CPU_SHAPES = ("tiny", "small", "mini", "scout-slice")  # what the CPU runs (the interpreter: tiny, small)
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_TOKENS = (2048, 4096, 8192, 16384)
 
@@ -46,19 +52,55 @@ def triton_version() -> str | None:
 
 @dataclass
 class ExpertWeights:
-    """One or more copies of a layer's expert weights: gate_up [E, H, 2I], down [E, I, H]."""
+    """One or more copies of a layer's expert weights: gate_up [E, H, 2I], down [E, I, H], float
+    tensors or (a narrow `format`) QuantizedTensors."""
 
-    gate_up: list[torch.Tensor]
-    down: list[torch.Tensor]
+    gate_up: list[torch.Tensor | QuantizedTensor]
+    down: list[torch.Tensor | QuantizedTensor]
+    format: str | None = None  # fp8, mxfp8, mxfp4; None: float weights
 
     @property
     def copies(self) -> int:
         return len(self.gate_up)
 
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes one expert's gate_up and down take (elements and scales): what a call reads per
+        expert it touches."""
+        return sum(_nbytes(w) for w in (self.gate_up[0], self.down[0])) / self.gate_up[0].shape[0]
 
-def weight_bytes(shape: dict, dtype: torch.dtype) -> int:
-    """Bytes of all E experts' gate_up and down weights."""
-    return 3 * shape["E"] * shape["H"] * shape["I"] * torch.finfo(dtype).bits // 8
+
+def _nbytes(w: torch.Tensor | QuantizedTensor) -> int:
+    return w.nbytes if isinstance(w, QuantizedTensor) else w.numel() * w.element_size()
+
+
+def weight_bytes(shape: dict, dtype: torch.dtype, fmt: str | None = None) -> int:
+    """Bytes of all E experts' gate_up and down weights (narrow formats: elements and scales)."""
+    E, H, I = shape["E"], shape["H"], shape["I"]
+    if fmt is None:
+        return 3 * E * H * I * torch.finfo(dtype).bits // 8
+    from locus.kernels.formats import FORMATS
+
+    return E * (2 * I * FORMATS[fmt].nbytes(H) + H * FORMATS[fmt].nbytes(I))
+
+
+def quantize_layer(expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], E: int,
+                   fmt: str) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """A layer's gate_up and down in `fmt`, quantized one expert at a time (expert(e) gives expert e's
+    float [1, H, 2I] and [1, I, H]) into storage allocated once: a float32 copy of a whole Llama-4
+    layer, what quantizing it at once takes, would not fit beside it on one GPU."""
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"unknown expert weight format {fmt!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    out = None
+    for e in range(E):
+        pair = quantize_experts(*expert(e), fmt)
+        if out is None:
+            out = [QuantizedTensor(q.data.new_empty((E, *q.data.shape[1:])), q.scale.new_empty((E, *q.scale.shape[1:])),
+                                   fmt, (E, *q.shape[1:]), 1) for q in pair]
+        for whole, part in zip(out, pair):
+            whole.data[e].copy_(part.data[0])
+            whole.scale[e].copy_(part.scale[0])
+    return out[0], out[1]
 
 
 def l2_bytes(device: torch.device) -> int:
@@ -68,19 +110,25 @@ def l2_bytes(device: torch.device) -> int:
 
 
 def make_weights(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 copies: int | None = None) -> ExpertWeights:
-    """Random expert weights, scaled so activations stay O(1); by default as many copies as it takes
-    for two L2s' worth of bytes (1 for the Llama-4 shapes), at most 16."""
+                 copies: int | None = None, fmt: str | None = None) -> ExpertWeights:
+    """Random expert weights, scaled so activations stay O(1), in `dtype` or quantized to `fmt` (drawn
+    in `dtype` an expert at a time); by default as many copies as it takes for two L2s' worth of bytes (1 for
+    the Llama-4 shapes), at most 16."""
     if copies is None:
-        copies = max(1, min(16, math.ceil(2 * l2_bytes(device) / weight_bytes(shape, dtype))))
+        copies = max(1, min(16, math.ceil(2 * l2_bytes(device) / weight_bytes(shape, dtype, fmt))))
     E, H, I = shape["E"], shape["H"], shape["I"]
     gen = torch.Generator(device=device).manual_seed(seed)
     gate_up, down = [], []
-    for _ in range(copies):
+    def random(experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         # normal_ in place: a scaled copy of a 20 GB tensor would need twice the memory.
-        gate_up.append(torch.empty(E, H, 2 * I, dtype=dtype, device=device).normal_(0.0, H ** -0.5, generator=gen))
-        down.append(torch.empty(E, I, H, dtype=dtype, device=device).normal_(0.0, I ** -0.5, generator=gen))
-    return ExpertWeights(gate_up, down)
+        return (torch.empty(experts, H, 2 * I, dtype=dtype, device=device).normal_(0.0, H ** -0.5, generator=gen),
+                torch.empty(experts, I, H, dtype=dtype, device=device).normal_(0.0, I ** -0.5, generator=gen))
+
+    for _ in range(copies):
+        gu, dn = random(E) if fmt is None else quantize_layer(lambda e: random(1), E, fmt)
+        gate_up.append(gu)
+        down.append(dn)
+    return ExpertWeights(gate_up, down, fmt)
 
 
 @dataclass

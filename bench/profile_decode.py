@@ -22,12 +22,19 @@ Attention itself, routing, sampling, scheduling and Python count as zero.
     python bench/profile_decode.py [--dtype float32|bfloat16] [--moe-backend auto|torch|cpu] [--steps 30] [--profile]
                                    [--out FILE.json]
     python bench/profile_decode.py --device cuda --model scout-2l --dtype bfloat16   # a GPU: CUDA graphs
+    python bench/profile_decode.py --dtype bfloat16 --quantize-experts mxfp4          # narrow experts beside
 The JSON's `graphs_skipped` lists every bucket a CUDA-graph engine could not capture (it must be empty).
+
+--quantize-experts fp8|mxfp8|mxfp4 adds a copy of the model whose routed experts are held in that
+format (`--quantize-experts` of `locus serve`): its engines (one per mode) step in turn with the
+model-dtype ones, and its floor counts the narrow expert bytes (ExpertQuantization.bytes_after per
+expert held), so both steps, both floors and their ratios come from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -93,11 +100,15 @@ def dense_weights(model) -> tuple[int, int]:
     return params, params * model.dtype.itemsize
 
 
-def touched_expert_bytes(model, routing) -> int:
+def touched_expert_bytes(routing, per_expert: float) -> int:
+    """Bytes of the experts a step's tokens touch, each read once, over the MoE layers."""
+    return round(sum(int(topk.ids.unique().numel()) for topk in routing.values()) * per_expert)
+
+
+def float_expert_bytes(model) -> int:
+    """One expert's gate_up and down in the model dtype."""
     cfg = model.config
-    per_expert = (cfg.hidden_size * 2 * cfg.intermediate_size + cfg.intermediate_size * cfg.hidden_size) * \
-        model.dtype.itemsize
-    return sum(int(topk.ids.unique().numel()) for topk in routing.values()) * per_expert
+    return 3 * cfg.hidden_size * cfg.intermediate_size * model.dtype.itemsize
 
 
 def roofline_ms(nbytes: float, flops: float, bandwidth: float, peak: float) -> float:
@@ -132,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated decode modes to time (default: cpu eager,compiled; cuda eager,graph,graph+compile)")
     p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="expert kernels (auto: the C decode kernel on CPU, Triton on CUDA, as `locus serve`)")
+    p.add_argument("--quantize-experts", choices=["fp8", "mxfp8", "mxfp4"],
+                   help="also step a copy of the model whose routed experts are held in this format, side by side")
     p.add_argument("--profile", action="store_true", help="also print a torch-profiler table of the last mode's steps")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
     from locus.engine.checkpoint.loader import load
+    from locus.engine.checkpoint.quantize import quantize_model_experts
     from locus.engine.engine_core import EngineCore
     from locus.engine.runner import ModelRunner
     from locus.engine.sampling_params import SamplingParams
@@ -152,32 +166,44 @@ def main(argv: list[str] | None = None) -> int:
     model, B = loaded.model, args.prompts
     ceilings = measure_ceilings(device, model.dtype)
 
-    cores = {mode: EngineCore(model, loaded.tokenizer, engine_config(mode, B, args.prompt_len)) for mode in modes}
+    # weights -> (model, bytes one held expert takes): the model dtype, and the narrow copy if asked
+    variants = {"model": (model, float_expert_bytes(model))}
+    if args.quantize_experts:
+        narrow = copy.deepcopy(model)
+        report = quantize_model_experts(narrow, args.quantize_experts)
+        held = narrow.model.layers[narrow.config.moe_layers[0]].feed_forward.experts.gate_up_proj.shape[0]
+        variants[args.quantize_experts] = (narrow, report.bytes_after / (report.layers * held))
+    engines = {(w, mode): EngineCore(m, loaded.tokenizer, engine_config(mode, B, args.prompt_len))
+               for w, (m, _) in variants.items() for mode in modes}
+    cores = {mode: engines[("model", mode)] for mode in modes}
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 20, ignore_eos=True)
     prompts = make_prompts(B, args.prompt_len, model.config.vocab_size)
-    for core in cores.values():
+    for core in engines.values():
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, params)
         for _ in range(6):  # the prefill, then warm decode steps
             core.step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {mode: [] for mode in modes}
+    times = {key: [] for key in engines}
     for _ in range(args.steps):
-        for mode, core in cores.items():
+        for key, core in engines.items():
             sync()
             start = time.perf_counter()
             core.step()
             sync()
-            times[mode].append(time.perf_counter() - start)
-    for mode, core in cores.items():
+            times[key].append(time.perf_counter() - start)
+    for (w, mode), core in engines.items():
         if mode != "eager" and core.graphs.steps < args.steps:
-            raise RuntimeError(f"the {mode} engine's decode steps did not run through its decode graphs")
-    step_ms = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
+            raise RuntimeError(f"the {mode} engine's decode steps ({w} weights) did not run through its decode graphs")
+    steps = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+    step_ms = {mode: steps[("model", mode)] for mode in modes}
 
-    core = next(iter(cores.values()))
-    items = core.scheduler.schedule().micro_batches[0]  # one more step, eager, for its routing
-    routing = ModelRunner(model, core.cache).run(items, record_routing=True).routing
-    expert_bytes = touched_expert_bytes(model, routing)
+    touched = {}  # weights -> bytes of the experts one more (eager) step touches
+    for w, (m, per_expert) in variants.items():
+        core = engines[(w, modes[0])]
+        items = core.scheduler.schedule().micro_batches[0]
+        touched[w] = touched_expert_bytes(ModelRunner(m, core.cache).run(items, record_routing=True).routing, per_expert)
+    expert_bytes = touched["model"]
     dense_params, dense_bytes = dense_weights(model)
     bw, peak = ceilings.bandwidth, ceilings.matmul_flops
     V, H = model.lm_head.weight.shape
@@ -207,6 +233,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}: decode graphs captured {graphs[mode]['captured']}, set up in {core.compile_seconds:.1f} s")
     if skipped:
         print(f"GRAPHS SKIPPED: {skipped}")
+    quantized = None
+    if args.quantize_experts:
+        fmt = args.quantize_experts
+        q_floor = {**floor, "experts_ms": touched[fmt] / bw * 1e3}
+        q_step = {mode: steps[(fmt, mode)] for mode in modes}
+        print(f"\nrouted experts in {fmt} (a copy of the model, its engines stepped in turn with the above):")
+        print("| weights | routed experts (read) ms | MiB touched | floor ms | " +
+              " | ".join(f"{mode} step ms" for mode in modes) + " |\n|---|---|---|---|" + "---|" * len(modes))
+        for label, key, f, st in ((args.dtype, "model", floor, step_ms), (fmt, fmt, q_floor, q_step)):
+            print(f"| {label} | {f['experts_ms']:.3f} | {touched[key] / 2**20:.2f} | {sum(f.values()):.3f} | " +
+                  " | ".join(f"{st[mode]:.3f} ({step_ms[mode] / st[mode]:.2f}x)" for mode in modes) + " |")
+        quantized = {"format": fmt, "step_ms": q_step, "floor_ms": sum(q_floor.values()), "floor_parts_ms": q_floor,
+                     "touched_expert_bytes": touched[fmt], "bytes_per_expert": variants[fmt][1],
+                     "step_speedup_vs_model": {mode: step_ms[mode] / q_step[mode] for mode in modes}}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
@@ -216,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                        "setup_s": {mode: core.compile_seconds for mode, core in cores.items()},
                        "compile_s": sum(core.compile_seconds for core in cores.values()),
                        "graphs": graphs, "graphs_skipped": skipped, "inductor_cudagraph_skips": inductor_skips,
-                       "step_over_floor": {k: v / floor_ms for k, v in step_ms.items()}}, f, indent=1)
+                       "step_over_floor": {k: v / floor_ms for k, v in step_ms.items()},
+                       "quantized_experts": quantized}, f, indent=1)
     if args.profile:
         core = cores[modes[-1]]
         with torch.profiler.profile(record_shapes=True) as prof:

@@ -4,6 +4,7 @@
     python bench/tune_moe.py --shapes llama4-scout --budget-seconds 120
     python bench/tune_moe.py --E 64 --H 2048 --I 1408 --top-k 8 --tokens 1,16,256,4096
     python bench/tune_moe.py --small --out-dir /tmp/configs   # a tiny search on CPU (interpreter)
+    python bench/tune_moe.py --format fp8 --shapes llama4-scout,llama4-maverick   # experts held in fp8
 
 A pruned search, not the full grid (4 x 4 x 4 x 8 x 5 x 2 x 4 = 20,480 configs per point, each a
 compile of seconds). For each expert shape and token count T (a "point"):
@@ -25,7 +26,11 @@ each point gets a share of what is left (presets' points a quarter share), and a
 no budget left takes its neighbour's config, marked unmeasured in the file's provenance.
 
 Writes locus/kernels/configs/E<E>_I<I>_H<H>_<dtype>_<GPU name>.json (moe_configs.py), which
-`fused_moe(..., backend="triton")` uses for batches of the nearest T.
+`fused_moe(..., backend="triton")` uses for batches of the nearest T. With --format fp8|mxfp8|mxfp4
+the experts are held in that narrow format (quantized from --dtype weights, one expert at a time),
+the calls run the dot form `choose_dot` picks for each T (as serving does; recorded per point in
+the provenance), shared memory is counted at the narrow tile's bytes, and the table is the format's
+(E<E>_I<I>_H<H>_<format>_<GPU name>.json).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ try:
 except ImportError:  # older Triton: let the error through
     OutOfResources = ()
 
+from locus.kernels.formats import FORMATS  # noqa: E402
 from locus.kernels.moe_configs import (  # noqa: E402
     CONFIG_DIR,
     GPU_SMS,
@@ -69,6 +75,8 @@ from locus.kernels.moe_configs import (  # noqa: E402
     device_name,
     write_table,
 )
+from locus.kernels.moe_dot_forms import choose_dot  # noqa: E402
+from locus.kernels.moe_quantized import EXPERT_FORMATS  # noqa: E402
 from locus.kernels.moe_triton import fused_moe_triton  # noqa: E402
 
 PRESET_TOKENS = (1, 4, 16, 64, 256, 2048)
@@ -127,8 +135,10 @@ SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is
 class Space:
     """Which configs a point may try, its seeds, and one-step neighbours."""
 
-    def __init__(self, dtype: torch.dtype, smem_bytes: int, values: dict = VALUES):
+    def __init__(self, dtype: torch.dtype, smem_bytes: int, values: dict = VALUES, fmt: str | None = None):
         self.itemsize = torch.finfo(dtype).bits // 8
+        # bytes a weight element takes in a pipeline stage: narrow tiles are staged as stored
+        self.weight_itemsize = self.itemsize if fmt is None else FORMATS[fmt].element.bits / 8
         self.smem = smem_bytes
         self.values = values
 
@@ -137,7 +147,8 @@ class Space:
         narrow = min(H, I)
         if any(getattr(c, name) not in vals for name, vals in self.values.items()):
             return False
-        if c.num_stages * (c.block_m * c.block_k + 2 * c.block_k * c.block_n) * self.itemsize > self.smem:
+        stage = c.block_m * c.block_k * self.itemsize + 2 * c.block_k * c.block_n * self.weight_itemsize
+        if c.num_stages * stage > self.smem:
             return False  # gate_up: the A tile and the gate and up tiles per stage
         if c.block_m * c.block_n > 2048 * c.num_warps:  # two fp32 accumulators: <= 128 registers a thread
             return False
@@ -231,13 +242,13 @@ class Bench:
     """Times configs for one shape on this device (weights allocated once per shape)."""
 
     def __init__(self, name: str, shape: dict, dtype: torch.dtype, device: torch.device, repeat: int,
-                 compile_workers: int):
+                 compile_workers: int, fmt: str | None = None):
         self.name, self.shape, self.dtype, self.device, self.repeat = name, shape, dtype, device, repeat
         self.compile_workers = compile_workers if device.type == "cuda" else 0
-        self.weights = make_weights(shape, dtype, device)
+        self.weights = make_weights(shape, dtype, device, fmt=fmt)
         # A one-expert copy of the shape: same H, I, K and strides, so the same compiled kernels.
         one = {**shape, "E": 1}
-        self.mini_weights = make_weights(one, dtype, device, copies=1)
+        self.mini_weights = make_weights(one, dtype, device, copies=1, fmt=fmt)
         K = shape["K"]  # every slot of the one token on the one expert
         self.mini_batch = Batch(torch.randn(1, shape["H"], dtype=dtype, device=device),
                                 torch.zeros(1, K, dtype=torch.int64, device=device), torch.ones(1, K, device=device))
@@ -323,7 +334,7 @@ def tune_point(bench: Bench, space: Space, point: Point, extra_seeds: list[MoeCo
         return PointResult(seeds[0] if seeds else MoeConfig(), None, len(timings), len(timings))
     seconds, graph = timings[best]
     touched = sum(b.experts_touched() for b in batches) / len(batches)
-    weight_bytes = touched * 3 * point.shape["H"] * point.shape["I"] * space.itemsize
+    weight_bytes = touched * bench.weights.expert_bytes
     failed = sum(v is None for v in timings.values())
     return PointResult(best, seconds, len(timings), failed, graph, weight_bytes / seconds / 1e9)
 
@@ -342,7 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--tokens", help="comma-separated token counts (default: decode 1..256 and prefill 2048..16384; "
                    f"presets {','.join(map(str, PRESET_TOKENS))})")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="activations (and the float weights the narrow ones come from)")
+    p.add_argument("--format", choices=EXPERT_FORMATS, help="hold the experts in this narrow format (default: float "
+                   "weights in --dtype)")
     p.add_argument("--repeat", type=int, default=5, help="timed replays (decode) or launches (prefill) per config")
     p.add_argument("--budget-seconds", type=float, help="wall-clock budget of the whole run (default 240; --small 20)")
     p.add_argument("--compile-workers", type=int, default=8, help="threads compiling candidates ahead of timing (0: none)")
@@ -383,16 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     budget = args.budget_seconds or (20.0 if args.small else 240.0)
     points, shape_weight, dtype, values = plan(args)
-    space = Space(dtype, _shared_memory_bytes(), values)
+    space = Space(dtype, _shared_memory_bytes(), values, args.format)
     gpu = device_name(device)
-    print(f"tuning {len(points)} points on {gpu}, {dtype}, budget {budget:.0f}s", flush=True)
+    weights_name = args.format or str(dtype).removeprefix("torch.")
+    print(f"tuning {len(points)} points on {gpu}, {dtype}, {weights_name} weights, budget {budget:.0f}s", flush=True)
 
     results: dict[str, dict[int, PointResult]] = {}
     for name in dict.fromkeys(p.name for p in points):
         shape_points = [p for p in points if p.name == name]
         shape = shape_points[0].shape
         print(f"{name} {shape}", flush=True)
-        bench = Bench(name, shape, dtype, device, args.repeat, args.compile_workers)
+        bench = Bench(name, shape, dtype, device, args.repeat, args.compile_workers, args.format)
         if bench.compile_workers:  # every point's seeds at once: the compiles overlap
             t0 = time.monotonic()
             seeds = list(dict.fromkeys(c for p in shape_points for c in space.seeds(p)))
@@ -426,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
             "timing": {str(t): ("cuda graph" if r.graph else "eager") for t, r in done.items() if r.seconds is not None},
             "configs_tried": {str(t): r.tried for t, r in done.items()},
             "unmeasured": [t for t, r in done.items() if r.seconds is None],
+            "weights": weights_name,
         }
+        if args.format:
+            provenance["dot"] = {str(t): choose_dot(args.format, dtype, device, t * shape["K"] / shape["E"])
+                                 for t in done}
         path = write_table(args.out_dir, shape["E"], shape["I"], shape["H"], dtype, gpu,
-                           {t: r.config for t, r in done.items()}, provenance)
+                           {t: r.config for t, r in done.items()}, provenance, weights=args.format)
         print(f"wrote {path}", flush=True)
     print(f"done in {time.monotonic() - started:.0f}s")
     return 0

@@ -43,6 +43,31 @@ def test_tuner_small_writes_a_loadable_table(tmp_path):
     assert set(data["provenance"]["configs_tried"]) == {"1", "16"} and "done in" in stdout
 
 
+def test_tuner_small_with_a_weight_format(tmp_path):
+    """--format: the experts held in mxfp4, the table named and marked by the format, the dot form of
+    each point in its provenance."""
+    run("tune_moe.py", "--small", "--format", "mxfp4", "--repeat", "1", "--budget-seconds", "4",
+        "--out-dir", str(tmp_path))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    name = config_file_name(8, 64, 64, "mxfp4", device)
+    assert set(load_table(tmp_path, name)) == {1, 16}
+    data = json.loads((tmp_path / name).read_text())
+    assert data["weights"] == "mxfp4" and data["provenance"]["weights"] == "mxfp4"
+    assert set(data["provenance"]["dot"]) == {"1", "16"}
+    assert not (tmp_path / config_file_name(8, 64, 64, torch.float32, device)).exists()
+
+
+def test_moe_kernels_bench_with_narrow_weights_on_triton(tmp_path):
+    out = tmp_path / "mk.json"
+    stdout = run("moe_kernels.py", "--shapes", "tiny", "--format", "model,mxfp8", "--backends", "triton",
+                 "--tokens", "2", "--repeat", "1", "--dtype", "float32", "--out", str(out))
+    rows = {r["weights"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"float32", "mxfp8"} and "| tiny | 2 | mxfp8 | triton |" in stdout
+    assert rows["mxfp8"]["expert_bytes"] == rows["mxfp8"]["experts_touched"] * 3 * 64 * (64 + 2)
+    assert rows["float32"]["expert_bytes"] == rows["float32"]["experts_touched"] * 3 * 64 * 64 * 4
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows.values())
+
+
 def test_roofline_self_check_on_cpu(tmp_path):
     """The roofline table's CPU self-check: the tiny shape under the interpreter, ceilings given."""
     if torch.cuda.is_available():
@@ -57,7 +82,20 @@ def test_roofline_self_check_on_cpu(tmp_path):
         assert r["parity"] and r["max_abs_diff"] < 1e-4 and r["pass"] is None  # no target for a preset
         assert r["bytes"] == r["experts_touched"] * 3 * 64 * 64 * 4 + 2 * r["T"] * 64 * 4
         assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
-    assert stdout.strip().splitlines()[-3].startswith("| tiny | 2 |")  # the markdown table comes last
+    assert stdout.strip().splitlines()[-3].startswith("| tiny | 2 | float32 |")  # the markdown table comes last
+
+
+def test_roofline_counts_the_narrow_bytes_read(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the roofline table is the GPU suite's job")
+    out = tmp_path / "roofline.json"
+    run("moe_kernels.py", "--roofline", "--shapes", "tiny", "--format", "fp8,mxfp4", "--tokens", "2", "--repeat", "1",
+        "--peak-gbps", "10", "--peak-tflops", "1", "--out", str(out))
+    rows = {r["weights"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp8", "mxfp4"} and all(r["parity"] and r["dot"] == "dequant" for r in rows.values())
+    # per expert: gate_up [64, 128] and down [64, 64] elements, plus scales (fp8: a float32 per column)
+    assert rows["fp8"]["bytes"] == rows["fp8"]["experts_touched"] * (3 * 64 * 64 + 4 * (128 + 64)) + 2 * 2 * 64 * 4
+    assert rows["mxfp4"]["bytes"] == rows["mxfp4"]["experts_touched"] * 3 * 64 * (32 + 2) + 2 * 2 * 64 * 4
 
 
 def test_roofline_without_cuda_exits_2_for_the_llama_shapes():

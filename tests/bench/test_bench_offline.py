@@ -53,6 +53,23 @@ def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path)
     assert figures["target_met"] == (result["step_over_floor"]["compiled"] <= 3.0)
 
 
+@pytest.mark.slow
+def test_profile_decode_puts_narrow_experts_beside_the_model_dtype(tmp_path):
+    """--quantize-experts: a copy with mxfp4 experts steps beside the float model; its floor counts
+    the narrow bytes (ExpertQuantization.bytes_after per held expert)."""
+    out = tmp_path / "decode.json"
+    stdout = run("profile_decode.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "4", "--steps", "2",
+                 "--quantize-experts", "mxfp4", "--out", str(out), timeout=900)
+    assert "| mxfp4 |" in stdout and "| float32 |" in stdout
+    result = json.loads(out.read_text())
+    q = result["quantized_experts"]
+    assert q["format"] == "mxfp4" and q["bytes_per_expert"] == 3 * 64 * (64 // 2 + 64 // 32)  # tiny: H = I = 64
+    assert q["floor_ms"] == pytest.approx(sum(q["floor_parts_ms"].values()))
+    assert q["floor_parts_ms"]["lm_head_ms"] == result["floor_parts_ms"]["lm_head_ms"]
+    for kind in ("eager", "compiled"):
+        assert q["step_speedup_vs_model"][kind] == pytest.approx(result["step_ms"][kind] / q["step_ms"][kind])
+
+
 def test_omp_teams_bench_times_each_phase(tmp_path):
     out = tmp_path / "teams.json"
     stdout = run("omp_teams.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "4", "--new-tokens", "3",

@@ -1,4 +1,5 @@
-"""bench/quantized_experts_cpu.py and bench/quantized_quality.py run end to end and write their JSON."""
+"""bench/moe_kernels.py's weight formats on the CPU kernel (what bench/quantized_experts_cpu.py did
+before it was folded in) and bench/quantized_quality.py run end to end and write their JSON."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ pytestmark = pytest.mark.slow  # every test runs a bench script as a subprocess
 @pytest.mark.skipif(not moe_cpu.available(), reason="no C compiler: the kernel is unavailable")
 def test_quantized_experts_cpu_bench(tmp_path):
     out = tmp_path / "q.json"
-    stdout = run("quantized_experts_cpu.py", "--shape", "mini", "--tokens", "1,4", "--repeat", "2", "--out", str(out))
-    assert "| T | weights |" in stdout
+    stdout = run("moe_kernels.py", "--shapes", "mini", "--backends", "cpu", "--format", "model,fp8,mxfp8,mxfp4",
+                 "--dtype", "bfloat16", "--tokens", "1,4", "--repeat", "2", "--layer-bytes", "2", "--out", str(out))
+    assert "| shape | T | weights | backend |" in stdout
     rows = json.loads(out.read_text())["rows"]
     assert {(r["T"], r["weights"]) for r in rows} == {(t, w) for t in (1, 4)
                                                       for w in ("bfloat16", "fp8", "mxfp8", "mxfp4")}
     by = {(r["T"], r["weights"]): r for r in rows}
     assert by[(1, "mxfp4")]["expert_bytes"] < by[(1, "mxfp8")]["expert_bytes"] < by[(1, "bfloat16")]["expert_bytes"]
+    assert by[(1, "mxfp8")]["expert_bytes"] == by[(1, "mxfp8")]["experts_touched"] * 3 * 256 * (256 + 256 // 32)
     assert all(r["ms"] > 0 and r["max_abs_diff"] < 0.05 for r in rows)
+    assert all(r["vs_model"] == pytest.approx(by[(r["T"], "bfloat16")]["ms"] / r["ms"]) for r in rows)
 
 
 @pytest.mark.slow

@@ -46,6 +46,24 @@ def test_table_round_trip_and_lookup(tmp_path):
     assert lookup(3, torch.float16) == default_config(3, 1, 16, torch.float16, "NVIDIA H200", I=8192, H=5120)
 
 
+def test_tables_are_keyed_by_the_weight_format(tmp_path):
+    """Narrow weights read other bytes per tile: their tables are their own (the format in the dtype
+    field of the name); float weights keep theirs, and a file written before formats still loads."""
+    fp8_table, float_table = {1: SMALL, 4096: BIG}, {1: MID}
+    path = write_table(tmp_path, 16, 8192, 5120, torch.bfloat16, "NVIDIA H100", fp8_table, weights="fp8")
+    assert path.name == "E16_I8192_H5120_fp8_NVIDIA_H100.json"
+    data = json.loads(path.read_text())
+    assert data["weights"] == "fp8" and data["dtype"] == "bfloat16"
+    old = {"format": "locus-moe-configs", "version": 1, "E": 16, "I": 8192, "H": 5120, "dtype": "bfloat16",
+           "device": "NVIDIA H100", "configs": {"1": MID.to_json()}}  # no "weights": bfloat16 weights
+    (tmp_path / config_file_name(16, 8192, 5120, torch.bfloat16, "NVIDIA H100")).write_text(json.dumps(old))
+    lookup = lambda T, weights=None: get_config(T, 1, 16, 8192, 5120, torch.bfloat16, "NVIDIA H100", tmp_path,  # noqa: E731
+                                                weights=weights)
+    assert lookup(1, "fp8") == SMALL and lookup(5000, "fp8") == BIG
+    assert lookup(1) == float_table[1] and lookup(1, "float") == float_table[1]
+    assert lookup(1, "mxfp4") == default_config(1, 1, 16, torch.bfloat16, "NVIDIA H100", I=8192, H=5120)
+
+
 def test_bad_table_is_rejected(tmp_path):
     name = config_file_name(4, 64, 32, torch.float32, "cpu")
     (tmp_path / name).write_text(json.dumps({"format": "something-else", "version": 1}))
