@@ -22,7 +22,10 @@ DOT_FORMS = ("dequant", "scaled", "fp8")
 FORM_OF_FORMAT = {"fp8": ("dequant", "fp8"), "mxfp8": ("dequant", "scaled"), "mxfp4": ("dequant", "scaled")}
 MIN_BLOCK_K = 32  # one E8M0 scale per 32 rows of K; an FP8 tensor-core dot takes K >= 32 too
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: E4M3 tensor-core dots
-SCALED_CAPABILITY = (8, 0)  # tl.dot_scaled lowers on Ampere and later
+# tl.dot_scaled: Triton lowers it from Ampere on, but the form is chosen where it has been checked
+# (Hopper: an upcast to bf16 and a bf16 dot; Blackwell: block-scaled tensor cores); older GPUs
+# take the portable form.
+SCALED_CAPABILITY = (9, 0)
 DECODE_ROWS = 16  # rows an expert gets on average up to which a batch is weight-read bound (moe_configs)
 
 

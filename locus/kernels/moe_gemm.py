@@ -58,6 +58,7 @@ from locus.kernels.moe_narrow import (
     apply_scales,
     dot_fp8_tile,
     dot_scaled_tile,
+    fp8_native,
     load_weight_tile,
     quantize_activations,
     weight_operand,
@@ -82,7 +83,7 @@ def _tile_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _multiply_step(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
                    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """acc + a [BLOCK_M, BLOCK_K] @ rows k .. k + BLOCK_K of one expert's weight, in the dot form DOT
     (moe_narrow.py; for "fp8", a is already E4M3 and its row scales come after the loop)."""
     if DOT == "scaled":
@@ -92,7 +93,7 @@ def _multiply_step(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, str
         return dot_fp8_tile(acc, a, w_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, BLOCK_K)
     else:
         w = load_weight_tile(w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
-                             FORMAT, BLOCK_K, a.dtype)
+                             FORMAT, BLOCK_K, a.dtype, FP8_NATIVE)
         return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
 
@@ -103,7 +104,7 @@ def _gate_up_kernel(
     stride_xt, stride_xh, stride_we, stride_wh, stride_wn, stride_se, stride_sh, stride_sn,
     stride_os, stride_op, stride_on,
     TOP_K: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
+    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr, FP8_NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -134,9 +135,9 @@ def _gate_up_kernel(
         k = k_begin + k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k + offs_k < k_stop)[None, :], other=0.0)
         acc_g = _multiply_step(acc_g, a, g_ptr, gs_ptr, k, k_stop, offs_n, n_ok, stride_wh, stride_wn, stride_sh,
-                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
+                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K, FP8_NATIVE)
         acc_u = _multiply_step(acc_u, a, u_ptr, us_ptr, k, k_stop, offs_n, n_ok, stride_wh, stride_wn, stride_sh,
-                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
+                               stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K, FP8_NATIVE)
         a_ptrs += BLOCK_K * stride_xh
     acc_g = apply_scales(acc_g, gs_ptr, offs_n, n_ok, stride_sn, xs_ptr, tokens, row_ok, FORMAT, DOT)
     acc_u = apply_scales(acc_u, us_ptr, offs_n, n_ok, stride_sn, xs_ptr, tokens, row_ok, FORMAT, DOT)
@@ -163,7 +164,7 @@ def _down_kernel(
     stride_hp, stride_hk, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
     stride_os, stride_op, stride_on,
     WEIGHT_ON_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
+    FORMAT: tl.constexpr, DOT: tl.constexpr, LHS_FORMAT: tl.constexpr, FP8_NATIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -191,7 +192,7 @@ def _down_kernel(
         k = k_begin + k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k + offs_k < k_stop)[None, :], other=0.0)
         acc = _multiply_step(acc, a, b_ptr, bs_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk,
-                             stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K)
+                             stride_sn, FORMAT, DOT, LHS_FORMAT, DOT_PRECISION, BLOCK_K, FP8_NATIVE)
         a_ptrs += BLOCK_K * stride_hk
     acc = apply_scales(acc, bs_ptr, offs_n, n_ok, stride_sn, hs_ptr, rows, row_ok, FORMAT, DOT)
 
@@ -281,7 +282,7 @@ def multiply_gate_up(
         a.stride(0), a.stride(1), *w.strides, *w.scale_strides,
         stride_os, out.stride(-2), out.stride(-1),
         TOP_K=top_k, WEIGHT_ON_INPUT=weight_on_input, DOT_PRECISION=_dot_precision(x.dtype),
-        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(x.dtype, ""),
+        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(x.dtype, ""), FP8_NATIVE=fp8_native(x.device),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -327,7 +328,7 @@ def multiply_down(
         a.stride(0), a.stride(1), *w.strides, *w.scale_strides,
         stride_os, dest.stride(-2), dest.stride(-1),
         WEIGHT_ON_OUTPUT=weight_on_output, DOT_PRECISION=_dot_precision(h.dtype),
-        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(h.dtype, ""),
+        FORMAT=w.format, DOT=dot, LHS_FORMAT=_LHS_FORMAT.get(h.dtype, ""), FP8_NATIVE=fp8_native(h.device),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SPLIT_K=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from locus.kernels.formats import QuantizedTensor, quantize
-from locus.kernels.moe_dot_forms import FORM_OF_FORMAT
+from locus.kernels.moe_dot_forms import FORM_OF_FORMAT, FP8_CAPABILITY
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,13 @@ class WeightOperand:
 
 
 def weight_operand(w: torch.Tensor | QuantizedTensor) -> WeightOperand:
+    """E4M3 and E2M1 data go to the kernels as their bytes (uint8): GPUs without FP8 support
+    (before sm_89) refuse float8 tensors even where a kernel only moves and widens them."""
     if isinstance(w, QuantizedTensor):
         if w.format not in FORM_OF_FORMAT or w.dim() != 3 or w.axis != 1:
             raise ValueError(f"the Triton kernels read {', '.join(FORM_OF_FORMAT)} expert weights [E, K, N] with "
                              f"scales along K (got {w.format}, shape {w.shape}, axis {w.axis})")
-        return WeightOperand(w.data, w.scale, w.format, tuple(w.shape))
+        return WeightOperand(w.data.view(torch.uint8), w.scale, w.format, tuple(w.shape))
     if w.dim() != 3:
         raise ValueError(f"expert weights must be 3-D [E, K, N], got {tuple(w.shape)}")
     return WeightOperand(w, w, "float", tuple(w.shape))
@@ -84,6 +86,25 @@ def e8m0_to_float(s):
     return bits.to(tl.float32, bitcast=True)
 
 
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton converts E4M3 in hardware here (sm_89+, and the interpreter); elsewhere the
+    kernels decode the bits themselves."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+@triton.jit
+def e4m3_to_float(b, NATIVE: tl.constexpr):
+    """E4M3 bytes (uint8) -> float32. NATIVE: the hardware conversion. Otherwise the sign, exponent and
+    mantissa bits land in a float16's fields, which reads them as the value times 2^-8 (subnormals
+    too); 0x7F / 0xFF are NaN."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bits = ((b & 0x80).to(tl.uint16) << 8) | ((b & 0x7F).to(tl.uint16) << 7)
+        bits = tl.where((b & 0x7F) == 0x7F, 0x7E00, bits)  # a float16 NaN
+        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
 @triton.jit
 def e2m1_to_float(code):
     """4-bit E2M1 codes (uint8) -> float32, exactly: the exponent and mantissa bits land in a float16's
@@ -100,13 +121,17 @@ def _scale_blocks(w, s, ROWS: tl.constexpr):
 
 @triton.jit
 def load_weight_tile(w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn, stride_sk, stride_sn,
-                     FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+                     FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """Rows k .. k + BLOCK_K of one expert's weight (rows from k_stop on read as 0) as a [BLOCK_K, BN]
-    tile in DTYPE. Row-wise fp8 comes back without its column scale (see `column_scale`)."""
+    tile in DTYPE. Row-wise fp8 comes back without its column scale (see `apply_scales`)."""
     offs_k = k + tl.arange(0, BLOCK_K)
-    if FORMAT == "float" or FORMAT == "fp8":
+    if FORMAT == "float":
         ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
         return tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0).to(DTYPE)
+    elif FORMAT == "fp8":
+        ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0)
+        return e4m3_to_float(w, FP8_NATIVE).to(DTYPE)
     else:
         blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_ptr + blocks[:, None] * stride_sk + offs_n[None, :] * stride_sn,
@@ -114,8 +139,8 @@ def load_weight_tile(w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn
         scale = e8m0_to_float(s)  # [BLOCK_K / 32, BN]
         if FORMAT == "mxfp8":
             ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            return _scale_blocks(w, scale, 32).to(DTYPE)
+            w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0)
+            return _scale_blocks(e4m3_to_float(w, FP8_NATIVE), scale, 32).to(DTYPE)
         else:  # mxfp4: byte row j holds rows 2j (low nibble) and 2j + 1 (high)
             rows = k // 2 + tl.arange(0, BLOCK_K // 2)
             ptrs = w_ptr + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn
@@ -140,7 +165,7 @@ def dot_scaled_tile(acc, a, w_ptr, s_ptr, k, k_stop, offs_n, n_ok, stride_wk, st
     else:
         offs_k = k + tl.arange(0, BLOCK_K)
         ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0)
+        w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0)  # E4M3 bytes
         return tl.dot_scaled(a, None, LHS_FORMAT, w, scale, "e4m3", acc)
 
 
@@ -158,8 +183,8 @@ def dot_fp8_tile(acc, a_q, w_ptr, k, k_stop, offs_n, n_ok, stride_wk, stride_wn,
     products in less than fp32 precision otherwise)."""
     offs_k = k + tl.arange(0, BLOCK_K)
     ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0.0)
-    return tl.dot(a_q, w, acc, max_num_imprecise_acc=BLOCK_K)
+    w = tl.load(ptrs, mask=(offs_k < k_stop)[:, None] & n_ok[None, :], other=0)
+    return tl.dot(a_q, w.to(tl.float8e4nv, bitcast=True), acc, max_num_imprecise_acc=BLOCK_K)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 from moe_problems import DEVICE, half_expert_map, make_experts, make_routing, requires_gpu
 
 import locus.kernels as kernels
-from locus.kernels import fused_moe, moe_dot_forms, moe_triton
+from locus.kernels import fused_moe, moe_dot_forms, moe_gemm, moe_triton
 from locus.kernels.moe_configs import MoeConfig
 from locus.kernels.moe_dot_forms import choose_dot
 from locus.kernels.moe_quantized import (
@@ -141,6 +141,27 @@ def test_special_scales_as_the_formats_module(dot):
     assert actual[1].isnan().all() and not actual[0].isnan().any()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["hw-convert", "bit-decode"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_e4m3_bytes_decode_with_and_without_the_hardware_conversion(fmt, native, monkeypatch):
+    """GPUs before sm_89 have no E4M3 conversion: the kernels decode the bits (the interpreter here
+    runs both ways); subnormals (0x01, 0x83), -0, +-448 and NaN (0x7F) as the formats module. (The
+    interpreter's own E4M3 conversion reads 0x7F as 480, so NaN is checked where the bits are decoded
+    or a GPU converts.)"""
+    monkeypatch.setattr(moe_gemm, "fp8_native", lambda device: native)
+    x, gate_up, down, ids, w = problem(4, 1, 2, 64, 32, fmt, torch.float32)
+    gate_up = gate_up.clone()
+    special = torch.tensor([0x01, 0x83, 0x80, 0x7E, 0xFE, 0x08, 0x88], dtype=torch.uint8)
+    gate_up.data.view(torch.uint8)[0, 3, :7] = special.to(DEVICE)
+    nan = not native or DEVICE.type == "cuda"
+    if nan:
+        gate_up.data.view(torch.uint8)[1, 40, 5] = 0x7F
+    ids = torch.tensor([[0], [1], [0], [1]], device=DEVICE)
+    actual = fused_moe_triton(x, gate_up, down, ids, w, True, None, SMALL, dot="dequant")
+    check(actual, fused_moe_quantized_reference(x, gate_up, down, ids, w), torch.float32)
+    assert actual[1].isnan().all() == nan and not actual[0].isnan().any()
+
+
 def test_fused_moe_no_longer_sends_narrow_weights_to_the_reference(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the triton backend ran the torch reference")
@@ -164,6 +185,7 @@ def test_choice_of_dot_form(monkeypatch):
     assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=512) == "fp8"  # prefill: tensor cores
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=512) == "dequant"  # A100: no FP8 dot
+    assert choose_dot("mxfp4", torch.bfloat16, cuda) == "dequant"  # dot_scaled is chosen from Hopper on
     monkeypatch.setenv("LOCUS_MOE_DOT", "dequant")
     assert choose_dot("mxfp4", torch.bfloat16, cuda) == "dequant"
     monkeypatch.setenv("LOCUS_MOE_DOT", "fp8")
