@@ -55,6 +55,14 @@ def check_expert_weights(gate_up: QuantizedTensor, down: QuantizedTensor) -> Non
         raise ValueError(f"gate_up is {gate_up.format} but down is {down.format}")
 
 
+def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Expert ids (int64) mapped from global to this rank's local ids; -1 (not held) stays -1."""
+    ids = topk_ids.long()
+    if expert_map is None:
+        return ids
+    return torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
+
+
 def fused_moe_quantized_reference(
     x: torch.Tensor,
     gate_up: QuantizedTensor,
@@ -67,9 +75,7 @@ def fused_moe_quantized_reference(
     """Routed-expert output [T, H] in x's dtype: dequantize the experts in use, then fused_moe_reference."""
     check_expert_weights(gate_up, down)
     E = gate_up.shape[0]
-    ids = topk_ids.long()
-    if expert_map is not None:  # global -> local first, so the used experts are local rows
-        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
+    ids = local_ids(topk_ids, expert_map)
     if bool(((ids < -1) | (ids >= E)).any()):
         raise ValueError(f"topk_ids hold an expert id outside the {E} experts held here")
     used = torch.unique(ids[ids >= 0])  # sorted local ids
@@ -98,9 +104,7 @@ def fused_moe_w8a8_reference(
     if gate_up.format != "fp8":
         raise ValueError(f"W8A8 is the fp8 dot form of row-wise fp8 weights, not {gate_up.format}")
     T, K = topk_ids.shape
-    ids = topk_ids.long().reshape(-1)
-    if expert_map is not None:
-        ids = torch.where(ids >= 0, expert_map.to(ids.device).long()[ids.clamp(min=0)], ids)
+    ids = local_ids(topk_ids, expert_map).reshape(-1)
     weights = topk_weights.reshape(-1).float()
     xq = quantize(x, "fp8", axis=1).dequantize()  # [T, H] float32
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)

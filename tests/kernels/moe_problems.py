@@ -49,4 +49,34 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def capture_sync_free(call):
+    """(graph, output) of `call` captured in a CUDA graph, after one call to compile and one under
+    torch.cuda.set_sync_debug_mode("error") (a host sync in it raises)."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def replay_with_new_routing(graph, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, E: int,
+                            seeds=(1, 2)):
+    """For each seed: new routing over E experts and new inputs copied into the captured tensors,
+    the graph replayed; yields after each replay (check the captured output then)."""
+    T, K = ids.shape
+    for seed in seeds:
+        new_ids, new_weights = make_routing(T, K, E, seed=seed)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        x.normal_()
+        graph.replay()
+        yield seed
+
+
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_problems import assert_close, half_expert_map, make_experts, make_routing, requires_gpu
+from moe_problems import (
+    assert_close,
+    capture_sync_free,
+    half_expert_map,
+    make_experts,
+    make_routing,
+    replay_with_new_routing,
+    requires_gpu,
+)
 
 from locus.kernels import fused_moe
 from locus.kernels.moe_configs import MoeConfig, decode_split_k, default_config
@@ -119,22 +127,8 @@ def test_decode_call_is_sync_free_and_captures_in_a_cuda_graph(split_k):
     config = MoeConfig(16, 64, 64, 1, split_k=split_k)
     ids, weights = make_routing(T, K, E)
     x, gate_up, down = make_experts(T, E, h, i, torch.bfloat16)
-    fused_moe_triton(x, gate_up, down, ids, weights, True, None, config)  # compile outside capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_moe_triton(x, gate_up, down, ids, weights, True, None, config)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe_triton(x, gate_up, down, ids, weights, True, None, config)
-    for seed in (1, 2):
-        new_ids, new_weights = make_routing(T, K, E, seed=seed)
-        ids.copy_(new_ids)
-        weights.copy_(new_weights)
-        x.normal_()
-        graph.replay()
+    graph, out = capture_sync_free(lambda: fused_moe_triton(x, gate_up, down, ids, weights, True, None, config))
+    for _ in replay_with_new_routing(graph, x, ids, weights, E):
         assert_close(out, fused_moe_reference(x, gate_up, down, ids, weights, True))
 
 

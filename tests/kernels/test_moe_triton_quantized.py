@@ -13,7 +13,15 @@ import logging
 
 import pytest
 import torch
-from moe_problems import DEVICE, half_expert_map, make_experts, make_routing, requires_gpu
+from moe_problems import (
+    DEVICE,
+    capture_sync_free,
+    half_expert_map,
+    make_experts,
+    make_routing,
+    replay_with_new_routing,
+    requires_gpu,
+)
 
 import locus.kernels as kernels
 from locus.kernels import fused_moe, moe_dot_forms, moe_gemm, moe_triton
@@ -283,21 +291,8 @@ def test_narrow_decode_is_sync_free_and_captures_in_a_cuda_graph(fmt):
     x, gate_up, down, ids, w = problem(T, K, E, 512, 1024, fmt, torch.bfloat16)
     for dot in gpu_forms(fmt):
         config = MoeConfig(16, 64, 64, 1, split_k=4)
-        fused_moe_triton(x, gate_up, down, ids, w, True, None, config, dot=dot)  # compile outside capture
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused_moe_triton(x, gate_up, down, ids, w, True, None, config, dot=dot)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe_triton(x, gate_up, down, ids, w, True, None, config, dot=dot)
+        graph, out = capture_sync_free(
+            lambda dot=dot: fused_moe_triton(x, gate_up, down, ids, w, True, None, config, dot=dot))
         reference = fused_moe_w8a8_reference if dot == "fp8" else fused_moe_quantized_reference
-        for seed in (1, 2):
-            new_ids, new_w = make_routing(T, K, E, seed=seed)
-            ids.copy_(new_ids)
-            w.copy_(new_w)
-            x.normal_()
-            graph.replay()
+        for _ in replay_with_new_routing(graph, x, ids, w, E):
             check(out, reference(x, gate_up, down, ids, w), torch.bfloat16)
