@@ -14,6 +14,8 @@ costs that stage only; its error goes into the JSON and the suite goes on):
     parity        greedy tokens and logits max-diff in float32 on `small`: Triton vs torch experts,
                   CUDA graph vs eager
     kernels       bench/moe_kernels.py --roofline on the Scout and Maverick expert shapes
+    kernels-narrow  the same on Scout's shape with the experts in fp8, mxfp8 and mxfp4 (the dot form
+                  each row ran in its weights column)
     offline       bench/offline.py --device cuda: out tok/s against transformers `generate`
     serve         bench/serve.py: one HTTP run against a launched `locus serve --device cuda`
     overhead      bench/engine_overhead.py --device cuda: the host's time per decode step at 1, 32, 256
@@ -40,11 +42,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 FORMAT = "locus-gpu-suite"
-STAGES = ("tests", "decode-small", "decode-scout", "parity", "kernels", "offline", "serve", "overhead")
+STAGES = ("tests", "decode-small", "decode-scout", "parity", "kernels", "kernels-narrow", "offline", "serve", "overhead")
 # Seconds each (estimates, not measured yet); the suite also starts no stage after --deadline, so a
 # stage that does not fit is skipped with that reason (run it with --stages in a second call).
-BUDGETS = {"tests": 110, "decode-small": 75, "decode-scout": 75, "parity": 45, "kernels": 130, "offline": 55,
-           "serve": 60, "overhead": 40}
+BUDGETS = {"tests": 110, "decode-small": 75, "decode-scout": 75, "parity": 45, "kernels": 130, "kernels-narrow": 120,
+           "offline": 55, "serve": 60, "overhead": 40}
 TARGETS = {"decode-small": 3.0, "decode-scout": 1.5}  # decode step / floor (issue 43)
 
 
@@ -157,6 +159,14 @@ def stage_kernels(result: StageResult, budget: float, work: Path) -> None:
         result.figures = {"table": json.loads(out.read_text())}
 
 
+def stage_kernels_narrow(result: StageResult, budget: float, work: Path) -> None:
+    out = work / "kernels_narrow.json"
+    run_command(result, [sys.executable, str(BENCH / "moe_kernels.py"), "--roofline", "--shapes", "llama4-scout",
+                         "--format", "fp8,mxfp8,mxfp4", "--tokens", "1,4,8,256,4096", "--out", str(out)], budget)
+    if out.is_file():
+        result.figures = {"table": json.loads(out.read_text())}
+
+
 def stage_offline(result: StageResult, budget: float, work: Path) -> None:
     out = work / "offline.json"
     # best of two runs: the process's first run pays Triton's JIT compiles (both engines' kernels)
@@ -207,7 +217,7 @@ def overhead_figures(data: dict) -> dict:
 def dry_figures(name: str) -> dict:
     """The figures' keys a real run fills, each None (the shape of the JSON without a GPU)."""
     keys = {"tests": ("tests", "failures", "errors", "skipped", "failed_tests"),
-            "parity": ("triton_vs_torch", "graph_vs_eager", "passed"), "kernels": ("table",),
+            "parity": ("triton_vs_torch", "graph_vs_eager", "passed"), "kernels": ("table",), "kernels-narrow": ("table",),
             "offline": ("rows", "ratio_locus_over_transformers", "identical_greedy_share", "transformers_error"),
             "serve": SERVE_KEYS, "overhead": ("workload", "ms")}.get(name, (*DECODE_KEYS, "best_mode", "target_met"))
     figures = dict.fromkeys(keys)
@@ -227,7 +237,8 @@ def stage_parity(result: StageResult, budget: float, work: Path) -> None:
 
 RUNNERS = {"tests": stage_tests, "decode-small": lambda r, b, w: stage_decode(r, b, w, "small"),
            "decode-scout": lambda r, b, w: stage_decode(r, b, w, "scout-2l"), "parity": stage_parity,
-           "kernels": stage_kernels, "offline": stage_offline, "serve": stage_serve, "overhead": stage_overhead}
+           "kernels": stage_kernels, "kernels-narrow": stage_kernels_narrow, "offline": stage_offline,
+           "serve": stage_serve, "overhead": stage_overhead}
 
 
 # --- the suite ---------------------------------------------------------------------------------------
@@ -300,7 +311,7 @@ def summary_note(r: StageResult) -> str:
     elif r.name == "serve":
         note = (f"{f['output_throughput']:,.0f} out tok/s, TTFT p50 {f['ttft_ms']['median']:.1f} ms, "
                 f"TPOT p50 {f['tpot_ms']['median']:.2f} ms, {f['failed']} failed")
-    elif r.name == "kernels":
+    elif r.name.startswith("kernels"):
         note = "table in the JSON"
     elif r.name == "overhead":
         note = "host / forward ms: " + ", ".join(f"{b} seqs {m['host']:.3f} / {m['forward']:.3f}" for b, m in f["ms"].items())
