@@ -68,7 +68,8 @@ def test_decode_sizes_match_the_reference(fmt, T):
     check(actual, fused_moe_quantized_reference(x, gate_up, down, ids, w, on_input), torch.float32)
 
 
-@pytest.mark.parametrize("T, K, E, H, I", [(64, 2, 16, 64, 64), (300, 1, 16, 64, 96)])
+@pytest.mark.parametrize("T, K, E, H, I", [(64, 2, 16, 64, 64),
+                                           pytest.param(300, 1, 16, 64, 96, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_larger_batches_with_the_default_config(fmt, T, K, E, H, I):
     x, gate_up, down, ids, w = problem(T, K, E, H, I, fmt, torch.float32)

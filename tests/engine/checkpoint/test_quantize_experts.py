@@ -51,13 +51,19 @@ def test_backends_agree_on_quantized_experts():
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_triton_backend_reads_quantized_experts(fmt, caplog):
-    """The Triton kernels (the interpreter here) on the narrow experts give the torch reference's
-    logits, and the load log says which path reads them."""
+def test_the_load_log_names_the_kernel_that_reads_the_experts(caplog):
     with caplog.at_level("INFO", logger="locus.engine"):
-        model = load("tiny", moe_backend="triton", quantize_experts=fmt).model
-    assert f"{fmt} experts: the Triton kernels read them narrow with the 'dequant' dot form" in caplog.text
+        load("tiny", moe_backend="triton", quantize_experts="fp8")
+        load("tiny", moe_backend="torch", quantize_experts="mxfp4")
+    assert "fp8 experts: the Triton kernels read them narrow with the 'dequant' dot form" in caplog.text
+    assert "mxfp4 experts: the torch reference dequantizes the experts a batch uses, per call" in caplog.text
+
+
+@pytest.mark.slow  # the tiny model through the Triton interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_triton_backend_reads_quantized_experts(fmt):
+    """The Triton kernels (the interpreter here) on the narrow experts give the torch reference's logits."""
+    model = load("tiny", moe_backend="triton", quantize_experts=fmt).model
     expected = logits(load("tiny", moe_backend="torch", quantize_experts=fmt).model)
     torch.testing.assert_close(logits(model), expected, atol=1e-4, rtol=1e-4)
 
