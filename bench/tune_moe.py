@@ -59,6 +59,7 @@ from moe_timing import (  # noqa: E402
     rotation,
     time_calls,
     triton_version,
+    weight_bytes,
 )
 
 try:
@@ -136,11 +137,16 @@ class Space:
     """Which configs a point may try, its seeds, and one-step neighbours."""
 
     def __init__(self, dtype: torch.dtype, smem_bytes: int, values: dict = VALUES, fmt: str | None = None):
+        self.dtype, self.format = dtype, fmt
         self.itemsize = torch.finfo(dtype).bits // 8
         # bytes a weight element takes in a pipeline stage: narrow tiles are staged as stored
         self.weight_itemsize = self.itemsize if fmt is None else FORMATS[fmt].element.bits / 8
         self.smem = smem_bytes
         self.values = values
+
+    def expert_bytes(self, shape: dict) -> float:
+        """Bytes one expert's weights take, as held (narrow: elements and scales)."""
+        return weight_bytes(shape, self.dtype, self.format) / shape["E"]
 
     def allowed(self, c: MoeConfig, p: Point) -> bool:
         H, I = p.shape["H"], p.shape["I"]
@@ -334,9 +340,9 @@ def tune_point(bench: Bench, space: Space, point: Point, extra_seeds: list[MoeCo
         return PointResult(seeds[0] if seeds else MoeConfig(), None, len(timings), len(timings))
     seconds, graph = timings[best]
     touched = sum(b.experts_touched() for b in batches) / len(batches)
-    weight_bytes = touched * bench.weights.expert_bytes
+    moved = touched * space.expert_bytes(point.shape)
     failed = sum(v is None for v in timings.values())
-    return PointResult(best, seconds, len(timings), failed, graph, weight_bytes / seconds / 1e9)
+    return PointResult(best, seconds, len(timings), failed, graph, moved / seconds / 1e9)
 
 
 def _best(timings: dict) -> MoeConfig | None:

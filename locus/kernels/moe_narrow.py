@@ -20,7 +20,7 @@ widen each tile in registers inside their K loop. Three ways to multiply a tile 
              per row (`quantize_activations`: FBGEMM's quantize_fp8_per_row, which is how Meta's
              FP8 Llama-4 experts run in transformers), the kernels multiply E4M3 x E4M3, and both
              scales (the activation row's, the weight column's) are applied after the K loop.
-             It adds the activations' E4M3 rounding (~2^-5 relative per element) to the weights'.
+             It adds the activations' E4M3 rounding (up to 2^-4 relative per element) to the weights'.
              Quantizing the tile inside the kernel instead would repeat the work in every N tile
              and cost about as many CUDA-core cycles as the FP8 product saves.
              MXFP8 has no fp8 form: its scale changes every 32 rows of K along every column, so
