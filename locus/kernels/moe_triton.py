@@ -10,9 +10,10 @@ Same contract as `fused_moe_reference` (moe_reference.py), which it is tested ag
 routed-expert output [T, H] for x [T, H], with the routing weight on the expert's input (Llama-4) or
 on its output (Qwen3 / DeepSeek), and an optional global -> local expert map for expert parallelism.
 The expert weights may be fp8 / mxfp8 / mxfp4 QuantizedTensors (then the contract is
-`fused_moe_quantized_reference`'s): the GEMMs read them narrow (moe_narrow.py) in the dot form
-`choose_dot` picks for the device, once per (format, dtype, device); if that form fails to build here,
-the call and every later one fall back to the portable "dequant" form with one warning.
+`fused_moe_quantized_reference`'s, or `fused_moe_w8a8_reference`'s where the "fp8" form runs): the
+GEMMs read them narrow (moe_narrow.py) in the dot form `choose_dot` picks for the device, dtype and
+batch (moe_dot_forms.py); if that form fails to build here, the call and every later one for that
+(format, dtype, device) fall back to the portable "dequant" form with one warning.
 
 (The file is not called fused_moe.py: `locus.kernels.fused_moe` is the public function, and a
 submodule of the same name would replace it on the package once imported.)
@@ -50,7 +51,7 @@ def fused_moe_triton(
     dot: str | None = None,
 ) -> torch.Tensor:
     """Routed-expert output [T, H] (Triton kernels); `config` overrides the tuned-table lookup, `dot`
-    the dot form of narrow weights (moe_narrow.DOT_FORMS; default: `choose_dot`'s, with fallback)."""
+    the dot form of narrow weights (moe_dot_forms.DOT_FORMS; default: `choose_dot`'s, with fallback)."""
     check_runnable(x)
     T, H = x.shape
     E, _, two_i = gate_up.shape
