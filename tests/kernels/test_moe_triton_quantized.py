@@ -274,8 +274,9 @@ def gpu_forms(fmt):
 @requires_gpu
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_bf16_parity_on_gpu_every_form(fmt):
-    """Decode sizes and a prefill size, bf16, each form this GPU has, default (tuned or not) configs."""
-    for T in (*range(1, 9), 512):
+    """Decode sizes and a prefill size, bf16, each form this GPU has, default (tuned or not) configs
+    (every T of 1..8 runs under the interpreter; here a few, to keep the compiles short)."""
+    for T in (1, 4, 8, 512):
         x, gate_up, down, ids, w = problem(T, 1, 16, 1024, 2048, fmt, torch.bfloat16)
         for dot in gpu_forms(fmt):
             actual = fused_moe_triton(x, gate_up, down, ids, w, dot=dot)
