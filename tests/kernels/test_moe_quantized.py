@@ -134,7 +134,7 @@ def test_prefill_sized_batches_use_the_reference(monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "auto", "triton"])  # triton: the reference until it reads them
+@pytest.mark.parametrize("backend", ["torch", "cpu", "auto", "triton"])  # triton: its GEMMs read them (the interpreter)
 def test_fused_moe_takes_quantized_weights(backend):
     if backend == "cpu" and not moe_cpu.available():
         pytest.skip("no C compiler")
