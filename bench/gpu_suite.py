@@ -14,8 +14,9 @@ costs that stage only; its error goes into the JSON and the suite goes on):
     parity        greedy tokens and logits max-diff in float32 on `small`: Triton vs torch experts,
                   CUDA graph vs eager
     kernels       bench/moe_kernels.py --roofline on the Scout and Maverick expert shapes
-    kernels-narrow  the same on Scout's shape with the experts in fp8, mxfp8 and mxfp4 (the dot form
-                  each row ran in its weights column)
+    kernels-narrow  the same on Scout's shape at T = 1, 8, 4096 with the experts in bf16, fp8, mxfp8
+                  and mxfp4: per format, bytes as stored, share of the copy bandwidth, the dot form,
+                  speed against bf16
     offline       bench/offline.py --device cuda: out tok/s against transformers `generate`
     serve         bench/serve.py: one HTTP run against a launched `locus serve --device cuda`
     overhead      bench/engine_overhead.py --device cuda: the host's time per decode step at 1, 32, 256
@@ -45,7 +46,7 @@ FORMAT = "locus-gpu-suite"
 STAGES = ("tests", "decode-small", "decode-scout", "parity", "kernels", "kernels-narrow", "offline", "serve", "overhead")
 # Seconds each (estimates, not measured yet); the suite also starts no stage after --deadline, so a
 # stage that does not fit is skipped with that reason (run it with --stages in a second call).
-BUDGETS = {"tests": 110, "decode-small": 75, "decode-scout": 75, "parity": 45, "kernels": 130, "kernels-narrow": 120,
+BUDGETS = {"tests": 110, "decode-small": 75, "decode-scout": 75, "parity": 45, "kernels": 130, "kernels-narrow": 50,
            "offline": 55, "serve": 60, "overhead": 40}
 TARGETS = {"decode-small": 3.0, "decode-scout": 1.5}  # decode step / floor (issue 43)
 
@@ -159,12 +160,35 @@ def stage_kernels(result: StageResult, budget: float, work: Path) -> None:
         result.figures = {"table": json.loads(out.read_text())}
 
 
-def stage_kernels_narrow(result: StageResult, budget: float, work: Path) -> None:
+# Few points, so that the stage stays well under a minute (Triton compiles each format's kernels per
+# config): two decode batches (one expert, then about half of Scout's 16) and one prefill batch (the tensor-core
+# forms); the model-dtype rows run beside them in the same process for the ratio.
+NARROW_FORMATS = "model,fp8,mxfp8,mxfp4"
+NARROW_TOKENS = "1,8,4096"
+
+
+def stage_kernels_narrow(result: StageResult, budget: float, work: Path, shape: str = "llama4-scout",
+                         tokens: str = NARROW_TOKENS, extra: tuple[str, ...] = ()) -> None:
+    """`shape`, `tokens` and `extra` (more bench arguments) are for the CPU self-check."""
     out = work / "kernels_narrow.json"
-    run_command(result, [sys.executable, str(BENCH / "moe_kernels.py"), "--roofline", "--shapes", "llama4-scout",
-                         "--format", "fp8,mxfp8,mxfp4", "--tokens", "1,4,8,256,4096", "--out", str(out)], budget)
-    if out.is_file():
-        result.figures = {"table": json.loads(out.read_text())}
+    run_command(result, [sys.executable, str(BENCH / "moe_kernels.py"), "--roofline", "--shapes", shape,
+                         "--format", NARROW_FORMATS, "--tokens", tokens, *extra, "--out", str(out)], budget)
+    if out.is_file():  # the bench rewrites it after every row: a stage cut at its budget keeps its rows
+        result.figures = narrow_figures(json.loads(out.read_text()))
+
+
+def narrow_figures(table: dict) -> dict:
+    """The roofline table and, per weight format and T, what the narrow rows show: bytes moved as the
+    format stores them (elements and scales, plus activations), their share of the measured copy
+    bandwidth, the dot form, parity, and the model-dtype row's time over this one (measured beside it)."""
+    model = {r["T"]: r["ms"] for r in table["rows"] if r["dot"] is None}
+    by_format: dict[str, dict] = {}
+    for r in table["rows"]:
+        by_format.setdefault(r["weights"], {})[str(r["T"])] = {
+            "dot": r["dot"], "ms": r["ms"], "bytes": r["bytes"], "gbps": r["gbps"],
+            "bandwidth_share": r["bandwidth_share"], "compute_share": r["compute_share"], "parity": r["parity"],
+            "speedup_vs_model": model[r["T"]] / r["ms"] if r["T"] in model else None}
+    return {"table": table, "by_format": by_format}
 
 
 def stage_offline(result: StageResult, budget: float, work: Path) -> None:
@@ -217,7 +241,8 @@ def overhead_figures(data: dict) -> dict:
 def dry_figures(name: str) -> dict:
     """The figures' keys a real run fills, each None (the shape of the JSON without a GPU)."""
     keys = {"tests": ("tests", "failures", "errors", "skipped", "failed_tests"),
-            "parity": ("triton_vs_torch", "graph_vs_eager", "passed"), "kernels": ("table",), "kernels-narrow": ("table",),
+            "parity": ("triton_vs_torch", "graph_vs_eager", "passed"), "kernels": ("table",),
+            "kernels-narrow": ("table", "by_format"),
             "offline": ("rows", "ratio_locus_over_transformers", "identical_greedy_share", "transformers_error"),
             "serve": SERVE_KEYS, "overhead": ("workload", "ms")}.get(name, (*DECODE_KEYS, "best_mode", "target_met"))
     figures = dict.fromkeys(keys)
@@ -292,6 +317,23 @@ def summary_row(r: StageResult) -> str:
     return f"| {r.name} | {r.status}{reason} | {r.seconds:.0f} | {note} |"
 
 
+def narrow_note(by_format: dict) -> str:
+    """Per T: each format's share of the copy bandwidth (narrow rows: dot form, speed against the model dtype)."""
+    parts = []
+    for t in dict.fromkeys(t for points in by_format.values() for t in points):
+        cells = []
+        for weights, points in by_format.items():
+            if t not in points:
+                continue
+            p = points[t]
+            cell = weights + (f" ({p['dot']})" if p["dot"] else "") + f" {p['bandwidth_share']:.0%} BW"
+            if p["dot"] and p["speedup_vs_model"]:
+                cell += f" {p['speedup_vs_model']:.2f}x"
+            cells.append(cell)
+        parts.append(f"T={t}: " + ", ".join(cells))
+    return "; ".join(parts)
+
+
 def summary_note(r: StageResult) -> str:
     f = r.figures
     if r.name == "tests":
@@ -311,7 +353,9 @@ def summary_note(r: StageResult) -> str:
     elif r.name == "serve":
         note = (f"{f['output_throughput']:,.0f} out tok/s, TTFT p50 {f['ttft_ms']['median']:.1f} ms, "
                 f"TPOT p50 {f['tpot_ms']['median']:.2f} ms, {f['failed']} failed")
-    elif r.name.startswith("kernels"):
+    elif r.name == "kernels-narrow":
+        note = narrow_note(f["by_format"])
+    elif r.name == "kernels":
         note = "table in the JSON"
     elif r.name == "overhead":
         note = "host / forward ms: " + ", ".join(f"{b} seqs {m['host']:.3f} / {m['forward']:.3f}" for b, m in f["ms"].items())

@@ -26,7 +26,8 @@ config for T (uniform random top-K routing, weight on the input):
   T = 8..256; >= 60% of the matmul peak on Scout's shape at T >= 4096 and >= 40% on Maverick's at
   T = 16384. A row passes when it meets its target and its parity check.
 The expert weights are allocated once per shape and format (Maverick's bf16 experts are 32 GB;
-narrow ones are drawn and quantized an expert at a time) and freed before the next. JSON rows, then a markdown table printed last.
+narrow ones are drawn and quantized an expert at a time) and freed before the next. JSON rows
+(--out rewritten after every row, `"complete": false` until the last), then a markdown table printed last.
 
 Without CUDA it runs only the small shapes (the Triton interpreter; CPU figures say nothing about a
 GPU, and the CPU "bandwidth" is a read, not a copy) and exits 2 for any other shape.
@@ -104,6 +105,26 @@ def run_roofline(args: argparse.Namespace, argv: list[str] | None) -> int:
           f"matmul {ceilings.matmul_flops / 1e12:,.1f} TFLOP/s", flush=True)
 
     rows = []
+
+    def write_result(complete: bool) -> dict:
+        """The JSON; written after every row (`complete` false until the last, each write whole: a
+        temporary file renamed), so a run cut short by a time budget keeps the rows it measured."""
+        judged = [r for r in rows if r["pass"] is not None]
+        data = {
+            "benchmark": "moe_roofline", "device": label, "dtype": str(dtype).removeprefix("torch."),
+            "ceilings": ceilings.to_json(), "repeat": repeat,
+            "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+            "versions": {"torch": torch.__version__, "triton": triton_version()},
+            "complete": complete, "targets_met": sum(r["pass"] for r in judged), "targets_judged": len(judged),
+            "rows": rows,
+        }
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            partial = args.out.with_name(args.out.name + ".partial")
+            partial.write_text(json.dumps(data, indent=1) + "\n")
+            partial.replace(args.out)
+        return data
+
     for name in names:
         shape = SHAPES[name]
         for fmt in weight_formats(args):
@@ -111,26 +132,17 @@ def run_roofline(args: argparse.Namespace, argv: list[str] | None) -> int:
             for T in tokens:
                 rows.append(measure_row(name, shape, T, weights, dtype, device, repeat, ceilings, args.seed))
                 print(_markdown_row(rows[-1]), flush=True)
+                write_result(complete=False)
             del weights
             if cuda:
                 torch.cuda.empty_cache()
 
-    judged = [r for r in rows if r["pass"] is not None]
-    result = {
-        "benchmark": "moe_roofline", "device": label, "dtype": str(dtype).removeprefix("torch."),
-        "ceilings": ceilings.to_json(), "repeat": repeat,
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "versions": {"torch": torch.__version__, "triton": triton_version()},
-        "targets_met": sum(r["pass"] for r in judged), "targets_judged": len(judged),
-        "rows": rows,
-    }
+    final = write_result(complete=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     print()
     print(markdown_table(rows))
-    print(f"\ntargets met: {result['targets_met']} of {result['targets_judged']}")
+    print(f"\ntargets met: {final['targets_met']} of {final['targets_judged']}")
     return 0
 
 

@@ -72,6 +72,33 @@ def test_a_stage_over_budget_is_cut_with_its_children():
     assert r.status == "failed" and "ValueError: boom" in r.reason
 
 
+@pytest.mark.slow  # runs bench/moe_kernels.py --roofline as a subprocess (the Triton interpreter)
+def test_kernels_narrow_stage_records_each_formats_bandwidth_share_from_its_stored_bytes(tmp_path):
+    """The kernels-narrow stage's own command on `tiny` on CPU (ceilings given): every format's row,
+    bytes counted as the format stores them, the share of the copy bandwidth from those bytes, the
+    speed against the model-dtype row of the same run, and a table row that reads them."""
+    r = gpu_suite.StageResult("kernels-narrow")
+    gpu_suite.stage_kernels_narrow(r, 300, tmp_path, shape="tiny", tokens="2",
+                                   extra=("--dtype", "float32", "--repeat", "1", "--peak-gbps", "10", "--peak-tflops", "1"))
+    assert r.status == "ok", r.output_tail
+    assert "--format model,fp8,mxfp8,mxfp4" in " ".join(r.command) and r.figures["table"]["complete"]
+    by_format = r.figures["by_format"]
+    assert set(by_format) == {"float32", "fp8", "mxfp8", "mxfp4"} and all(set(p) == {"2"} for p in by_format.values())
+    touched = {row["weights"]: row["experts_touched"] for row in r.figures["table"]["rows"]}
+    # tiny: gate_up [64, 128] and down [64, 64] per expert, scales along K = 64 (fp8: a float32 per column)
+    per_expert = {"float32": 3 * 64 * 64 * 4, "fp8": 3 * 64 * 64 + 4 * (128 + 64), "mxfp8": 3 * 64 * (64 + 2),
+                  "mxfp4": 3 * 64 * (32 + 2)}
+    model_ms = by_format["float32"]["2"]["ms"]
+    for weights, points in by_format.items():
+        p = points["2"]
+        assert p["bytes"] == touched[weights] * per_expert[weights] + 2 * 2 * 64 * 4  # + x read, out written
+        assert p["bandwidth_share"] == pytest.approx(p["bytes"] / (p["ms"] / 1e3) / 10e9)
+        assert p["parity"] and p["speedup_vs_model"] == pytest.approx(model_ms / p["ms"])
+        assert p["dot"] == (None if weights == "float32" else "dequant")
+    row = gpu_suite.summary_row(r)
+    assert "incomplete" not in row and "T=2: float32 " in row and "mxfp4 (dequant) " in row
+
+
 def test_junit_counts_name_the_failures():
     xml = ('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
            '<testcase classname="a" name="t1"/><testcase classname="a" name="t2"><failure/></testcase>'
