@@ -22,7 +22,8 @@ batches pair up from the counts), so no rank ever waits on one that skipped a la
 
 Bytes are counted as docs/design.md defines them, by the sending rank: payload rows of
 H * dtype_bytes, dispatch and combine each; tier 1 is the inter-node figure, tier 2 (own and proxied
-rows) the intra-node one; routing metadata apart; wire bytes (what was really sent) apart again.
+rows) the intra-node one, counted by the source for its proxied rows too; routing metadata apart;
+wire bytes (what was really sent, counted by the sender) apart again.
 
 Shape legend: T tokens on this rank, K experts per token, H hidden, N rows held, M members of a
 tier's group, C rows of capacity per member.
@@ -37,7 +38,7 @@ import torch
 
 from locus.engine.ep.counters import DeviceTally, ExchangeCounters
 from locus.engine.ep.groups import Groups, TierGroups
-from locus.engine.ep.transport import RowFormat, Transport
+from locus.engine.ep.transport import RowFormat, Transport, hits
 
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,H], local slots [N,K], w [N,K]) -> [N,H]
 
@@ -78,10 +79,11 @@ class TwoTierExchange:
         mine = held_rank == g.rank
         out = self._compute(compute, held_x, (held_slots % S).masked_fill_(~mine, -1), held_w)
         if self.lane.intra is not None:
+            self._count_intra_node(slots, S, fmt)
             others = (held_rank % G).masked_fill_(mine | (held_slots < 0), -1)
             cap2 = capacity * g.nodes  # own tokens plus what this rank proxies for every other node
             tier2 = self.transport.dispatch(held_x, held_slots, held_w, others, G, self.lane.intra, fmt, cap2,
-                                            "intra_node", self.counters, self.tally)
+                                            "intra_node", self.counters, self.tally, payload=False)
             local = (tier2.slots % S).masked_fill_(tier2.slots // S != g.rank, -1)
             partial = self._compute(compute, tier2.x, local, tier2.weights)
             out = out + self.transport.combine(partial, tier2, self.lane.intra, "intra_node", self.counters)
@@ -91,6 +93,19 @@ class TwoTierExchange:
             out = out[:T] + self.transport.combine(out[T:], tier1, self.lane.inter, "inter_node", self.counters)
         self.counters.exchange_s += time.perf_counter() - start - (self.counters.expert_s - expert_before)
         return out
+
+    def _count_intra_node(self, slots: torch.Tensor, S: int, fmt: RowFormat) -> None:
+        """Tier 2's payload, counted here, on the tokens' source rank, not by the rank that forwards a
+        proxied row: every (token, destination rank) whose local index differs from this rank's (on
+        this node the other ranks, on a remote node every rank but the proxy). Counted by the proxy, a
+        token's bytes would reach rank 0's totals one report after its output did (a client reading
+        /ep/stats on its last token could miss them)."""
+        g = self.g
+        dest = slots // S  # [T, K] destination ranks, -1: none
+        other = (dest >= 0) & (dest % g.gpus_per_node != g.local)
+        pairs = hits(dest.masked_fill(~other, -1), g.world).sum()
+        self.tally.add("intra_node_bytes", pairs * fmt.x_bytes)
+        self.tally.add("metadata_bytes", pairs * fmt.meta_bytes)
 
     def _compute(self, compute: Compute, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()

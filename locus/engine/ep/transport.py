@@ -101,7 +101,10 @@ class Transport:
     name = "?"
 
     def dispatch(self, x, slots, weights, member_of, size, group, fmt: RowFormat, capacity: int, tier: str,
-                 counters: ExchangeCounters, tally: DeviceTally) -> Delivery:
+                 counters: ExchangeCounters, tally: DeviceTally, payload: bool = True) -> Delivery:
+        """Send each row to the members `member_of` names. `payload`: count the rows as the tier's payload
+        (and metadata) here; False where the source ranks count them themselves (tier 2, exchange.py).
+        Wire bytes are always counted by the sender."""
         raise NotImplementedError
 
     def combine(self, values, delivery: Delivery, group, tier: str, counters: ExchangeCounters) -> torch.Tensor:
@@ -148,7 +151,7 @@ def sparse_all_to_all(send: torch.Tensor, receive: torch.Tensor, sent: list[int]
 class ExactTransport(Transport):
     name = "exact"
 
-    def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
+    def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally, payload=True):
         hit = hits(member_of, size)
         member, row = hit.t().nonzero(as_tuple=True)  # pairs sorted by member, rows ascending within one
         sent_counts = hit.sum(dim=0)
@@ -159,7 +162,8 @@ class ExactTransport(Transport):
         buf = packed.new_empty((sum(received), fmt.row_bytes))
         pairs = len(row)
         counters.collectives += 1 + sparse_all_to_all(packed, buf, sent, received, group)
-        _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
+        if payload:
+            _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + pairs * fmt.row_bytes + 8 * (size - 1))
         rx, rslots, rw = fmt.unpack(buf)
@@ -198,7 +202,7 @@ class FixedTransport(Transport):
             template = self._templates[key] = fmt.padding(rows, device)
         return template.clone()
 
-    def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally):
+    def dispatch(self, x, slots, weights, member_of, size, group, fmt, capacity, tier, counters, tally, payload=True):
         N, device = x.shape[0], x.device
         hit = hits(member_of, size)  # [N, M]
         index = torch.cumsum(hit, dim=0) - 1  # [N, M] place in the member's block
@@ -212,9 +216,10 @@ class FixedTransport(Transport):
         buf = torch.empty_like(send)
         dist.all_to_all_single(buf, send, group=group)
         counters.collectives += 1
-        pairs = hit.sum()
-        tally.add(f"{tier}_bytes", pairs * fmt.x_bytes)
-        tally.add("metadata_bytes", pairs * fmt.meta_bytes)
+        if payload:
+            pairs = hit.sum()
+            tally.add(f"{tier}_bytes", pairs * fmt.x_bytes)
+            tally.add("metadata_bytes", pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + (size - 1) * capacity * fmt.row_bytes)
         rx, rslots, rw = fmt.unpack(buf)

@@ -104,9 +104,16 @@ def free_port() -> int:
 
 def expected_bytes(plan: PlacementPlan, results: list[dict]) -> tuple[int, int]:
     """docs/design.md's inter-/intra-node bytes (dispatch + combine) of the first forward, token by token."""
+    per_rank = expected_bytes_per_rank(plan, results)
+    return sum(i for i, _ in per_rank), sum(j for _, j in per_rank)
+
+
+def expected_bytes_per_rank(plan: PlacementPlan, results: list[dict]) -> list[tuple[int, int]]:
+    """The same, per source rank: the bytes of each rank's own tokens, the proxied ones included."""
     table, G = build_dispatch_table(plan), plan.topology.gpus_per_node
-    inter = intra = 0
+    out = []
     for src, r in enumerate(results):
+        inter = intra = 0
         T, L, K = r["routing"].shape
         dest = route(table, r["routing"], np.full(T, src), r["positions"].numpy())  # [T, L, K]
         for t in range(T):
@@ -118,7 +125,8 @@ def expected_bytes(plan: PlacementPlan, results: list[dict]) -> tuple[int, int]:
                 for node in remote_nodes:  # proxied rows, forwarded inside the remote node
                     proxy = node * G + src % G
                     intra += len({d for d in ranks if d // G == node} - {proxy})
-    return 2 * inter * H_BYTES, 2 * intra * H_BYTES
+        out.append((2 * inter * H_BYTES, 2 * intra * H_BYTES))
+    return out
 
 
 @pytest.mark.parametrize("case,mode", [("1x2", "exact"), ("2x2-replicas", "exact"), ("2x2-double-slot", "exact"),
@@ -141,6 +149,9 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
     measured_inter = sum(r["bytes"].inter_node for r in results)
     measured_intra = sum(r["bytes"].intra_node for r in results)
     assert (measured_inter, measured_intra) == (inter, intra)
+    # each rank counts its own tokens' bytes, the rows a proxy forwards for them included (issue 41,
+    # finding 6: counted by the proxy, they reached rank 0's /ep/stats one report after the output)
+    assert [(r["bytes"].inter_node, r["bytes"].intra_node) for r in results] == expected_bytes_per_rank(plan, results)
     assert (intra > 0) == (plan.topology.gpus_per_node > 1) and (inter > 0) == (plan.topology.nodes > 1)
     if plan.dispatch == "node-aware":  # the case exercises the choice: the `position` rule sends more
         assert inter < expected_bytes(dataclasses.replace(plan, dispatch="position"), results)[0]
