@@ -116,6 +116,8 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping.set()
+        if self.driver is not None:  # a regroup under way (elastic EP) gives up rather than hold the exit
+            self.driver.stopping.set()
         self._wake.set()
         self._thread.join(timeout)
 
@@ -123,6 +125,11 @@ class AsyncEngine:
     def failed(self) -> bool:
         """The engine died of an error (as opposed to having been shut down)."""
         return self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the engine died of (None while it runs, or after a clean shutdown)."""
+        return self._error
 
     @property
     def healthy(self) -> bool:
@@ -175,7 +182,13 @@ class AsyncEngine:
             raise QueueFullError(f"too many requests waiting ({self.max_waiting}); retry later")
 
     def fail_all(self, error: BaseException) -> None:
-        """End every request in the engine with `error` (at the next step boundary)."""
+        """End every request in the engine with `error`: its reader gets the error now, from this thread
+        (the engine thread may be busy for long: inside an elastic regroup, say); the engine drops the
+        requests at its next step boundary. Under elastic EP a regroup under way gives up."""
+        for request_id in list(self._sinks):
+            self._deliver(request_id, error)
+        if self.driver is not None:
+            self.driver.stopping.set()
         self._commands.put(_FailAll(error))
         self._wake.set()
 
@@ -266,7 +279,7 @@ class AsyncEngine:
                 return
             except BaseException as exc:  # a rank died, a collective timed out, or a step failed
                 failure = exc
-                if not (isinstance(exc, Exception) and not self._stopping.is_set() and driver.can_recover):
+                if not (isinstance(exc, Exception) and not self._stopping.is_set() and driver.recoverable(exc)):
                     self._die(driver.explain(exc))
                     return
                 log.error("a collective failed (%s); regrouping with the surviving ranks", exc)
@@ -289,6 +302,13 @@ class AsyncEngine:
         err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
         for request_id in list(self._sinks):
             self._deliver(request_id, err)
+        while True:  # a call waiting for the engine thread (a trace dump at shutdown, say) gets the error too
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call):
+                cmd.loop.call_soon_threadsafe(_settle, cmd.future, None, err)
         if self.on_dead is not None:
             self.on_dead(exc)
 

@@ -277,6 +277,30 @@ def load_plan_grouping(path: str, model_config):
     return PlanGrouping.from_plan(plan, model_config.moe_layers, model_config=model_config)
 
 
+def health_of(state: ServerState):
+    """GET /health: 200 `ok`; 200 `degraded` (expert parallelism serving on fewer ranks than it started
+    with, after a lost rank); 503 `loading`; 503 `recovering` (the survivors of a lost rank are
+    regrouping: requests admitted meanwhile wait for it; Retry-After); 503 `error` (the model failed to
+    load, or the engine stopped: the server is exiting). docs/expert_parallel.md lists them."""
+    engine, driver = state.engine, state.ep_driver
+    if engine is None:
+        if state.load_error:
+            return JSONResponse({"status": "error", "detail": state.load_error}, status_code=503)
+        return JSONResponse({"status": "loading", "detail": None}, status_code=503)
+    if not engine.healthy:
+        error = engine.error
+        detail = f"the engine stopped: {type(error).__name__}: {error}" if error is not None else "the engine stopped"
+        return JSONResponse({"status": "error", "detail": detail}, status_code=503)
+    if driver is not None and driver.recovering:
+        return JSONResponse({"status": "recovering", "detail": "a rank was lost; the survivors are regrouping (requests "
+                             "admitted meanwhile wait for it)"}, status_code=503, headers={"Retry-After": "2"})
+    if driver is not None and state.config.ep is not None and driver.world < state.config.ep.world:
+        lost = sorted(set(range(state.config.ep.world)) - set(driver.worker.members))
+        return {"status": "degraded", "detail": f"serving on {driver.world} of {state.config.ep.world} expert-parallel "
+                                                f"ranks; lost: {lost}"}
+    return {"status": "ok"}
+
+
 def ep_stats_of(driver: EPDriver) -> dict:
     """GET /ep/stats: the exchange counters summed over ranks under replay's field names, and each
     rank's counters, step times and expert memory."""
@@ -328,6 +352,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                     log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests,
                              summary.tokens)
             await asyncio.to_thread(state.engine.shutdown, 10.0)
+            if state.ep_driver is not None and state.ep_driver.replanner is not None:
+                await asyncio.to_thread(state.ep_driver.replanner.close)  # its temporary files go too
             if config.ep is not None and config.record_trace and not state.engine.failed:
                 # each rank wrote its part under the rank it started as; a rank lost under --ep-elastic wrote none
                 ranks = [r for r in range(config.ep.world) if Path(rank_trace_path(config.record_trace, r)).exists()]
@@ -350,11 +376,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        regrouping = state.ep_driver is not None and state.ep_driver.recovering
-        if state.engine is not None and state.engine.healthy and not regrouping:
-            return {"status": "ok"}
-        status = "error" if state.load_error or state.engine is not None else "loading"
-        return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        return health_of(state)
 
     @app.get("/metrics")
     async def metrics():
@@ -373,7 +395,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/ep/replan")
     async def ep_replan(request: Request):
         """Re-plan the expert placement now (admin, --replan-api): the decision, and the move in progress."""
-        from locus.engine.ep.replan import ReplanBusy
+        from locus.engine.ep.replan import ReplanAborted, ReplanBusy
 
         driver = state.ep_driver
         if driver is None or driver.replanner is None or not config.ep.replan_api:
@@ -391,6 +413,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         engine.wake()
         try:
             decision = await asyncio.wait_for(asyncio.wrap_future(future), timeout=600)
+        except ReplanAborted as exc:  # a rank was lost meanwhile: the survivors' placement stands
+            raise APIError(409, str(exc), "conflict_error") from None
         except LocusError as exc:
             raise APIError(422, f"re-plan failed: {exc}", "invalid_request_error") from None
         return decision.to_dict()

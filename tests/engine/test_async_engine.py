@@ -5,7 +5,10 @@ arrivals into its first step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+
+import pytest
 
 from locus.engine import async_engine
 from locus.engine.async_engine import AsyncEngine, _Sink
@@ -164,3 +167,65 @@ def test_an_idle_engine_prefills_a_burst_in_one_step_and_a_trickle_by_the_cap(ti
     start, steps = burst_run(tiny, tok, 0.1, [0.04] * 15)  # 0.6 s of arrivals, never 0.1 s apart
     waited = steps[0][0] - start
     assert 0.4 <= waited < 0.6 and 5 <= steps[0][1] < 16, (waited, steps[:3])
+
+
+class BusyDriver:
+    """An expert-parallel driver whose iteration does not return: rank 0 inside an elastic regroup that
+    waits for a hung rank. It returns once the server tells it to give up (`stopping`)."""
+
+    def __init__(self, core):
+        self.core, self.errors, self.added = core, [], []
+        self.stopping, self.entered = threading.Event(), threading.Event()
+
+    def add(self, request_id, prompt_ids, params, domain):
+        self.added.append(request_id)
+
+    def abort(self, request_id):
+        pass
+
+    def requests(self):
+        return list(self.added)
+
+    def step(self):
+        self.entered.set()
+        self.stopping.wait(30)
+        return []
+
+    def total_stats(self):
+        return self.core.stats()
+
+    def wait_s(self):
+        return 0.01
+
+    def stop(self):
+        pass
+
+    def recoverable(self, exc):
+        return False
+
+    def explain(self, exc):
+        return exc
+
+
+def test_fail_all_reaches_every_stream_while_the_engine_thread_is_busy(tiny, tok):
+    """Issue 41, finding 4: SIGTERM during an elastic regroup cut the streams at --graceful-timeout with
+    no error frame: the fail-all command waited for an engine thread that was inside the regroup. Now
+    the error reaches each stream at once, and the regroup under way is told to give up."""
+    from locus.engine.async_engine import ShuttingDownError
+
+    core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    driver = BusyDriver(core)
+
+    async def scenario():
+        engine = AsyncEngine(core, driver=driver)
+        engine.start()
+        stream = engine.add([1, 2, 3], SamplingParams(max_tokens=4))
+        assert await asyncio.to_thread(driver.entered.wait, 10)
+        await asyncio.sleep(0.1)  # the engine thread is inside the iteration now
+        engine.fail_all(ShuttingDownError("the server shut down before this request finished"))
+        with pytest.raises(ShuttingDownError):
+            await asyncio.wait_for(stream.__anext__(), 2)
+        assert driver.stopping.is_set()
+        await asyncio.to_thread(engine.shutdown, 5)
+
+    asyncio.run(scenario())

@@ -93,10 +93,213 @@ def test_two_lost_ranks_lose_no_stream_and_no_token():
 
 def test_elastic_without_room_for_the_survivors_is_refused_at_start():
     """Issue 27, acceptance 4: refused clearly, before serving, not at the first loss."""
-    import pytest
-
     with pytest.raises(RuntimeError) as info:
         with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--ep-elastic",
                             "--ep-max-slots", "2", timeout=60):
             pass
     assert "--ep-max-slots 2" in str(info.value) and "need 3 expert slots" in str(info.value)
+
+
+# --- issue 41: the elastic invariant, losses inside a regroup, the rendezvous's exposure ------------------
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses of every listening TCP socket the processes `pids` hold."""
+    import ipaddress
+    import socket
+
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host order
+            address = ipaddress.ip_address(socket.inet_ntop(family, packed))
+            found.add(str(address.ipv4_mapped or address) if family == socket.AF_INET6 else str(address))
+    return found
+
+
+def sse_stream(base: str, prompt: str, tokens: int, started: threading.Event | None = None,
+               domain: str | None = None) -> dict:
+    """One greedy stream: its text, how it ended (`done`, `error` or `cut`), and when."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"x-locus-domain": domain} if domain else {}
+    text, end, chunks = "", "cut", 0
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120, headers=headers) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    end = "done"
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        end = "error"
+                        continue
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    chunks += 1
+                    if started is not None and chunks >= 4:
+                        started.set()
+    except httpx.HTTPError:
+        pass
+    return {"text": text, "end": end, "at": time.monotonic()}
+
+
+def greedy_texts(prompts: list[str], tokens: list[int] | int) -> list[str]:
+    """The single-process engine's greedy text of each prompt (`tokens` each, or one count per prompt)."""
+    counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
+    return [o.outputs[0].text for o in LLM("tiny").generate(prompts, params)]
+
+
+def kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+
+@pytest.mark.slow
+def test_a_rank_lost_while_a_replan_is_planned_discards_it_and_a_disagreement_fails_requests(tmp_path, monkeypatch):
+    """Issue 41, finding 1: `--ep-elastic --replan-api`, 2x2 with a locality plan (replicas), a forced
+    re-plan, and rank 2 SIGKILLed while the re-plan is `planning` (the planner is slowed by the fault
+    wrapper so that the kill lands there every time). The decision, made for four ranks, used to be
+    applied to the three survivors: a shape error, taken for a second loss, and wrong text from then on
+    with /health ok. Now it is discarded (the POST gets 409), every stream is the single-process text,
+    and /health says `degraded`. Then rank 1 is SIGKILLed and rank 3 refills a slot with the wrong
+    expert's weights (injected): the ranks disagree, so every open stream ends with an error frame
+    (after correct text only), and the server exits non-zero. No re-plan directory is left behind."""
+    from tests.server.test_expert_parallel_serving import domain_prompt, record_planning_trace
+    import subprocess
+    import sys
+
+    record_planning_trace(tmp_path / "planning", families=("code",), requests=12, model_name="tiny")
+    plan_path = tmp_path / "plan.json"
+    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
+                              "--slots", "3", "--planner", "locality", "-o", str(plan_path)],
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    jobs = [("math" if i % 2 else "chat", domain_prompt("math" if i % 2 else "chat", 300 + i)) for i in range(8)]
+    later = [domain_prompt("chat", 400 + i) for i in range(4)]
+    texts = greedy_texts([p for _, p in jobs] + later, [96] * len(jobs) + [240] * len(later))
+    want, want_later = texts[:len(jobs)], texts[len(jobs):]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setenv("LOCUS_TEST_FAULTS", "slow-plan=3,bad-refill=3@2")
+    pids = []
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(plan_path),
+                        "--ep-elastic", "--replan-api", "--replan-window", "256", "--ep-timeout", "20",
+                        module="tests.server.elastic_faults") as proc:
+        base = proc.base_url
+        ranks = {rank_of(pid): pid for pid in children_of(proc.pid)}
+        pids = list(ranks.values())
+        try:
+            started = [threading.Event() for _ in jobs]
+            with ThreadPoolExecutor(len(jobs) + 1) as pool:
+                streams = [pool.submit(sse_stream, base, p, 96, started[i], d) for i, (d, p) in enumerate(jobs)]
+                assert all(event.wait(120) for event in started), "a stream did not start"
+                replan = pool.submit(httpx.post, f"{base}/ep/replan", json={"force": True}, timeout=120)
+                wait_for(lambda: httpx.get(f"{base}/ep/stats").json()["replan"]["state"] == "planning", 60,
+                         "the re-plan never reached `planning`")
+                os.kill(ranks[2], signal.SIGKILL)
+                got = [s.result() for s in streams]
+                answer = replan.result()
+            assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
+            assert answer.status_code == 409 and "nothing moved" in answer.json()["error"]["message"]
+            stats = httpx.get(f"{base}/ep/stats").json()
+            assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2]]  # no second regroup with lost_ranks []
+            assert stats["replan"]["decisions"] == [] and stats["replan"]["state"] == "idle" and stats["epoch"] == 1
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+            assert "[2]" in health.json()["detail"]
+
+            started = [threading.Event() for _ in later]
+            with ThreadPoolExecutor(len(later)) as pool:
+                streams = [pool.submit(sse_stream, base, p, 240, started[i]) for i, p in enumerate(later)]
+                assert all(event.wait(120) for event in started), "a stream did not start"
+                os.kill(ranks[1], signal.SIGKILL)
+                got = [s.result() for s in streams]
+            code = proc.wait(60)
+            log = proc.stdout.read()
+        finally:
+            kill_all(pids)
+    assert {g["end"] for g in got} == {"error"}, got
+    assert all(w.startswith(g["text"]) for g, w in zip(got, want_later))  # never a wrong token before the error
+    assert code != 0 and "disagree on the expert placement" in log
+    assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []
+    assert list(scratch.glob("locus-replan-*")) == []
+
+
+@pytest.mark.slow
+def test_a_second_loss_inside_the_regroup_restarts_it_and_sigterm_during_a_regroup_ends_every_stream(monkeypatch):
+    """Issue 41, findings 3 and 4, and the rendezvous's exposure. Rank 2 is SIGKILLed; rank 3 dies
+    (injected) once the survivors are decided, before it joins them: the regroup used to wait in
+    init_process_group for the whole --ep-timeout, then fail every stream. Now it restarts without
+    rank 3 and every stream is the single-process text. Then rank 1 is SIGSTOPped: past --ep-timeout
+    the survivors regroup, waiting for it, and /health says `recovering` (503); SIGTERM then ends every
+    open stream with an error frame within --graceful-timeout (the engine thread is inside the regroup).
+    Every listening socket of every rank is on 127.0.0.1 (the rendezvous store used to listen on all
+    interfaces)."""
+    want = greedy_texts(PROMPTS, TOKENS)
+    monkeypatch.setenv("LOCUS_TEST_FAULTS", "die-joining=3@1")
+    pids = []
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--ep-elastic",
+                        "--ep-timeout", "8", "--graceful-timeout", "4", module="tests.server.elastic_faults") as proc:
+        base = proc.base_url
+        ranks = {rank_of(pid): pid for pid in children_of(proc.pid)}
+        pids = list(ranks.values())
+        try:
+            assert listening_addresses([proc.pid, *pids]) == {"127.0.0.1"}
+            started = [threading.Event() for _ in PROMPTS]
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                streams = [pool.submit(sse_stream, base, p, TOKENS, started[i]) for i, p in enumerate(PROMPTS)]
+                assert all(event.wait(60) for event in started), "a stream did not start"
+                killed = time.monotonic()
+                os.kill(ranks[2], signal.SIGKILL)
+                stats = wait_for_recoveries(base, 1)
+                regrouped = time.monotonic() - killed
+                got = [s.result() for s in streams]
+            assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
+            assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
+            assert regrouped < 8, f"the regroup took {regrouped:.1f} s (--ep-timeout 8)"
+            assert not alive(ranks[3])
+
+            started = [threading.Event() for _ in PROMPTS[:4]]
+            with ThreadPoolExecutor(4) as pool:
+                streams = [pool.submit(sse_stream, base, p, 3000, started[i]) for i, p in enumerate(PROMPTS[:4])]
+                assert all(event.wait(60) for event in started), "a stream did not start"
+                os.kill(ranks[1], signal.SIGSTOP)
+                health = wait_for(lambda: (h := httpx.get(f"{base}/health", timeout=5)).json()["status"] == "recovering"
+                                  and h, 60, "/health never said `recovering`")
+                assert health.status_code == 503 and "Retry-After" in health.headers
+                proc.send_signal(signal.SIGTERM)
+                terminated = time.monotonic()
+                got = [s.result() for s in streams]
+            assert {g["end"] for g in got} <= {"error", "done"}, got
+            assert max(g["at"] for g in got) - terminated < 4 + 1, "a stream outlived --graceful-timeout"
+            assert all(g["text"][:len(w)] == w[:len(g["text"])] for g, w in zip(got, want))  # no wrong token
+            proc.wait(60)
+        finally:
+            kill_all(pids)
+    assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []

@@ -181,16 +181,17 @@ def domain_prompt(domain: str, i: int) -> str:
     return family_prompt(domain, i, min_chars=12, step=3, cycle=5)
 
 
-def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES), requests: int = 24) -> None:
-    """A single-process engine on `small` records the routing of a mixed-domain workload."""
+def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES), requests: int = 24,
+                          model_name: str = "small") -> None:
+    """A single-process engine on `model_name` (a preset) records the routing of a mixed-domain workload."""
     from locus.engine.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.presets import build_preset
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
-    model = build_preset("small")
+    model = build_preset(model_name)
     tok = ByteTokenizer(model.config.vocab_size)
     core = EngineCore(model, tok, EngineConfig(block_size=8, num_kv_blocks=256))
-    core.start_recording(path, "small")
+    core.start_recording(path, model_name)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for i in range(requests):
         domain = families[i % len(families)]

@@ -2,10 +2,11 @@
 iteration at most.
 
 1. `all_gather_single` of a small fixed header from every rank (`Header`): whether it has work, an upper
-   bound on the tokens its next step may run, the length of the report it has for rank 0, and, from
-   rank 0, stop, the length of the commands it sends each rank and the prompt tokens they add. From
-   the headers every rank derives the same decisions: whether anyone steps, and the step's largest
-   token count (the fixed-capacity exchange's block size).
+   bound on the tokens its next step may run, the length of the report it has for rank 0, the digest
+   of the placement it will step under (invariant.py), and, from rank 0, stop, the length of the
+   commands it sends each rank and the prompt tokens they add. From the headers every rank derives the
+   same decisions: whether the placements agree, whether anyone steps, and the step's largest token
+   count (the fixed-capacity exchange's block size).
 2. One batch of point-to-point messages (`batch_isend_irecv`) of exactly the announced bytes:
    commands from rank 0 to each rank that has some, each rank's report (its previous step's outputs
    and counters) to rank 0. Only the announced messages travel: an all-to-all would also send an
@@ -26,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from locus.engine.ep.invariant import BROKEN
 from locus.engine.ep.transport import sparse_all_to_all
 
-WORK, PENDING, REPORT, STOP = 0, 1, 2, 3
-FIXED_FIELDS = 4  # then, from rank 0: command bytes for each rank, then prompt tokens added on each rank
+WORK, PENDING, REPORT, STOP, DIGEST = 0, 1, 2, 3, 4
+FIXED_FIELDS = 5  # then, from rank 0: command bytes for each rank, then prompt tokens added on each rank
 
 
 @dataclass
@@ -40,10 +42,12 @@ class Header:
     stop: bool = False  # rank 0: every rank leaves its loop after this iteration
     command_bytes: tuple[int, ...] = ()  # rank 0: per rank, the commands it sends there
     incoming_tokens: tuple[int, ...] = ()  # rank 0: per rank, prompt tokens those commands add
+    digest: int = 0  # the placement this rank will step under (invariant.BROKEN: its weights do not match it)
 
     def encode(self, world: int) -> torch.Tensor:
         out = torch.zeros(FIXED_FIELDS + 2 * world, dtype=torch.int64)
-        out[:FIXED_FIELDS] = torch.tensor([int(self.work), self.pending_tokens, self.report_bytes, int(self.stop)])
+        out[:FIXED_FIELDS] = torch.tensor([int(self.work), self.pending_tokens, self.report_bytes, int(self.stop),
+                                           self.digest])
         if self.command_bytes:
             out[FIXED_FIELDS:FIXED_FIELDS + world] = torch.tensor(self.command_bytes)
             out[FIXED_FIELDS + world:] = torch.tensor(self.incoming_tokens)
@@ -63,6 +67,18 @@ class Agreement:
     @property
     def stop(self) -> bool:
         return bool(self.headers[0, STOP])
+
+    def disagreement(self) -> str | None:
+        """None when every rank will step under the same placement; else which ranks differ from rank 0."""
+        digests = self.headers[:, DIGEST]
+        if (digests == digests[0]).all() and digests[0] != BROKEN:
+            return None
+        broken = [r for r in range(self.world) if digests[r] == BROKEN]
+        other = [r for r in range(self.world) if digests[r] != digests[0] and digests[r] != BROKEN]
+        parts = [f"rank(s) {broken} hold weights that do not match their placement"] if broken else []
+        if other:
+            parts.append(f"rank(s) {other} hold a placement other than rank 0's")
+        return "; ".join(parts)
 
     def command_bytes(self, rank: int) -> int:
         return int(self.headers[0, FIXED_FIELDS + rank])

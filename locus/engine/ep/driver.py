@@ -31,6 +31,7 @@ from locus.engine.ep.worker import RankWorker, failure_cause
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
 from locus.engine.sequence import RequestMetrics, Resumed
+from locus.errors import LocusError
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.live import live_grouper
 from locus.traces.admissions import AdmissionLog
@@ -100,6 +101,9 @@ class EPDriver:
         self._last_commands: dict[int, Commands] = {}
         self.recovering = False
         self.recoveries: list[dict] = []  # what each regrouping did
+        self.stopping = threading.Event()  # the server is stopping: a regroup under way gives up
+        if worker.elastic is not None:
+            worker.elastic.cancelled = self.stopping.is_set
         self.retired = ExchangeCounters()  # what ranks lost since counted
         # Recording: the order of admissions and releases, which the replay's grouper runs through again
         self.admissions = AdmissionLog() if self.core.recorder is not None else None
@@ -221,6 +225,13 @@ class EPDriver:
     def can_recover(self) -> bool:
         return self.worker.elastic is not None
 
+    def recoverable(self, exc: BaseException) -> bool:
+        """Whether a regroup may survive `exc`: a lost or hung peer, never a fault of rank 0's own or a
+        disagreement between the ranks (elastic.lost_peer)."""
+        from locus.engine.ep.elastic import lost_peer
+
+        return self.can_recover and lost_peer(exc)
+
     def recover(self, exc: BaseException) -> bool:
         """A collective failed: regroup with the survivors (elastic.py) and re-admit the lost ranks'
         requests from their prompt and what they streamed. False when not elastic, or when it fails."""
@@ -230,8 +241,11 @@ class EPDriver:
         self.recovering = True
         try:
             mapping = self.worker.regroup()
-        except Exception:  # noqa: BLE001 - no way on: the caller fails the server
-            log.exception("regrouping after a lost rank failed")
+        except Exception as error:  # noqa: BLE001 - no way on: the caller fails the server
+            if isinstance(error, LocusError):
+                log.error("regrouping after a lost rank failed: %s", error)
+            else:
+                log.exception("regrouping after a lost rank failed")
             return False
         finally:
             self.recovering = False
@@ -248,7 +262,12 @@ class EPDriver:
         self.move_stats = [self.move_stats[r] for r in order]
         self.expert_bytes[0] = self.worker.expert_bytes
         self.grouper, self._grouper_of = None, {}  # the survivors' plan has no grouping: balanced from now on
-        self._pending = {mapping[r]: c for r, c in self._pending.items() if r in mapping}
+        # A re-plan was made for the old membership: the re-planner discards it, and no command of it
+        # (a window request, a move) reaches the survivors, queued or resent.
+        if self.replanner is not None:
+            self.replanner.membership_changed()
+        self._pending = {mapping[r]: replace(c, send_window=False, replan=None)
+                         for r, c in self._pending.items() if r in mapping}
         for r, c in self._last_commands.items():  # the failed iteration's: a survivor may not have them
             if r != 0 and r in mapping:
                 resend = self._pending.setdefault(mapping[r], Commands())

@@ -2,17 +2,24 @@
 themselves, and go on; the lost rank's requests are re-admitted on them from their prompt and the
 tokens already streamed (rank 0's side: driver.py).
 
-    a collective fails (a peer died: its connections closed; or it hung past --ep-timeout)
+    a collective fails (a peer died: its connections closed; or it hung past --ep-timeout); a fault
+    of a rank's own (a bug, a placement that does not fit) is not a lost peer: it fails the server
       -> every survivor leaves the old group at once (its own peers' collectives then fail too), and
-         writes g<N>/alive/<old rank> into the rendezvous store (rank 0 hosts it)
-      -> rank 0 waits `grace` seconds for the survivors, then writes g<N>/members (old ranks, in order)
-         and g<N>/plan (the placement onto them); a survivor not listed leaves
-      -> each member joins a new process group on the same store under the prefix g<N>/pg/, its rank
-         its index in members, and makes the new groups
-      -> re-plan onto the survivors: every expert keeps the slots it has on a survivor; an expert only
-         the lost rank held takes a spare slot (a rank may grow to `max_slots` slots when the survivors
-         have too few), its weights read from the checkpoint (or drawn from the preset's seed)
-      -> a new placement epoch; the engines' requests are untouched (the failed step left no trace:
+         writes g<N>/alive/<identity> (with the placement epoch it holds) into the launch's store
+         (rank 0 hosts it; every value signed with the launch's secret, rendezvous.py)
+      -> rank 0 waits for every previous member still alive (it started them: it knows), then writes
+         g<N>/members; a survivor not listed leaves
+      -> every member says it is ready and waits for the others (polled): if a member dies (or hangs
+         past --ep-timeout) before it joins, rank 0 calls generation N off and everyone starts
+         generation N+1 without it, instead of waiting in torch's rendezvous for the whole timeout
+      -> each member joins a new process group on the same store under g<N>/pg/ (its rank its index in
+         members; at most JOIN_TIMEOUT_S for torch's rendezvous and the groups, else N+1 again)
+      -> re-plan onto the survivors (rank 0 computes it, the others read it, signed): every expert keeps
+         the slots it has on a survivor; an expert only the lost rank held takes a spare slot (a rank may
+         grow to `max_slots` slots when the survivors have too few), its weights read from the checkpoint
+         (or drawn from the preset's seed); each rank checks its slots' weights (invariant.py)
+      -> a new placement epoch (past every member's), whose digest every rank's next header carries: no
+         rank steps unless all agree. The engines' requests are untouched (the failed step left no trace:
          sampling runs after every forward), so the next iteration re-runs it.
 
 Topology after a loss: the survivors keep their nodes when every node keeps the same number of ranks;
@@ -35,11 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from locus.errors import LocusError
+from locus.engine.ep.groups import make_groups, set_timeout
+from locus.engine.ep.invariant import PlacementDisagreement
+from locus.engine.ep.rendezvous import RecoveryCancelled, RendezvousRefused, SignedStore
+from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict, validate
 from locus.routing.plan.topology import Topology
 
 log = logging.getLogger("locus.engine")
+JOIN_TIMEOUT_S = 10.0  # torch's rendezvous of survivors that all said they are ready (ready_barrier), at most
 
 
 class NotASurvivor(LocusError):
@@ -103,37 +114,92 @@ def plan_onto(plan: PlacementPlan, survivors: list[int], max_slots: int) -> Plac
     return new
 
 
-def rendezvous_members(store, generation: int, rank: int, previous: list[int], grace: float, timeout: float,
-                       is_alive=None) -> list[int]:
-    """Register this rank (its identity) as alive; rank 0 decides who made it. Returns the members.
+def rendezvous_members(store: SignedStore, generation: int, identity: int, previous: list[int], grace: float,
+                       timeout: float, is_alive=None, epoch: int = 0, cancelled=None,
+                       excluded: set[int] | None = None) -> tuple[list[int], int]:
+    """Register this rank (its identity, and the placement epoch it holds) as alive; rank 0 decides who
+    made it. Returns the members and the highest epoch any of them holds.
 
     Rank 0 waits for every previous member that is still alive (`is_alive(identity)`: the processes it
-    started itself; a hung one counts as dead past `timeout`), or, without that knowledge, `grace`
-    seconds."""
-    prefix = f"locus/ep/g{generation}/"
-    store.set(f"{prefix}alive/{rank}", "1")
-    if rank == 0:
+    started itself; a hung one counts as dead past `timeout`; `excluded`: ones an earlier attempt of
+    this regroup already waited out), or, without that knowledge, `grace` seconds."""
+    prefix = f"g{generation}/"
+    store.set(f"{prefix}alive/{identity}", json.dumps({"epoch": epoch}))
+    if identity == 0:
+        excluded = excluded or set()
         deadline = time.monotonic() + (timeout if is_alive is not None else grace)
+        epochs = {0: epoch}
         while True:
-            registered = [r for r in previous if r == 0 or store.check([f"{prefix}alive/{r}"])]
-            waiting = [r for r in previous if r not in registered and (is_alive is None or is_alive(r))]
+            for r in previous:
+                if r not in epochs and store.check(f"{prefix}alive/{r}"):
+                    epochs[r] = _verified_json(store, f"{prefix}alive/{r}", {"epoch": -1})["epoch"]
+            registered = [r for r in previous if epochs.get(r, -1) >= 0]
+            waiting = [r for r in previous if r not in epochs and r not in excluded and (is_alive is None or is_alive(r))]
             if not waiting or time.monotonic() >= deadline:
                 break
+            if cancelled is not None and cancelled():
+                raise RecoveryCancelled("the server is stopping; the survivors' regroup was given up")
             time.sleep(0.02)
-        store.set(f"{prefix}members", json.dumps(registered))
-        return registered
-    store.wait([f"{prefix}members"], timedelta(seconds=timeout))
-    members = json.loads(store.get(f"{prefix}members"))
-    if rank not in members:
-        raise NotASurvivor(f"rank {rank} registered after the survivors of generation {generation} were decided")
-    return members
+        top = max(epochs[r] for r in registered)
+        store.set(f"{prefix}members", json.dumps({"members": registered, "epoch": top}))
+        return registered, top
+    record = json.loads(store.wait_get(f"{prefix}members", timeout, cancelled))
+    if identity not in record["members"]:
+        raise NotASurvivor(f"rank {identity} registered after the survivors of generation {generation} were decided")
+    return record["members"], record["epoch"]
 
 
-def join_group(store, generation: int, members: list[int], rank: int, backend: str, timeout: timedelta) -> int:
+def _verified_json(store: SignedStore, name: str, refused):
+    """A signed JSON value of the store; `refused` when it is not signed by this launch (logged)."""
+    try:
+        return json.loads(store.get_verified(name))
+    except RendezvousRefused as exc:
+        log.error("%s", exc)
+        return refused
+
+
+class RegroupRestart(Exception):
+    """This attempt to regroup is called off (a member died or hung before joining): start the next."""
+
+
+def ready_barrier(store: SignedStore, generation: int, identity: int, members: list[int], timeout: float,
+                  is_alive=None, cancelled=None) -> None:
+    """Every member says it is about to join the new process group, and waits until all have. torch's
+    process-group rendezvous waits for a member that never comes until its timeout; this barrier is
+    polled instead, and rank 0 (which knows which of the processes it started are alive) calls the
+    attempt off the moment a member dies before joining, or when one has not come within `timeout`:
+    RegroupRestart, on every member, and the next generation goes on without it."""
+    prefix = f"g{generation}/"
+    store.set(f"{prefix}ready/{identity}", "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        if store.check(f"{prefix}abort"):
+            lost = _verified_json(store, f"{prefix}abort", None)
+            if lost is not None:
+                raise RegroupRestart(f"rank(s) {lost} did not join generation {generation}")
+        missing = [m for m in members if not store.check(f"{prefix}ready/{m}")]
+        if not missing:
+            return
+        late = time.monotonic() >= deadline
+        if identity == 0:
+            dead = [m for m in missing if is_alive is not None and not is_alive(m)]
+            if dead or late:
+                store.set(f"{prefix}abort", json.dumps(dead or missing))
+                raise RegroupRestart(f"rank(s) {dead or missing} did not join generation {generation}"
+                                     + (" (dead)" if dead else f" within {timeout:g} s"), dead or missing)
+        elif late:
+            raise RegroupRestart(f"generation {generation}: rank(s) {missing} did not join within {timeout:g} s")
+        if cancelled is not None and cancelled():
+            raise RecoveryCancelled("the server is stopping; the survivors' regroup was given up")
+        time.sleep(0.005)
+
+
+def join_group(store: SignedStore, generation: int, members: list[int], identity: int, backend: str,
+               timeout: timedelta) -> int:
     """Join the survivors' new process group (the old one was left before the rendezvous, regroup);
     returns the new rank."""
-    new_rank = members.index(rank)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"locus/ep/g{generation}/pg/", store), rank=new_rank,
+    new_rank = members.index(identity)
+    dist.init_process_group(backend, store=store.process_group_store(generation), rank=new_rank,
                             world_size=len(members), timeout=timeout)
     return new_rank
 
@@ -172,26 +238,28 @@ def refill_experts(runtime, new_plan: PlacementPlan, new_rank: int, read_experts
     return read
 
 
-def new_plan_of(store, generation: int, rank: int, compute, timeout: float) -> PlacementPlan:
-    """Rank 0 computes the survivors' plan and publishes it; the others read it."""
-    key = f"locus/ep/g{generation}/plan"
+def new_plan_of(store: SignedStore, generation: int, rank: int, compute, timeout: float,
+                cancelled=None) -> PlacementPlan:
+    """Rank 0 computes the survivors' plan and publishes it (signed); the others read it and refuse
+    one a rank of this launch did not write."""
+    key = f"g{generation}/plan"
     if rank == 0:
         plan = compute()
         store.set(key, plan.to_json())
         return plan
-    store.wait([key], timedelta(seconds=timeout))
-    return plan_from_dict(json.loads(store.get(key)))
+    return plan_from_dict(json.loads(store.wait_get(key, timeout, cancelled)))
 
 
 @dataclass
 class ElasticOptions:
-    store: object  # the rendezvous store (rank 0 hosts it): outlives every process group
+    store: SignedStore  # the launch's rendezvous store (rank 0 hosts it): outlives every process group
     backend: str
     read_experts: object  # {moe layer: [experts]} -> {moe layer: (gate_up, down)}
     max_slots: int  # a survivor's expert slots, at most
     lanes: int = 1  # process-group lanes (2 with --ep-overlap)
     is_alive: object = None  # rank 0: identity -> is that process still running (the ranks it started)
     grace_s: float = 1.5  # without is_alive: how long rank 0 waits for survivors to register
+    cancelled: object = None  # () -> bool: the server is stopping (rank 0): give the regroup up
 
 
 def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int):
@@ -213,14 +281,15 @@ def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int)
     return read
 
 
-def leave_groups(worker) -> timedelta:
+def leave_groups(worker, timeout: timedelta | None = None) -> timedelta:
     """Leave every old process group, for good: drop this rank's every reference to them and destroy
     them, so their connections close and a peer blocked in a collective or a point-to-point send with
     this rank fails at once instead of at the timeout (a send only completes once its peer posts the
     receive; a survivor that left never will). Nothing else may hold a group (no cache keyed by one).
-    Returns the groups' timeout."""
+    Returns the groups' timeout (`timeout` when this rank holds none: a failed regroup attempt)."""
     runtime = worker.runtime
-    timeout = runtime.groups.timeout
+    if runtime.groups is not None:
+        timeout = runtime.groups.timeout
     runtime.groups, runtime.lanes, worker.control = None, [], None
     if dist.is_initialized():
         try:
@@ -231,36 +300,82 @@ def leave_groups(worker) -> timedelta:
     return timeout
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says a peer is gone or hung (a collective, the store or a regroup's rendezvous
+    failed), which a regroup may survive, as opposed to a fault of this rank's own (a bug, a placement
+    that does not fit, a disagreement between the ranks), which no regroup can repair. torch reports a
+    gloo failure as a bare RuntimeError naming gloo's source; NCCL's and the store's as DistError."""
+    if isinstance(exc, (LocusError, PlacementDisagreement)):
+        return False
+    if isinstance(exc, (dist.DistError, RegroupRestart, TimeoutError, ConnectionError)):
+        return True
+    if type(exc) is RuntimeError:
+        text = str(exc)
+        return any(mark in text for mark in ("/gloo/", "NCCL", "Connection closed", "Connection reset", "Timed out",
+                                             "timed out", "Socket Timeout", "Broken pipe"))
+    return False
+
+
 def regroup(worker) -> dict[int, int]:
     """After a failed collective, on every survivor: leave the old group, meet the survivors, join their
-    new group, re-plan onto them and refill this rank's expert slots. Returns {old rank: new rank}."""
+    new group, re-plan onto them and refill this rank's expert slots. A member lost inside this
+    (it dies or hangs before the new group stands) restarts the rendezvous without it, as a new
+    generation. Returns {old rank: new rank} of the ranks serving before."""
+    serving = list(worker.members)  # identities, in the old ranks' order
+    timeout = leave_groups(worker)
+    excluded: set[int] = set()
+    for attempt in range(len(serving) + 1):
+        worker.generation += 1
+        failure = None
+        try:
+            _join_survivors(worker, timeout, excluded)
+            return {serving.index(identity): k for k, identity in enumerate(worker.members)}
+        except Exception as exc:  # noqa: BLE001 - sorted below: a peer lost inside the regroup, or not
+            if not lost_peer(exc):
+                raise
+            if isinstance(exc, RegroupRestart) and worker.identity == 0 and len(exc.args) > 1:
+                excluded.update(m for m in exc.args[1] if worker.elastic.is_alive is None or worker.elastic.is_alive(m))
+            failure = f"{type(exc).__name__}: {exc}"
+            forget_frames(exc)
+        # outside the handler: the failed attempt's frames (and any group it made) are gone
+        log.warning("generation %d: the regroup failed (%s); restarting it without the lost rank(s)", worker.generation,
+                    failure)
+        leave_groups(worker, timeout)
+    raise LocusError(f"the survivors could not regroup in {len(serving) + 1} attempts")
+
+
+def _join_survivors(worker, timeout: timedelta, excluded: set[int]) -> None:
+    """One attempt of regroup (generation `worker.generation`)."""
     from locus.engine.ep.control import ControlPlane
-    from locus.engine.ep.groups import make_groups
     from locus.engine.ep.placement import ExpertPlacement
     from locus.engine.ep.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime
-    loop_nice = runtime.groups.loop_nice
-    timeout = leave_groups(worker)
-    generation = worker.generation + 1
-    members = rendezvous_members(opts.store, generation, worker.identity, worker.members, opts.grace_s,
-                                 timeout.total_seconds(), opts.is_alive)
-    old_rank_of = {identity: worker.members.index(identity) for identity in members}
-    new_rank = join_group(opts.store, generation, members, worker.identity, opts.backend, timeout)
+    generation, seconds = worker.generation, timeout.total_seconds()
     current = runtime.placement
-    survivors = [old_rank_of[i] for i in members]
-    plan = new_plan_of(opts.store, generation, new_rank, lambda: plan_onto(current.plan, survivors, opts.max_slots),
-                       timeout.total_seconds())
+    members, top_epoch = rendezvous_members(opts.store, generation, worker.identity, worker.members, opts.grace_s,
+                                            seconds, opts.is_alive, current.epoch, opts.cancelled, excluded)
+    join_s = min(seconds, JOIN_TIMEOUT_S)
+    ready_barrier(opts.store, generation, worker.identity, members, seconds, opts.is_alive, opts.cancelled)
+    # Everyone is here: torch's rendezvous and the groups' take well under a second. A member that dies
+    # inside them stalls the others for join_s, not --ep-timeout; the groups then get --ep-timeout back.
+    join = timedelta(seconds=join_s)
+    new_rank = join_group(opts.store, generation, members, worker.identity, opts.backend, join)
+    placed = worker.members  # the identities the current placement's ranks are
+    plan = new_plan_of(opts.store, generation, new_rank,
+                       lambda: plan_onto(current.plan, [placed.index(i) for i in members], opts.max_slots),
+                       seconds, opts.cancelled)
     topo = plan.topology
-    groups = make_groups(topo.nodes, topo.gpus_per_node, opts.lanes, timeout, loop_nice)
+    groups = make_groups(topo.nodes, topo.gpus_per_node, opts.lanes, join, runtime.loop_nice)
+    set_timeout(groups, timeout)
     read = refill_experts(runtime, plan, new_rank, opts.read_experts)
     device = current.start.device
-    runtime.regroup(groups, ExpertPlacement.build(plan, new_rank, current.epoch + 1, device), device)
+    runtime.regroup(groups, ExpertPlacement.build(plan, new_rank, top_epoch + 1, device), device)
+    runtime.check_weights()
     if runtime.memory is not None:
         runtime.memory = expert_memory(worker.core.model)
         worker.expert_bytes = runtime.memory.held_bytes
     worker.control = ControlPlane(groups.control, new_rank, len(members))
-    worker.rank, worker.world, worker.members, worker.generation = new_rank, len(members), members, generation
-    log.warning("generation %d: rank %d (was %d) of %d survivors %s, topology %s, %d expert slots read from the "
-                "model", generation, new_rank, old_rank_of[worker.identity], len(members), members, topo, read)
-    return {old_rank_of[i]: k for k, i in enumerate(members)}
+    worker.rank, worker.world, worker.members = new_rank, len(members), members
+    log.warning("generation %d: rank %d (was identity %d) of %d survivors %s, topology %s, %d expert slots read from "
+                "the model", generation, new_rank, worker.identity, len(members), members, topo, read)

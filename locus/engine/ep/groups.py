@@ -77,3 +77,11 @@ def make_groups(nodes: int, gpus_per_node: int, lanes: int = 1, timeout: timedel
     control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
     lower_loop_threads(loop_nice)  # the groups just made started new transport threads
     return Groups(rank, nodes, gpus_per_node, made, control, timeout, loop_nice)
+
+
+def set_timeout(groups: Groups, timeout: timedelta) -> None:
+    """Give every group of `groups`, and the default group, `timeout` for their collectives (groups are
+    made under a longer start-up timeout, or a short one inside an elastic regroup)."""
+    groups.timeout = timeout
+    for group in [None, *groups.all()]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)

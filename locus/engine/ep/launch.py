@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,8 +21,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from locus.engine.checkpoint.loader import LoadedModel, config_of, default_device, load
-from locus.engine.ep.groups import make_groups
+from locus.engine.ep.groups import make_groups, set_timeout
+from locus.engine.ep.invariant import share_fingerprints
 from locus.engine.ep.layer import apply_expert_parallel
+from locus.engine.ep.rendezvous import (SECRET_ENV, SignedStore, launch_secret, local_address_towards, loopback_listener,
+                                        new_secret, open_store, pin_transport_interface, set_current)
 from locus.engine.ep.runtime import MODES, EPRuntime
 from locus.engine.ep.slices import expert_memory, slices_of
 from locus.engine.model.config import ModelConfig
@@ -34,6 +36,7 @@ from locus.routing.planners.baselines import round_robin
 
 log = logging.getLogger("locus.engine")
 SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
+STARTUP_TIMEOUT_S = 300.0  # how long start-up waits for every rank (at least --ep-timeout)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class EPSetup:
     max_slots: int | None = None  # a survivor's expert slots at most (default: every expert)
     loop_nice: int = 19  # gloo's event-loop threads' nice value (loop_priority.py); 0 leaves them
     is_alive: object = None  # rank 0 of --ep-ranks: rank -> is its process running (set once spawned)
+    listener: object = None  # rank 0 of --ep-ranks: the store's listening socket, bound before the ranks start
+    rendezvous: SignedStore | None = None  # the launch's store, once joined (load_rank)
 
     @property
     def replanning(self) -> bool:
@@ -80,8 +85,8 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
         raise LocusError(f"--ep-exchange {mode!r}: choose one of {', '.join(MODES)}")
     if max_tokens_per_rank < 1:
         raise LocusError(f"--ep-max-tokens-per-rank must be at least 1, not {max_tokens_per_rank}")
-    if timeout_s <= 0:
-        raise LocusError(f"--ep-timeout must be positive, not {timeout_s}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise LocusError(f"--ep-timeout must be a positive number of seconds, not {timeout_s}")
     if not 0 <= loop_nice <= 19:  # raising a thread's priority (below 0) needs privileges a server should not ask for
         raise LocusError(f"--ep-loop-nice must be between 0 (leave the threads as they are) and 19, not {loop_nice}")
     options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap, replan_every=replan_every,
@@ -107,10 +112,12 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
 
 
 def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
-    """Rank 0 of `--ep-ranks`: start ranks 1..N-1 as this command's children (torchrun's env)."""
-    port = _free_port()
+    """Rank 0 of `--ep-ranks`: start ranks 1..N-1 as this command's children (torchrun's env), with the
+    launch's secret; the store's socket is bound (to 127.0.0.1) before any of them starts."""
+    setup.listener = loopback_listener()
+    port = setup.listener.getsockname()[1]
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(setup.world),
-            "LOCAL_WORLD_SIZE": str(setup.gpus_per_node), SPAWNED: "1"}
+            "LOCAL_WORLD_SIZE": str(setup.gpus_per_node), SPAWNED: "1", SECRET_ENV: new_secret()}
     os.environ.update({**base, "RANK": "0", "LOCAL_RANK": "0"})
     children = []
     setup.is_alive = lambda rank: rank == 0 or children[rank - 1].poll() is None
@@ -154,15 +161,34 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     device = device or default_device()
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = timedelta(seconds=setup.timeout_s)
-    dist.init_process_group(backend, init_method="env://", rank=setup.rank, world_size=setup.world, timeout=timeout)
+    # Start-up (every rank connecting, loading its weights, making the groups) may take longer than a
+    # collective may while serving: it waits up to STARTUP_TIMEOUT_S, then the groups get --ep-timeout.
+    startup = timedelta(seconds=max(setup.timeout_s, STARTUP_TIMEOUT_S))
+    join_launch(setup, backend, startup)
     loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
     topo = plan.topology
-    groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, timeout, setup.loop_nice)
+    groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, startup, setup.loop_nice)
     runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank)
+    runtime.fingerprints = share_fingerprints(runtime, groups.control, config.num_local_experts)
+    set_timeout(groups, timeout)
+    setup.rendezvous.store.set_timeout(timeout)
     runtime.memory = expert_memory(loaded.model)
     log.info("rank %d of %d (node %d, local %d): %s", setup.rank, setup.world, groups.node, groups.local,
              runtime.memory.describe())
     return loaded, runtime
+
+
+def join_launch(setup: EPSetup, backend: str, timeout: timedelta) -> SignedStore:
+    """Open the launch's store on the launch's address (rendezvous.py), put the transports' sockets on
+    the same interface, and join the process group; the store is kept as `setup.rendezvous`."""
+    pin_transport_interface(local_address_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    store = open_store(setup.rank, setup.world, timeout, setup.listener)
+    setup.listener = None
+    setup.rendezvous = SignedStore(store, launch_secret())
+    set_current(setup.rendezvous)
+    dist.init_process_group(backend, store=setup.rendezvous.process_group_store(0), rank=setup.rank,
+                            world_size=setup.world, timeout=timeout)
+    return setup.rendezvous
 
 
 def plan_for(setup: EPSetup, config: ModelConfig) -> PlacementPlan:
@@ -182,8 +208,3 @@ def rank_trace_path(path: str, rank: int) -> str:
     """Where rank `rank` records its own requests under `--record-trace PATH` (rank 0 merges them)."""
     return f"{path.rstrip('/')}.rank{rank}"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

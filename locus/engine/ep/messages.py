@@ -39,6 +39,7 @@ class Replan:
 
     plan: dict
     rows_per_step: int
+    base: int = 0  # the digest of the placement it was made from and aligned to (invariant.py)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from locus.engine.ep.invariant import PlacementDisagreement
 from locus.routing.plan.placement import PlacementPlan, validate
 
 
@@ -145,6 +146,9 @@ class PlacementMove:
         stop = min(self.done_rows + self.rows_per_step, len(self.target.moe_layers))
         current = runtime.placement
         plan = current.plan
+        if plan.topology != self.target.topology or tuple(plan.moe_layers) != tuple(self.target.moe_layers):
+            raise PlacementDisagreement(f"a move to {self.target.topology} cannot apply to the placement held, "
+                                        f"{plan.topology}")  # before any weight is overwritten
         for row in range(self.done_rows, stop):
             self._fill_row(runtime, plan, row)
             slots = np.array(plan.slots, copy=True)
@@ -153,8 +157,10 @@ class PlacementMove:
                                  grouping=self.target.grouping, provenance=dict(self.target.provenance),
                                  dispatch=self.target.dispatch)
             self.stats.layers += 1
+        rows = range(self.done_rows, stop)
         self.done_rows = stop
         runtime.switch(ExpertPlacement.build(plan, current.rank, current.epoch + 1, current.start.device))
+        runtime.check_weights(rows)
 
     def _fill_row(self, runtime, plan: PlacementPlan, row: int) -> None:
         """Every changed slot of `row` gets its weights; one all_to_all over the control group."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from locus.engine.ep.invariant import placement_digest
 from locus.routing.dispatch_rule import DispatchTable, build_dispatch_table, destination_slots, table_keys
 from locus.routing.plan.placement import PlacementPlan
 
@@ -35,6 +36,7 @@ class ExpertPlacement:
     start: torch.Tensor  # [L, E + 1] int64: this rank's row of the table (column 0 = no expert)
     count: torch.Tensor  # [L, E + 1] int64
     replica_slots: torch.Tensor  # [L * R * S] int64: physical slot of every replica entry
+    digest: int = 0  # what every rank's control header carries: equal on every rank (invariant.py)
 
     @classmethod
     def build(cls, plan: PlacementPlan, rank: int, epoch: int = 0, device: str | torch.device = "cpu",
@@ -43,7 +45,7 @@ class ExpertPlacement:
         local = tuple(tuple(int(e) for e in plan.slots[row][rank]) for row in range(len(plan.moe_layers)))
         as_tensor = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         return cls(plan, table, rank, epoch, local, as_tensor(table.start[:, rank]), as_tensor(table.count[:, rank]),
-                   as_tensor(table.replica_slots))
+                   as_tensor(table.replica_slots), placement_digest(plan, epoch))
 
     @property
     def slots_per_gpu(self) -> int:

@@ -37,6 +37,14 @@ class ReplanBusy(LocusError):
     """A re-plan was asked for while another is being made or moved."""
 
 
+class ReplanAborted(LocusError):
+    """The ranks regrouped (a rank was lost) while a re-plan was being made: it was for another
+    membership, so it was discarded and nothing moved."""
+
+
+MIN_REPLAN_SECONDS = 1.0  # --replan-every below this would re-plan back to back (each takes a window and a plan)
+
+
 @dataclass
 class ReplanDecision:
     applied: bool
@@ -76,11 +84,14 @@ class ReplanSchedule:
                     raise ValueError
                 return cls(steps=steps)
             seconds = float(value.removesuffix("s"))
-            if not seconds > 0:
+            if not seconds > 0 or seconds == float("inf"):
                 raise ValueError
-            return cls(seconds=seconds)
         except ValueError:
             raise LocusError(f"--replan-every {text!r}: give seconds (e.g. 60 or 60s) or a step count (e.g. 500steps)") from None
+        if seconds < MIN_REPLAN_SECONDS:
+            raise LocusError(f"--replan-every {text!r}: at least {MIN_REPLAN_SECONDS:g} s between re-plans (each collects "
+                             "every rank's window and runs the planner); use a step count for a finer schedule")
+        return cls(seconds=seconds)
 
     @property
     def active(self) -> bool:
@@ -104,8 +115,10 @@ class Replanner:
         self._steps_since = 0
         self._last = time.monotonic()
         self._tokens_at_last = 0
+        self._tokens_at_due = 0  # tokens run when the schedule last fired: an idle period re-plans nothing
+        self._planned_from = 0  # the digest of the placement the re-plan under way is made from
         self.decisions: list[ReplanDecision] = []
-        self.workdir = Path(tempfile.mkdtemp(prefix="locus-replan-"))
+        self._closed = False
 
     # --- the HTTP thread --------------------------------------------------------------------------
     def request(self, force: bool) -> Future:
@@ -126,6 +139,11 @@ class Replanner:
             if stepped:
                 self._steps_since += 1
             if self.state == "idle" and self._due():
+                ran = self.driver.tokens_run()
+                if ran == self._tokens_at_due:  # nothing ran since: no window to plan from, nothing to say
+                    self._reset_clock()
+                    return
+                self._tokens_at_due = ran
                 self.state, self._force = "requested", False
             if self.state == "requested":
                 self.state = "collecting"
@@ -142,6 +160,7 @@ class Replanner:
                 self.state = "planning"
                 windows, force = dict(self._windows), self._force
                 current = self.driver.runtime.placement.plan
+                self._planned_from = self.driver.runtime.placement.digest
                 self._planning = Future()
                 threading.Thread(target=self._plan, args=(windows, current, force, self._planning),
                                  name="locus-replan", daemon=True).start()
@@ -151,11 +170,15 @@ class Replanner:
         with self._lock:
             if self.state == "planning" and self._planning is not None and self._planning.done():
                 decision, target = self._finish_planning()
+                if decision is not None and decision.applied and self._planned_from != self.driver.runtime.placement.digest:
+                    self._discard("the placement changed while the re-plan was being made")  # never sent
+                    return
                 if decision is not None and decision.applied:
                     from locus.engine.ep.messages import Replan
 
                     for rank in range(self.driver.world):
-                        self.driver.command(rank).replan = Replan(target.to_dict(), self.rows_per_step)
+                        self.driver.command(rank).replan = Replan(target.to_dict(), self.rows_per_step,
+                                                                  self._planned_from)
                     decision.epoch = self.driver.runtime.placement.epoch + 1
                     self.driver.adopt_grouping(target)
                     self.state = "moving"
@@ -166,6 +189,35 @@ class Replanner:
             elif self.state == "moving" and self.driver.runtime.move is None and not self.driver.has_replan_queued():
                 self.state = "idle"
                 self._reset_clock()
+
+    def membership_changed(self) -> None:
+        """The ranks regrouped after a loss (EPDriver.recover): a re-plan being collected or made was for
+        the old membership and is discarded (its windows and decision with it); a move under way died
+        with the old group. Nothing of it reaches the survivors."""
+        with self._lock:
+            if self.state in ("requested", "collecting", "planning"):
+                self._discard("a rank was lost while it was being made; the survivors' placement stands")
+            elif self.state == "moving":
+                self.state = "idle"
+                self._reset_clock()
+
+    def _discard(self, why: str) -> None:
+        log.warning("re-plan discarded, nothing moved: %s", why)
+        self._planning, self._windows, self.state = None, {}, "idle"
+        for waiting in self._pending:
+            waiting.set_exception(ReplanAborted(f"re-plan discarded, nothing moved: {why}"))
+        self._pending.clear()
+        self._reset_clock()
+
+    def close(self) -> None:
+        """At shutdown: let the planning thread finish its files (briefly), then remove them."""
+        self._closed = True
+        planning = self._planning
+        if planning is not None:
+            try:
+                planning.exception(timeout=5)
+            except Exception:  # noqa: BLE001 - still running: its directory goes anyway
+                pass
 
     # --- helpers ----------------------------------------------------------------------------------
     def _due(self) -> bool:
@@ -182,7 +234,10 @@ class Replanner:
         try:
             return future.result()
         except Exception as exc:  # noqa: BLE001 - a failed plan fails the request, never the server
-            log.exception("re-plan failed; the placement stays")
+            if isinstance(exc, LocusError):  # an expected refusal (an empty window, a plan that does not fit)
+                log.warning("re-plan not made, the placement stays: %s", exc)
+            else:
+                log.exception("re-plan failed; the placement stays")
             for waiting in self._pending:
                 waiting.set_exception(exc)
             self._pending.clear()
@@ -208,6 +263,12 @@ class Replanner:
             out.set_exception(exc)
 
     def _decide(self, windows: dict[int, WindowRows], current, force: bool):
+        with tempfile.TemporaryDirectory(prefix="locus-replan-") as workdir:  # removed whatever happens
+            if self._closed:
+                raise LocusError("the server is stopping")
+            return self._decide_in(Path(workdir), windows, current, force)
+
+    def _decide_in(self, workdir: Path, windows: dict[int, WindowRows], current, force: bool):
         from locus.routing.dispatch_rule import resolve_rule
         from locus.routing.planners.planner import PlanOptions, make_plan
         from locus.routing.replay.assignment import assign_recorded
@@ -215,7 +276,7 @@ class Replanner:
         from locus.traces.reader import TraceReader
 
         start = time.perf_counter()
-        path = self.workdir / "window"
+        path = workdir / "window"
         tokens = write_window_trace(path, self.meta, windows)
         if tokens == 0:
             raise LocusError("the routing window is empty: nothing to re-plan from yet")

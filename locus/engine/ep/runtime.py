@@ -16,6 +16,7 @@ issued in the same order on every rank.
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
@@ -25,9 +26,11 @@ import torch
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.exchange import TwoTierExchange
 from locus.engine.ep.groups import Groups
+from locus.engine.ep.invariant import BROKEN, wrong_slots
 from locus.engine.ep.placement import ExpertPlacement
 from locus.engine.ep.transport import TRANSPORTS
 
+log = logging.getLogger("locus.engine")
 R = TypeVar("R")
 MODES = ("exact", "fixed")
 
@@ -38,6 +41,7 @@ class EPRuntime:
         if mode not in MODES:
             raise ValueError(f"unknown exchange mode {mode!r}; choose one of {', '.join(MODES)}")
         self.groups, self.placement, self.mode = groups, placement, mode
+        self.loop_nice = groups.loop_nice  # kept for the groups of a regroup (elastic.py)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.transports = {name: cls() for name, cls in TRANSPORTS.items()}
         self.lanes = [TwoTierExchange(groups, lane, self.transports["exact"], device) for lane in groups.lanes]
@@ -47,6 +51,8 @@ class EPRuntime:
         self.memory = None  # what this rank's expert weights take (set at start-up)
         self.closed_epochs: dict[int, ExchangeCounters] = {}  # counters of the placements before this one
         self.move = None  # a PlacementMove in progress (move.py), advanced by the worker before each step
+        self.fingerprints = None  # [L, E] every expert's reference fingerprint (invariant.py), set at start-up
+        self.weights_ok = True  # every slot holds its expert's weights (checked after each placement change)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="locus-ep-lane") if len(self.lanes) > 1 else None
 
@@ -125,6 +131,18 @@ class EPRuntime:
     @padded.setter
     def padded(self, value: bool) -> None:
         self._local.padded = value
+
+    def served_digest(self) -> int:
+        """What this rank's control header says it will step under (invariant.py)."""
+        return self.placement.digest if self.weights_ok else BROKEN
+
+    def check_weights(self, rows=None) -> None:
+        """After a placement change: do this rank's slots of `rows` (default all) hold their experts?"""
+        wrong = wrong_slots(self, rows)
+        if wrong:
+            log.error("rank %d: slots of (MoE row, expert) %s do not hold their expert's weights after a placement "
+                      "change; this rank will not step", self.groups.rank if self.groups else -1, wrong[:8])
+            self.weights_ok = False
 
     def switch(self, placement: ExpertPlacement) -> None:
         """Make `placement` (a new epoch) the one the layers read from the next forward on; what the

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.control import ControlPlane, Header
 from locus.engine.ep.counters import StepTimes
+from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.ep.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
 from locus.engine.ep.move import MoveStats, PlacementMove
@@ -38,7 +39,7 @@ from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import plan_from_dict
 
 log = logging.getLogger("locus.engine")
-FAILURE_KEY = "locus/ep/failure"  # the first rank whose step raised writes its reason here (the store)
+FAILURE_KEY = "failure"  # the first rank whose step raised writes its reason here (the launch's store, signed)
 
 
 @dataclass
@@ -103,16 +104,21 @@ class RankWorker:
         core, control = self.core, self.control
         outgoing: dict[int, bytes] = {}
         outputs += self._unpark(errors)
+        # every rank, in the same iteration, before its header: the placement the header names (its
+        # digest, invariant.py) is the one this iteration's step routes by
+        self._advance_move()
+        digest = self.runtime.served_digest()
         if self.rank == 0:
             outputs += self._apply(commands.get(0, Commands()), errors)
             outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
             header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
                             tuple(len(outgoing.get(r, b"")) for r in range(self.world)),
-                            tuple(commands[r].prompt_tokens if r in commands and r != 0 else 0 for r in range(self.world)))
+                            tuple(commands[r].prompt_tokens if r in commands and r != 0 else 0 for r in range(self.world)),
+                            digest)
         else:
             if self._report:
                 outgoing = {0: self._report}
-            header = Header(core.has_unfinished(), core.pending_tokens(), len(self._report))
+            header = Header(core.has_unfinished(), core.pending_tokens(), len(self._report), digest=digest)
         control_before = control.seconds
         agreement, incoming = control.exchange(header, outgoing)
         if self._report:
@@ -125,7 +131,9 @@ class RankWorker:
         if agreement.stop:
             it.outputs = outputs
             return it
-        self._advance_move()  # every rank, in the same iteration: the placement a step routes by is set here
+        problem = agreement.disagreement()
+        if problem is not None:  # every rank read the same headers: none of them steps
+            raise PlacementDisagreement(f"the ranks disagree on the expert placement ({problem}); no rank may answer")
         if agreement.any_work:
             it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
             outputs += core.step()
@@ -173,8 +181,13 @@ class RankWorker:
         if commands.replan is not None:
             if self.runtime.move is not None:  # rank 0 never sends one during a move: a bug if it does
                 raise RuntimeError("a re-plan arrived while a placement move was still in progress")
-            target = plan_from_dict(commands.replan.plan)
-            self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
+            if commands.replan.base != self.runtime.placement.digest:
+                # made for a placement this rank no longer holds (every rank holds the same one and so
+                # refuses alike); rank 0's re-planner discards such decisions before sending them
+                log.error("rank %d: refused a re-plan made for another placement (the ranks regrouped since)", self.rank)
+            else:
+                target = plan_from_dict(commands.replan.plan)
+                self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
         for add in commands.adds:
             if add.retry and (add.request_id in self.core.requests or add.request_id in self._parked):
                 continue
@@ -255,7 +268,9 @@ class RankWorker:
                     break
                 continue
             except Exception as exc:  # a peer died or hung: elastic ranks regroup, the others leave
-                if self.elastic is None:
+                from locus.engine.ep.elastic import lost_peer
+
+                if self.elastic is None or not lost_peer(exc):  # a fault of this rank's own: no regroup repairs it
                     raise
                 log.error("rank %d: a collective failed (%s); regrouping with the survivors", self.rank, exc)
                 forget_frames(exc)
@@ -284,7 +299,7 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
     if setup.elastic:
         from locus.engine.ep.elastic import ElasticOptions, expert_reader
 
-        worker.elastic = ElasticOptions(dist.distributed_c10d._get_default_store(), dist.get_backend(),
+        worker.elastic = ElasticOptions(setup.rendezvous, dist.get_backend(),
                                         expert_reader(model, dtype, device, moe_backend, seed),
                                         setup.max_slots or loaded.model.config.num_local_experts,
                                         lanes=len(runtime.lanes), is_alive=setup.is_alive)
@@ -311,19 +326,22 @@ def report_failure(rank: int, exc: BaseException) -> None:
     """A rank whose step raised writes why into the rendezvous store before it leaves (its exit then
     closes its connections, so every peer's next collective with it fails at once); rank 0 reads it
     to say which rank failed and why. Best effort: the store may be gone too."""
+    from locus.engine.ep.rendezvous import current
+
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(FAILURE_KEY, f"rank {rank} failed: {type(exc).__name__}: {exc}")
+        current().set(FAILURE_KEY, f"rank {rank} failed: {type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001
         pass
 
 
 def failure_cause() -> str | None:
     """What the failed rank wrote (report_failure), if any."""
+    from locus.engine.ep.rendezvous import current
+
     try:
-        store = dist.distributed_c10d._get_default_store()
-        if store.check([FAILURE_KEY]):
-            return store.get(FAILURE_KEY).decode()
-    except Exception:  # noqa: BLE001
+        store = current()
+        if store.check(FAILURE_KEY):
+            return store.get_verified(FAILURE_KEY).decode()
+    except Exception:  # noqa: BLE001 - gone, or not signed by a rank of this launch
         pass
     return None
