@@ -112,6 +112,7 @@ class Replanner:
         self._force = False
         self._windows: dict[int, WindowRows] = {}
         self._planning: Future | None = None
+        self._running: Future | None = None  # the last planning thread's result (a discarded one included)
         self._steps_since = 0
         self._last = time.monotonic()
         self._tokens_at_last = 0
@@ -161,7 +162,7 @@ class Replanner:
                 windows, force = dict(self._windows), self._force
                 current = self.driver.runtime.placement.plan
                 self._planned_from = self.driver.runtime.placement.digest
-                self._planning = Future()
+                self._planning = self._running = Future()
                 threading.Thread(target=self._plan, args=(windows, current, force, self._planning),
                                  name="locus-replan", daemon=True).start()
 
@@ -212,7 +213,7 @@ class Replanner:
     def close(self) -> None:
         """At shutdown: let the planning thread finish its files (briefly), then remove them."""
         self._closed = True
-        planning = self._planning
+        planning = self._running
         if planning is not None:
             try:
                 planning.exception(timeout=5)
