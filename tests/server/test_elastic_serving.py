@@ -189,16 +189,9 @@ def test_a_rank_lost_while_a_replan_is_planned_discards_it_and_a_disagreement_fa
     and /health says `degraded`. Then rank 1 is SIGKILLed and rank 3 refills a slot with the wrong
     expert's weights (injected): the ranks disagree, so every open stream ends with an error frame
     (after correct text only), and the server exits non-zero. No re-plan directory is left behind."""
-    from tests.server.test_expert_parallel_serving import domain_prompt, record_planning_trace
-    import subprocess
-    import sys
+    from tests.server.test_expert_parallel_serving import domain_prompt, locality_plan
 
-    record_planning_trace(tmp_path / "planning", families=("code",), requests=12, model_name="tiny")
-    plan_path = tmp_path / "plan.json"
-    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
-                              "--slots", "3", "--planner", "locality", "-o", str(plan_path)],
-                             capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr
+    plan_path = locality_plan(tmp_path, slots=3, families=("code",), requests=12, model_name="tiny")
     jobs = [("math" if i % 2 else "chat", domain_prompt("math" if i % 2 else "chat", 300 + i)) for i in range(8)]
     later = [domain_prompt("chat", 400 + i) for i in range(4)]
     texts = greedy_texts([p for _, p in jobs] + later, [96] * len(jobs) + [240] * len(later))

@@ -201,6 +201,18 @@ def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES
     core.dump_recording()
 
 
+def locality_plan(tmp_path: Path, slots: int, families: tuple[str, ...] = tuple(FAMILIES), requests: int = 24,
+                  model_name: str = "small") -> Path:
+    """`locus plan --planner locality` for 2x2 from a planning trace recorded on `model_name`."""
+    record_planning_trace(tmp_path / "planning", families, requests, model_name)
+    plan_path = tmp_path / "plan.json"
+    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
+                              "--slots", str(slots), "--planner", "locality", "-o", str(plan_path)],
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    return plan_path
+
+
 def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_path):
     """docs/design.md's promise ("Expert-parallel serving"): what a running server counts equals, to the byte, what `locus replay`
     computes for the same routing, plan and request -> rank assignment. `small` on 2x2 under a
@@ -209,12 +221,7 @@ def test_measured_bytes_equal_the_replay_of_the_trace_the_server_recorded(tmp_pa
     from locus.routing.plan.placement import load_plan
     from locus.traces.reader import TraceReader
 
-    record_planning_trace(tmp_path / "planning")
-    plan_path = tmp_path / "plan.json"
-    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
-                              "--slots", "6", "--planner", "locality", "-o", str(plan_path)],
-                             capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr
+    plan_path = locality_plan(tmp_path, slots=6)
     plan = load_plan(plan_path)
     domain_nodes = {d: {n for n, w in enumerate(ws) if w > 0} for d, ws in spec_of(plan).domain_nodes.items()}
     assert set(domain_nodes) == set(FAMILIES)
@@ -270,12 +277,7 @@ def test_a_live_replan_under_load_moves_experts_and_keeps_every_stream(tmp_path)
 
     from locus.engine.llm import LLM
 
-    record_planning_trace(tmp_path / "planning", families=("code",), requests=12)  # planned for code only
-    plan_path = tmp_path / "plan.json"
-    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
-                              "--slots", "5", "--planner", "locality", "-o", str(plan_path)],
-                             capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr
+    plan_path = locality_plan(tmp_path, slots=5, families=("code",), requests=12)  # planned for code only
     shifted = [("math" if i % 2 else "chat", domain_prompt("math" if i % 2 else "chat", 200 + i)) for i in range(8)]
     want = [o.outputs[0].text for o in LLM("small").generate([p for _, p in shifted],
                                                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
