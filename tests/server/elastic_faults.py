@@ -2,7 +2,9 @@
 (comma-separated), so that a test can land a loss exactly where it wants one:
 - `slow-plan=S`: rank 0's re-planner takes S seconds longer to make a plan (its state stays `planning`);
 - `die-joining=I@G`: the rank whose identity is I kills itself (SIGKILL) once generation G's survivors
-  are decided, before it joins them: a second loss inside the regroup window;
+  are decided (it is one of them), before it joins them: a second loss inside the regroup window;
+- `die-in-join=I@G`: the same, later: at the call that joins generation G's process group (torch's own
+  rendezvous), every member having said it is ready;
 - `bad-refill=I@N`: in its N-th regroup, the rank whose identity is I fills one expert slot with
   another expert's weights: a placement the ranks must not answer with.
 Run as `python -m tests.server.elastic_faults serve ...` (running_server's `module`); the ranks that
@@ -39,16 +41,29 @@ def install() -> None:
             return decide(self, *args, **kwargs)
 
         replan.Replanner._decide = slow_decide
+    # both hooks are module functions that regroup calls by (store, generation, identity, ...), before
+    # and after this issue's ready barrier alike, so a test lands its loss at the same point on any version
     if "die-joining" in faults:
         who, generation = (int(x) for x in faults["die-joining"].split("@"))
-        barrier = elastic.ready_barrier
+        members_of = elastic.rendezvous_members
 
-        def dying_barrier(store, gen, identity, *args, **kwargs):
+        def dying_member(store, gen, identity, *args, **kwargs):
+            decided = members_of(store, gen, identity, *args, **kwargs)
             if identity == who and gen == generation:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return barrier(store, gen, identity, *args, **kwargs)
+            return decided
 
-        elastic.ready_barrier = dying_barrier
+        elastic.rendezvous_members = dying_member
+    if "die-in-join" in faults:
+        who, generation = (int(x) for x in faults["die-in-join"].split("@"))
+        join = elastic.join_group
+
+        def dying_join(store, gen, members, identity, *args, **kwargs):
+            if identity == who and gen == generation:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return join(store, gen, members, identity, *args, **kwargs)
+
+        elastic.join_group = dying_join
     if "bad-refill" in faults:
         who, nth = (int(x) for x in faults["bad-refill"].split("@"))
         refill, calls = elastic.refill_experts, []

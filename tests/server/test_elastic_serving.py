@@ -289,10 +289,51 @@ def test_a_second_loss_inside_the_regroup_restarts_it_and_sigterm_during_a_regro
                 proc.send_signal(signal.SIGTERM)
                 terminated = time.monotonic()
                 got = [s.result() for s in streams]
-            assert {g["end"] for g in got} <= {"error", "done"}, got
+            assert {g["end"] for g in got} == {"error"}, got  # 3000 tokens each: none can finish, none is cut
             assert max(g["at"] for g in got) - terminated < 4 + 1, "a stream outlived --graceful-timeout"
             assert all(g["text"][:len(w)] == w[:len(g["text"])] for g, w in zip(got, want))  # no wrong token
             proc.wait(60)
+        finally:
+            kill_all(pids)
+    assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []
+
+
+@pytest.mark.slow
+def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch):
+    """Issue 41, finding 3, the later half of the window: rank 2 is SIGKILLed, and rank 3 dies (injected)
+    at the call that joins the survivors' new process group, after every member said it was ready, so
+    rank 0 cannot call the generation off from the ready barrier. The survivors used to wait in
+    init_process_group for the whole --ep-timeout (40 s here), then fail every stream. Now torch's
+    rendezvous runs under the join timeout (elastic.JOIN_TIMEOUT_S), the attempt fails as a lost peer
+    and restarts without rank 3: every stream is the single-process text, one recovery lists both."""
+    from locus.engine.ep.elastic import JOIN_TIMEOUT_S
+
+    want = greedy_texts(PROMPTS, TOKENS)
+    monkeypatch.setenv("LOCUS_TEST_FAULTS", "die-in-join=3@1")
+    pids = []
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--ep-elastic",
+                        "--ep-timeout", "40", module="tests.server.elastic_faults") as proc:
+        base = proc.base_url
+        ranks = {rank_of(pid): pid for pid in children_of(proc.pid)}
+        pids = list(ranks.values())
+        try:
+            started = [threading.Event() for _ in PROMPTS]
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                streams = [pool.submit(sse_stream, base, p, TOKENS, started[i]) for i, p in enumerate(PROMPTS)]
+                assert all(event.wait(60) for event in started), "a stream did not start"
+                killed = time.monotonic()
+                os.kill(ranks[2], signal.SIGKILL)
+                stats = wait_for_recoveries(base, 1, timeout=90)
+                regrouped = time.monotonic() - killed
+                got = [s.result() for s in streams]
+            assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
+            assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
+            assert regrouped < JOIN_TIMEOUT_S + 15, f"the regroup took {regrouped:.1f} s (--ep-timeout 40)"
+            assert not alive(ranks[3])
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
         finally:
             kill_all(pids)
     assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []
