@@ -261,3 +261,19 @@ def test_ep_timeout_must_be_a_finite_positive_number(value):
         setup_from(4, 2, value, None)
     with pytest.raises(LocusError, match="--ep-timeout"):  # refused on a single-process server too
         setup_from(1, None, value, None)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep-timeout", "nan"], "--ep-timeout must be a positive number of seconds, not nan"),
+    (["--ep-ranks", "2", "--ep-timeout", "inf"], "--ep-timeout must be a positive number of seconds, not inf"),
+    (["--ep-ranks", "2", "--replan-every", "0.000001"], "--replan-every '0.000001': at least 1 s between re-plans"),
+])
+def test_bad_ep_flags_are_one_line_at_start(flags, message, capsys, monkeypatch):
+    """The issue's `--ep-timeout nan|inf` printed a traceback before its error; every refusal is one
+    line and exit code 2, before any model loads or rank starts."""
+    from locus.cli import main
+
+    monkeypatch.setenv("LOCUS_DEBUG", "0")
+    assert main(["serve", "--model", "tiny", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"locus: error: {message}") and err.count("\n") == 1 and "Traceback" not in err
