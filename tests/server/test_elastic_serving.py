@@ -306,8 +306,6 @@ def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch)
     init_process_group for the whole --ep-timeout (40 s here), then fail every stream. Now torch's
     rendezvous runs under the join timeout (elastic.JOIN_TIMEOUT_S), the attempt fails as a lost peer
     and restarts without rank 3: every stream is the single-process text, one recovery lists both."""
-    from locus.engine.ep.elastic import JOIN_TIMEOUT_S
-
     want = greedy_texts(PROMPTS, TOKENS)
     monkeypatch.setenv("LOCUS_TEST_FAULTS", "die-in-join=3@1")
     pids = []
@@ -328,6 +326,8 @@ def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch)
                 got = [s.result() for s in streams]
             assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
             assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
+            from locus.engine.ep.elastic import JOIN_TIMEOUT_S
+
             assert regrouped < JOIN_TIMEOUT_S + 15, f"the regroup took {regrouped:.1f} s (--ep-timeout 40)"
             assert not alive(ranks[3])
             health = httpx.get(f"{base}/health")
