@@ -105,7 +105,8 @@ class TraceRecorder:
         c = self.config
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
-                         source="locus-engine", vocab_size=c.vocab_size)
+                         source="locus-engine", vocab_size=c.vocab_size,
+                         kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype_bytes)
         try:
             self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None,
                                        with_tokens=True)
@@ -157,6 +158,16 @@ class TraceRecorder:
         if src is not None:
             self._active[child.seq_id] = _SeqTrace(self._request_id(child), src.domain, src.prompt_tokens,
                                                    src.ids.copy(), src.weights.copy(), src.epochs.copy())
+
+    def hand_over(self, seq: Sequence) -> _SeqTrace | None:
+        """A sequence leaving this engine unfinished (moved to another rank): its rows so far, for the
+        recorder there (`adopt`), which writes the request when it finishes."""
+        return self._active.pop(seq.seq_id, None)
+
+    def adopt(self, seq: Sequence, trace: _SeqTrace) -> None:
+        """Go on recording a sequence another engine's recorder handed over (its rows so far)."""
+        if self.failure is None:
+            self._active[seq.seq_id] = trace
 
     def finish(self, seq: Sequence) -> None:
         trace = self._active.pop(seq.seq_id, None)

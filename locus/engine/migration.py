@@ -1,0 +1,152 @@
+"""A running request taken out of one engine and put into another with its KV cache: how an
+expert-parallel server moves a request after its prefill (docs/planner.md, "Moving a request after
+prefill"). The engines' ranks carry the two halves over the wire (locus/engine/ep/worker.py).
+
+    take_out(core, request_id) -> Migrant       the source: the sequence leaves its scheduler (as a
+                                                preemption that keeps its KV rows), its blocks go back
+    take_in(core, migrant) -> bool              the target: blocks for the rows, the rows written, the
+                                                sequence rebuilt and scheduled like a running one
+
+What travels: every attention layer's K and V rows of the computed positions (payload only,
+`kv [layers, 2, T, Hkv, D]`), and the sampler state: output ids, logprobs, the seeded generator's
+state, prompt logprobs, and the recorder's partial rows. The detokenizer and the stop-string scanner
+are rebuilt on the target from the output ids (as a resumed request's are: deterministic), so the
+request's text, ids and greedy tokens are the ones it would have had without the move. Requests with
+n > 1 (sequences sharing blocks) or an output grammar (xgrammar matcher state) never move.
+
+Shape legend: T positions moved, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from locus.engine.sampling import SamplingParams, TokenLogprob
+from locus.engine.sequence import Request, Resumed, SequenceStatus
+
+log = logging.getLogger("locus.engine")
+
+
+@dataclass
+class Migrant:
+    """A request on its way from one engine to another."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # as the source resolved them (max_tokens set)
+    domain: str | None
+    output_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    generator_state: torch.Tensor | None = None  # a seeded request's torch.Generator state
+    prompt_logprobs: list | None = None
+    trace: object | None = None  # the source recorder's rows of it (trace_recorder._SeqTrace), when recording
+    kv: torch.Tensor | None = None  # [layers, 2, T, Hkv, D]: the K and V rows of its first T positions
+    queued: float | None = None  # seconds it waited on the source before it first ran (clocks differ per host)
+
+    @property
+    def kv_tokens(self) -> int:
+        return 0 if self.kv is None else int(self.kv.shape[2])
+
+    def state(self) -> "Migrant":
+        """Everything but the KV rows (what is pickled; the rows travel as a tensor)."""
+        return Migrant(self.request_id, self.prompt_ids, self.params, self.domain, self.output_ids, self.logprobs,
+                       self.generator_state, self.prompt_logprobs, self.trace, None, self.queued)
+
+
+def why_not_movable(request: Request) -> str | None:
+    """Why a request cannot move (None: it can)."""
+    if request.params.n != 1:
+        return f"it has n = {request.params.n} sequences"
+    if request.params.structured is not None:
+        return "its output follows a grammar"
+    if request.finished or not request.seqs:
+        return "it has finished"
+    return None
+
+
+def kv_bytes_per_token(core) -> int:
+    """KV cache bytes one token occupies on `core`'s cache, all layers, K and V: what a move sends per
+    position (layers x 2 x KV heads x head dim x dtype bytes)."""
+    cache = core.cache
+    keys = cache.keys[0]
+    return 2 * len(cache.keys) * keys.shape[1] * keys.shape[2] * keys.element_size()
+
+
+def _rows(core, block_table: list[int], tokens: int) -> torch.Tensor:
+    """Flat cache rows of positions 0..tokens-1 of a sequence with `block_table`."""
+    bs = core.cache.block_size
+    positions = torch.arange(tokens, device=core.cache.keys[0].device)
+    table = torch.tensor(block_table, dtype=torch.long, device=positions.device)
+    return table[positions // bs] * bs + positions % bs
+
+
+def take_out(core, request_id: str) -> Migrant | None:
+    """Remove `request_id` from `core` without finishing it and return what the target needs; None
+    when `core` does not hold it (it finished or was aborted before the move reached it). Raises
+    ValueError for a request that cannot move (rank 0 never asks for one)."""
+    request = core.requests.get(request_id)
+    if request is None:
+        return None
+    reason = why_not_movable(request)
+    if reason is not None:
+        raise ValueError(f"request {request_id!r} cannot move: {reason}")
+    seq = request.seqs[0]
+    kv = None
+    if seq.status is SequenceStatus.RUNNING and seq.num_computed > 0:
+        rows = _rows(core, seq.block_table, seq.num_computed)
+        cache = core.cache
+        kv = torch.stack([torch.stack([k[rows], v[rows]]) for k, v in zip(cache.keys, cache.values)])
+    trace = core.recorder.hand_over(seq) if core.recorder is not None else None
+    generator = seq.sampling.generator
+    metrics = request.metrics
+    queued = None if metrics.first_scheduled_time is None else metrics.first_scheduled_time - metrics.arrival_time
+    migrant = Migrant(request_id, list(request.prompt_ids), request.params, request.domain, list(seq.output_ids),
+                      list(seq.logprobs), generator.get_state() if generator is not None else None,
+                      request.prompt_logprobs, trace, kv, queued)
+    core.scheduler.finish(seq)  # its blocks go back; the recorder was handed its rows above
+    del core.requests[request_id]
+    return migrant
+
+
+def take_in(core, migrant: Migrant) -> bool:
+    """Rebuild `migrant` in `core`: its KV rows in newly allocated blocks, running; or, when the pool
+    has no room for them (or no sequence slot is free), waiting, to be recomputed from its tokens like
+    a preempted sequence. Returns whether its KV rows were kept."""
+    params = migrant.params
+    request = Request(migrant.request_id, list(migrant.prompt_ids), params, migrant.domain, forked=True)
+    seq = core._new_sequence(request, 0)
+    request.seqs.append(seq)
+    core._resume(seq, Resumed(list(migrant.output_ids), list(migrant.logprobs)))
+    if migrant.generator_state is not None:
+        seq.sampling.generator.set_state(migrant.generator_state)
+    if migrant.queued is not None:
+        request.metrics.first_scheduled_time = request.metrics.arrival_time + migrant.queued
+    if migrant.prompt_logprobs is not None:
+        request.prompt_logprobs = list(migrant.prompt_logprobs)
+    if migrant.trace is not None and core.recorder is not None:
+        core.recorder.adopt(seq, migrant.trace)
+    scheduler, blocks = core.scheduler, core.blocks
+    tokens = migrant.kv_tokens
+    kept = (0 < tokens < seq.num_tokens and blocks.blocks_for(tokens) <= blocks.num_free_blocks
+            and len(scheduler.running) < scheduler.config.max_num_seqs)
+    if kept:
+        seq.block_table = [blocks.allocate() for _ in range(blocks.blocks_for(tokens))]
+        rows = _rows(core, seq.block_table, tokens)
+        kv = migrant.kv.to(core.cache.keys[0].device)
+        for layer, (k, v) in enumerate(zip(core.cache.keys, core.cache.values)):
+            k[rows] = kv[layer, 0].to(k.dtype)
+            v[rows] = kv[layer, 1].to(v.dtype)
+        seq.num_computed = tokens
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_order = scheduler._next_admission()
+        scheduler.running.append(seq)
+    else:
+        if tokens:
+            log.info("request %s moved in without room for its %d KV positions: it is recomputed here",
+                     migrant.request_id, tokens)
+        scheduler.add(seq)
+    core.requests[migrant.request_id] = request
+    return kept
