@@ -300,7 +300,9 @@ def _assignment(args, reader, plan, start: int, stop: int):
     if args.assign == "round_robin":
         return assign_round_robin(stop - start, num_ranks, request_start=start)
     if args.assign == "recorded":
-        return assign_recorded(reader.requests[start:stop], num_ranks, request_start=start)
+        return assign_recorded(reader.requests[start:stop], num_ranks, request_start=start,
+                               kv_bytes_per_token=reader.meta.kv_bytes_per_token,
+                               gpus_per_node=plan.topology.gpus_per_node)
     ids = [r.id for r in reader.requests[start:stop]]
     return load_assignment(args.assign, ids, num_ranks, request_start=start)
 

@@ -318,7 +318,13 @@ def ep_stats_of(driver: EPDriver) -> dict:
             "inter_node_bytes": sum(r["inter_node"] for r in per_rank),
             "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
             "wire_bytes": sum(r["wire"] for r in per_rank),
-            "tokens": sum(r["tokens"] for r in per_rank), "per_rank": per_rank,
+            "tokens": sum(r["tokens"] for r in per_rank),
+            # requests moved after their prefill (--ep-moves): the KV cache sent, inter-node (the replay's
+            # migrated_kv_bytes) and intra-node, apart from the dispatch bytes above
+            "migrations": sum(c.migrations for c in driver.counters),
+            "migrated_kv_bytes": sum(c.migration_inter_node for c in driver.counters),
+            "migrated_kv_bytes_intra_node": sum(c.migration_intra_node for c in driver.counters),
+            "per_rank": per_rank,
             "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver), "recoveries": driver.recoveries,
             "retired": {"inter_node_bytes": driver.retired.inter_node, "intra_node_bytes": driver.retired.intra_node}}
 

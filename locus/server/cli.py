@@ -84,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ep-max-slots", type=int, default=None, metavar="S",
                    help="with --ep-elastic: the expert slots a survivor may grow to when the others cannot hold every "
                         "expert (default: all of them)")
+    p.add_argument("--ep-moves", action="store_true",
+                   help="move a request to another rank right after its prefill when the plan's grouper says the decode "
+                        "bytes it saves pay for sending its KV cache (the plan's grouping.move_margin); the KV bytes "
+                        "count as migration bytes in /ep/stats (docs/planner.md). Needs a --plan with a grouping")
     p.add_argument("--replan-every", default=None, metavar="SECONDS|Nsteps",
                    help="re-plan the expert placement live from the last --replan-window tokens of routing, every "
                         "SECONDS (e.g. 600) or N steps (e.g. 3000steps), with the plan's own planner; the new plan "
@@ -224,6 +228,10 @@ def run_serve(args: argparse.Namespace) -> int:
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
                        args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots,
                        args.ep_loop_nice)
+    if setup is not None:
+        setup.moves = args.ep_moves
+    elif args.ep_moves:
+        raise LocusError("--ep-moves moves requests between expert-parallel ranks: add --ep-ranks N and a --plan")
     if not 0 <= args.burst_wait_ms <= 1000:
         raise LocusError(f"--burst-wait-ms must be between 0 and 1000 (got {args.burst_wait_ms})")
     if setup is None and (args.replan_every or args.replan_api):

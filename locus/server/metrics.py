@@ -98,6 +98,8 @@ def ep_metrics(driver, model_name: str):
     for tier in ("inter_node", "intra_node"):
         for direction in ("dispatch", "combine"):
             b.add_metric([model_name, tier, direction], sum(getattr(c, f"{tier}_{direction}") for c in counters))
+    for tier in ("inter_node", "intra_node"):  # KV cache of requests moved after their prefill (--ep-moves)
+        b.add_metric([model_name, f"migration_{tier}", "kv"], sum(getattr(c, f"migration_{tier}") for c in counters))
     yield b
     meta = CounterMetricFamily("locus_ep_metadata_bytes", "Routing metadata bytes sent (slot ids, weights, counts), summed over ranks.",
                                labels=["model_name"])

@@ -64,6 +64,9 @@ class TraceMeta:
     dtype_bytes: int = 2
     source: str = ""
     vocab_size: int | None = None  # the model's vocabulary, when known (traces with token ids record it)
+    # KV cache bytes one token occupies as served (all layers, K and V), when an engine recorded it: what
+    # the replay counts per position a request moved after its prefill sent
+    kv_bytes_per_token: int | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence for moe_layers but store a tuple, so the dataclass stays hashable.
@@ -86,6 +89,7 @@ class TraceMeta:
             "dtype_bytes": self.dtype_bytes,
             "source": self.source,
             **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
+            **({"kv_bytes_per_token": self.kv_bytes_per_token} if self.kv_bytes_per_token is not None else {}),
         }
 
     @classmethod
@@ -108,6 +112,7 @@ class TraceMeta:
         _expect(d, "dtype_bytes", int, path, optional=True)
         _expect(d, "source", str, path, optional=True)
         _expect(d, "vocab_size", int, path, optional=True)
+        _expect(d, "kv_bytes_per_token", int, path, optional=True)
         layers = d["moe_layers"]
         if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
             raise TraceFormatError(f"{path}: \"moe_layers\" must be a list of integers, got {layers!r}")
@@ -121,6 +126,7 @@ class TraceMeta:
                 dtype_bytes=d.get("dtype_bytes", 2),
                 source=d.get("source", ""),
                 vocab_size=d.get("vocab_size"),
+                kv_bytes_per_token=d.get("kv_bytes_per_token"),
             )
         except TraceFormatError as exc:  # re-label: the dataclass check does not know the file
             raise TraceFormatError(f"{path}: {str(exc).removeprefix('TraceMeta: ')}") from None
@@ -139,6 +145,14 @@ class RequestRecord:
     admitted: int | None = None
     released: int | None = None
     charge: int | None = None
+    # When the server moved it after its prefill (docs/planner.md, "Moving a request after prefill"):
+    # where, in the same sequence, rank 0 offered its prefill to the grouper (`observed`; set for every
+    # request offered, moved or not), the rank its decode ran on after the move (`rank` is then where
+    # its prefill ran), and the positions whose KV cache the move sent (its rows before that position
+    # ran on `rank`, the others on `decode_rank`).
+    observed: int | None = None
+    decode_rank: int | None = None
+    moved_tokens: int | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -152,7 +166,7 @@ class RequestRecord:
         return out
 
 
-ADMISSION_FIELDS = ("admitted", "released", "charge")
+ADMISSION_FIELDS = ("admitted", "released", "charge", "observed", "decode_rank", "moved_tokens")
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,10 @@ class Admission:
     admitted: int
     released: int | None
     charge: int
+    observed: int | None = None
+    prefill_rank: int | None = None  # with decode_rank: moved after its prefill, from this rank
+    decode_rank: int | None = None
+    moved_tokens: int | None = None
 
 
 def check_meta(meta: TraceMeta, where: str) -> None:
@@ -190,6 +208,8 @@ def check_meta(meta: TraceMeta, where: str) -> None:
         raise TraceFormatError(f"{where}: \"source\" must be a string")
     if meta.vocab_size is not None and (not _is_int(meta.vocab_size) or meta.vocab_size < 1):
         raise TraceFormatError(f"{where}: \"vocab_size\" must be a positive integer, got {meta.vocab_size!r}")
+    if meta.kv_bytes_per_token is not None and (not _is_int(meta.kv_bytes_per_token) or meta.kv_bytes_per_token < 1):
+        raise TraceFormatError(f"{where}: \"kv_bytes_per_token\" must be a positive integer, got {meta.kv_bytes_per_token!r}")
 
 
 def load_object(text: str, where: str, position: bool = False) -> dict[str, Any]:
@@ -229,8 +249,12 @@ def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
     admitted, released = d.get("admitted"), d.get("released")
     if admitted is not None and released is not None and released <= admitted:
         raise TraceFormatError(f"{where}: released {released} is not after admitted {admitted} (request {d['id']!r})")
+    moved = d.get("moved_tokens")
+    if moved is not None and (d.get("decode_rank") is None or moved > d["tokens"]):
+        raise TraceFormatError(f"{where}: moved_tokens {moved} needs a decode_rank and at most tokens {d['tokens']} "
+                               f"(request {d['id']!r})")
     return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"], d.get("rank"), admitted, released,
-                         d.get("charge"))
+                         d.get("charge"), d.get("observed"), d.get("decode_rank"), moved)
 
 
 def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:

@@ -61,7 +61,11 @@ def merge_traces(sources: Sequence[str | Path], dst: str | Path, ranks: Sequence
                 admission = _admission_of(record.id, admissions)
                 if admission is not None:
                     record = replace(record, admitted=admission.admitted, released=admission.released,
-                                     charge=admission.charge)
+                                     charge=admission.charge, observed=admission.observed)
+                    if admission.decode_rank is not None and admission.moved_tokens is not None:
+                        # moved after its prefill: its part is the target's; its prefill ran on the source
+                        record = replace(record, rank=admission.prefill_rank, decode_rank=admission.decode_rank,
+                                         moved_tokens=admission.moved_tokens)
             weights = np.asarray(r.expert_weights[lo:hi]) if with_weights else None
             epochs = None
             if with_epochs:

@@ -32,6 +32,10 @@ class ExchangeCounters:
     collectives: int = 0  # exchange collectives this rank issued
     exchange_s: float = 0.0  # wall time inside the exchanges, less the local expert compute
     expert_s: float = 0.0  # wall time of the local expert compute (on CUDA: launch time, no sync is forced)
+    # requests moved out after their prefill (docs/planner.md): the KV payload sent, by where the target is
+    migration_inter_node: int = 0
+    migration_intra_node: int = 0
+    migrations: int = 0
 
     @property
     def inter_node(self) -> int:

@@ -8,8 +8,10 @@ Requests are assigned to a rank at admission and stay there (their KV cache live
 - `grouper` (a plan with a grouping): the plan's micro-batch grouper admits it, by domain tag to the
   domain's nodes in the plan's proportions, then the least-loaded rank of the node within the
   attention cap (locus/routing/grouping/grouper.py); an untagged request by its prompt's predicted
-  node cost where the plan has a predictor. It does not move a request after its prefill: that would
-  move its KV cache between ranks.
+  node cost where the plan has a predictor. With --ep-moves, once a request's prefill has run, its
+  rank reports its prefill signature and the grouper may move it to a rank whose node its decode
+  costs fewer inter-node bytes (when that saves more than its KV cache costs to send): a MoveOut to
+  the source and a MoveIn to the target in one iteration (migrate.py; docs/planner.md).
 
 Per rank, rank 0 keeps what the last report said: engine counters, exchange counters, step times,
 expert memory; and the expert load of every rank, summed (what /metrics shows).
@@ -26,7 +28,7 @@ import numpy as np
 
 from locus.engine.engine_core import EngineStats
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
-from locus.engine.ep.messages import Add, Commands, unpack_output
+from locus.engine.ep.messages import Add, Commands, Move, unpack_output
 from locus.engine.ep.worker import RankWorker, failure_cause
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
@@ -39,12 +41,12 @@ from locus.traces.admissions import AdmissionLog
 log = logging.getLogger("locus.engine")
 
 
-def serving_grouper(plan, model_config=None) -> Grouper | None:
+def serving_grouper(plan, model_config=None, moves: bool = False) -> Grouper | None:
     """The grouper rank 0 admits requests with under `plan` (locus/routing/grouping/live.py, which the
     replay runs too): the plan's own when it has a grouping, with the stream cap, and its prompt
     predictor for untagged requests (checked against `model_config`); None when the plan has none
-    (balanced admission). It never moves a request after admission."""
-    return live_grouper(plan, model_config) if plan.grouping else None
+    (balanced admission). It moves requests after their prefill only with `moves`."""
+    return live_grouper(plan, model_config, moves=moves) if plan.grouping else None
 
 
 class SummedExpertLoad:
@@ -74,7 +76,13 @@ class EPDriver:
         self.worker = worker
         self.core, self.runtime = worker.core, worker.runtime
         plan = self.runtime.placement.plan
-        self.grouper = serving_grouper(plan, self.core.model.config)  # None: balanced
+        self.moves = worker.signatures is not None  # --ep-moves: the ranks report prefill signatures
+        self.grouper = serving_grouper(plan, self.core.model.config, self.moves)  # None: balanced
+        if self.moves and self.grouper is None:
+            raise LocusError("--ep-moves: requests move where the plan's grouper says; the plan has no grouping "
+                             "(make it with locus plan --planner locality)")
+        self._move_number = 0
+        self.moved_requests = 0  # moves commanded (the source may have had the request finish first)
         self.world = worker.world
         self._pending: dict[int, Commands] = {}
         self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
@@ -180,7 +188,9 @@ class EPDriver:
         it = self.worker.iterate(commands)
         self.last_stepped = it.stepped
         now = time.monotonic()
-        outputs = list(it.outputs)
+        outputs = []  # the other ranks' (their previous step's) first: a request moved to rank 0 this
+        # iteration has its source's last tokens in a report and its next ones in rank 0's own outputs
+        prefills, moved = [(0, p) for p in it.prefills], [(0, m) for m in it.moved]
         self.stats[0], self.times[0] = self.core.stats(), self.worker.times
         self.counters[0] = self.runtime.counters()
         self.epoch_counters[0], self.move_stats[0] = self.runtime.counters_by_epoch(), self.worker.last_move
@@ -198,6 +208,8 @@ class EPDriver:
             if report.load is not None and self.expert_load is not None:
                 self.expert_load.add(*report.load)
             self._refused(report.errors)
+            prefills += [(rank, p) for p in report.prefills]
+            moved += [(rank, m) for m in report.moved]
             for packed in report.outputs:
                 request_id = packed[0]
                 if request_id not in self._owner:
@@ -206,12 +218,71 @@ class EPDriver:
                 if self.worker.elastic is not None:
                     self._note_delivered(out)
                 outputs.append(out)
+        outputs += it.outputs
         for out in outputs:
             if out.finished:
                 self._release(out.request_id)
+        for rank, (request_id, tokens) in moved:
+            self._moved(request_id, tokens)
+        for rank, (request_id, index, count) in prefills:
+            self._observe(request_id, index, count)
         if self.replanner is not None:
             self.replanner.after_iteration()
         return outputs
+
+    # --- moves after prefill (--ep-moves) -------------------------------------------------------------
+    def _observe(self, request_id: str, index, count) -> None:
+        """A request's prefill has run: offer its signature to the grouper that admitted it, and move it
+        where that grouper says (the replay offers it at the same point of the admission log)."""
+        if request_id not in self._owner:
+            return
+        grouper = self._grouper_of.get(request_id, self.grouper)
+        params, _ = self._params[request_id]
+        if grouper is None or request_id not in grouper.live or params.n != 1 or params.structured is not None:
+            return  # (a request with n > 1 or a grammar never moves)
+        if self.admissions is not None:
+            self.admissions.observe(request_id)
+        signature = self.worker.signatures.dense(index, count) if self.worker.signatures is not None else None
+        if signature is None:
+            return
+        remaining = min(max(self._charge[request_id] - len(self._prompt[request_id]), 0),
+                        grouper.spec.expected_decode_tokens)
+        target = grouper.observe_prefill(request_id, signature=signature, remaining_tokens=remaining)
+        if target is not None:
+            self.move(request_id, target)
+
+    def move(self, request_id: str, target: int) -> None:
+        """Move a running request to rank `target` in the next iteration: its KV cache and sampler
+        state go from its rank to `target` before that iteration's step (migrate.py). The grouper's
+        books are the caller's (observe_prefill has moved it there already)."""
+        source = self._owner.get(request_id)
+        if source is None or source == target:
+            return
+        params, _ = self._params[request_id]
+        if params.n != 1 or params.structured is not None:
+            raise LocusError(f"request {request_id!r} cannot move: it has n > 1 or an output grammar")
+        self._move_number += 1
+        number = self._move_number
+        self._pending.setdefault(source, Commands()).moves_out.append(Move(request_id, target, number))
+        self._pending.setdefault(target, Commands()).moves_in.append(
+            Move(request_id, source, number, tokens=self._charge[request_id]))
+        self._owner[request_id] = target
+        charge = self._charge[request_id]
+        self._in_flight[source] -= charge
+        self._in_flight[target] += charge
+        self.moved_requests += 1
+        if self.admissions is not None:
+            self.admissions.moved(request_id, source, target)
+
+    def _moved(self, request_id: str, tokens: int) -> None:
+        """The source's word on a move: the KV positions it sent, or -1: it no longer had the request."""
+        if tokens >= 0:
+            if self.admissions is not None:
+                self.admissions.moved_tokens(request_id, tokens)
+            return
+        if request_id in self._owner:  # neither finished nor aborted there: it cannot be anywhere
+            log.error("request %s was not on its rank when it was to move", request_id)
+            self._refused([(request_id, "the request was lost while moving between expert-parallel ranks")])
 
     # --- elastic EP: a lost rank ----------------------------------------------------------------------
     def _note_delivered(self, out: RequestOutput) -> None:
@@ -273,6 +344,7 @@ class EPDriver:
                 resend = self._pending.setdefault(mapping[r], Commands())
                 resend.adds[:0] = [replace(a, retry=True) for a in c.adds if self._owner.get(a.request_id) == r]
                 resend.aborts[:0] = c.aborts
+        self._resume_moves(mapping)
         self._last_commands = {}
         readmitted, failed = 0, 0
         for request_id, rank in list(self._owner.items()):
@@ -293,6 +365,29 @@ class EPDriver:
         log.warning("recovered from the loss of rank(s) %s in %.2f s: %d requests re-admitted, %d failed",
                     lost, record["seconds"], readmitted, failed)
         return True
+
+    def _resume_moves(self, mapping: dict[int, int]) -> None:
+        """The failed iteration's moves: with both ranks alive, sent again (the target ignores a request it
+        holds already, the source resends what it sent); with the source lost, the target is told to
+        resume the request from what it streamed unless it holds it; with the target lost, the source
+        forgets it (the loop after this resumes it on a survivor, as any lost rank's request)."""
+        for source, c in self._last_commands.items():
+            for m in c.moves_out:
+                target = m.peer
+                if self._owner.get(m.request_id) != target:
+                    continue  # finished since
+                if source in mapping and target in mapping:
+                    self.command(mapping[source]).moves_out.insert(0, replace(m, peer=mapping[target], retry=True))
+                    self.command(mapping[target]).moves_in.insert(0, Move(m.request_id, mapping[source], m.number,
+                                                                          True, self._charge[m.request_id]))
+                elif target in mapping:
+                    params, domain = self._params[m.request_id]
+                    resumed = self._delivered.get(m.request_id, Resumed([], []))
+                    resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))
+                    self.command(mapping[target]).adds.insert(0, Add(m.request_id, self._prompt[m.request_id], params,
+                                                                     domain, resumed, retry=True))
+                elif source in mapping:
+                    self.command(mapping[source]).drops.append(m.request_id)
 
     def _readmit(self, request_id: str) -> bool:
         """Re-add a lost rank's request on a survivor with what it streamed (preemption by recompute,
@@ -327,7 +422,7 @@ class EPDriver:
             return
         for request_id in self._owner:
             self._grouper_of.setdefault(request_id, self.grouper)
-        self.grouper = serving_grouper(plan, self.core.model.config)
+        self.grouper = serving_grouper(plan, self.core.model.config, self.moves)
 
     def tokens_run(self) -> int:
         """Tokens every rank has run through the MoE layers so far."""

@@ -59,6 +59,7 @@ class EPSetup:
     is_alive: object = None  # rank 0 of --ep-ranks: rank -> is its process running (set once spawned)
     listener: object = None  # rank 0 of --ep-ranks: the store's listening socket, bound before the ranks start
     rendezvous: SignedStore | None = None  # the launch's store, once joined (load_rank)
+    moves: bool = False  # move requests after their prefill when the plan's grouper says it pays (--ep-moves)
 
     @property
     def replanning(self) -> bool:

@@ -1,6 +1,7 @@
 """What travels on the control plane, and its compact encoding.
 
-Commands go from rank 0 to one rank: the requests assigned to it and the aborts of its requests.
+Commands go from rank 0 to one rank: the requests assigned to it, the aborts of its requests, and the
+moves of requests after their prefill (a request's KV rows then go from rank to rank directly).
 A report goes from a rank to rank 0 after its step: for every request it touched only what is new
 (delta text and ids, finish reason; the whole output once, when it finishes), the adds it refused,
 its counters, and its expert-load increments. Prompt ids and timings are not sent back: rank 0 keeps
@@ -43,18 +44,35 @@ class Replan:
 
 
 @dataclass
+class Move:
+    """One side of a request's move after its prefill (docs/planner.md): the source sends its KV rows
+    and sampler state to `peer`, the target receives them from `peer`, in the iteration the command
+    arrives, before the step. `number`: rank 0's count of moves, the order every rank runs its moves in."""
+
+    request_id: str
+    peer: int
+    number: int
+    retry: bool = False  # resent after a regroup: the target may hold the request already
+    tokens: int = 0  # target: the most tokens the request may add to its next step (all of them, if recomputed)
+
+
+@dataclass
 class Commands:
     adds: list[Add] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     send_window: bool = False  # put the routing window in the next report (a re-plan is being made)
     replan: Replan | None = None
+    moves_out: list[Move] = field(default_factory=list)  # this rank is the source
+    moves_in: list[Move] = field(default_factory=list)  # this rank is the target
+    drops: list[str] = field(default_factory=list)  # elastic EP: forget these requests without an output
 
     def __bool__(self) -> bool:
-        return bool(self.adds or self.aborts or self.send_window or self.replan)
+        return bool(self.adds or self.aborts or self.send_window or self.replan or self.moves_out or self.moves_in
+                    or self.drops)
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(a.prompt_ids) for a in self.adds)
+        return sum(len(a.prompt_ids) for a in self.adds) + sum(m.tokens for m in self.moves_in)
 
 
 @dataclass
@@ -70,6 +88,8 @@ class Report:
     window: object | None = None  # window.WindowRows, when rank 0 asked for it
     move: object | None = None  # move.MoveStats of the last or current placement move
     seq: int = 0  # the sender's report number: a report resent after a regroup is recognised (elastic EP)
+    prefills: list = field(default_factory=list)  # (request id, flat index, count): prefill signatures completed
+    moved: list = field(default_factory=list)  # (request id, KV positions sent; -1: it was not here) per move out
 
 
 def encode(message) -> bytes:
@@ -84,13 +104,13 @@ def encode_report(report: Report) -> bytes:
     epochs = {e: astuple(c) for e, c in report.epochs.items()}
     return encode((report.outputs, report.errors, astuple(report.stats), astuple(report.counters),
                    astuple(report.times), report.expert_bytes, report.load, epochs, report.window, report.move,
-                   report.seq))
+                   report.seq, report.prefills, report.moved))
 
 
 def decode_report(data: bytes) -> Report:
-    outputs, errors, stats, counters, times, expert_bytes, load, epochs, window, move, seq = decode(data)
+    outputs, errors, stats, counters, times, expert_bytes, load, epochs, window, move, seq, prefills, moved = decode(data)
     return Report(outputs, errors, EngineStats(*stats), ExchangeCounters(*counters), StepTimes(*times), expert_bytes,
-                  load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move, seq)
+                  load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move, seq, prefills, moved)
 
 
 def pack_output(out: RequestOutput) -> tuple:

@@ -29,6 +29,8 @@ from locus.engine.ep.control import ControlPlane, Header
 from locus.engine.ep.counters import StepTimes
 from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
+from locus.engine.ep.migrate import RequestMover, drop
+from locus.engine.observers.prefill_signatures import PrefillSignatures
 from locus.engine.ep.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
 from locus.engine.ep.move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
@@ -52,6 +54,8 @@ class Iteration:
     errors: list[tuple[str, str]] = field(default_factory=list)  # this rank's refused adds
     reports: dict[int, Report] = field(default_factory=dict)  # rank 0: the others' reports
     transport: str = ""
+    prefills: list = field(default_factory=list)  # rank 0: its own prefill signatures completed (Report.prefills)
+    moved: list = field(default_factory=list)  # rank 0: its own moves out (Report.moved)
 
 
 class RankWorker:
@@ -85,6 +89,19 @@ class RankWorker:
         self._moved = False
         self._parked: dict[str, tuple] = {}  # request id -> (add, future): waiting for its grammar to compile
         self._compiler_pool = None
+        # Moves after prefill (--ep-moves, migrate.py): this rank's prefill signatures for rank 0's grouper
+        self.signatures: PrefillSignatures | None = None
+        self.mover = RequestMover(self)
+        self._moved_out: list[tuple[str, int]] = []
+        self._missed_aborts: list[str] = []
+        self._iterations = 0
+
+    def enable_moves(self) -> None:
+        """Report every request's prefill signature, for rank 0's grouper to move requests by."""
+        if self.signatures is None:
+            mc = self.core.model.config
+            self.signatures = PrefillSignatures(len(mc.moe_layers), mc.num_local_experts)
+            self.core.routing.subscribe(self.signatures)
 
     # --- the iteration --------------------------------------------------------------------------
     def iterate(self, commands: dict[int, Commands] | None = None, stop: bool = False) -> Iteration:
@@ -101,8 +118,10 @@ class RankWorker:
     def _iterate(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
                  errors: list[tuple[str, str]]) -> Iteration:
         start = time.perf_counter()
+        self._iterations += 1
         core, control = self.core, self.control
         outgoing: dict[int, bytes] = {}
+        mine = commands.get(0) if self.rank == 0 else None
         outputs += self._unpark(errors)
         # every rank, in the same iteration, before its header: the placement the header names (its
         # digest, invariant.py) is the one this iteration's step routes by
@@ -113,7 +132,7 @@ class RankWorker:
             outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
             header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
                             tuple(len(outgoing.get(r, b"")) for r in range(self.world)),
-                            tuple(commands[r].prompt_tokens if r in commands and r != 0 else 0 for r in range(self.world)),
+                            tuple(incoming_tokens(commands[r], r) if r in commands else 0 for r in range(self.world)),
                             digest)
         else:
             if self._report:
@@ -123,17 +142,26 @@ class RankWorker:
         agreement, incoming = control.exchange(header, outgoing)
         if self._report:
             self._sent, self._report = self._report, b""
+        self.mover.settle(self._iterations)  # every rank got past the previous iteration
         it = Iteration(stop=agreement.stop, errors=errors)
         if self.rank == 0:
             it.reports = {r: decode_report(data) for r, data in incoming.items()}
         elif 0 in incoming:
-            outputs += self._apply(decode(incoming[0]), errors)
+            mine = decode(incoming[0])
+            outputs += self._apply(mine, errors)
         if agreement.stop:
             it.outputs = outputs
             return it
         problem = agreement.disagreement()
         if problem is not None:  # every rank read the same headers: none of them steps
             raise PlacementDisagreement(f"the ranks disagree on the expert placement ({problem}); no rank may answer")
+        if mine is not None and (mine.moves_out or mine.moves_in):  # before the step: a moved request skips none
+            self._moved_out += self.mover.run(mine.moves_out, mine.moves_in, self._iterations)
+        for request_id in self._missed_aborts:  # an abort that arrived with the request's move in
+            out = core.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        self._missed_aborts = []
         if agreement.any_work:
             it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
             outputs += core.step()
@@ -147,18 +175,23 @@ class RankWorker:
         self.times.exchange_s = exchange_s
         it.outputs = outputs
         moved, self._moved = self._moved, False
-        if self.rank != 0 and (it.stepped or outputs or errors or self._send_window or moved):
-            self._report = encode_report(self.report(outputs, errors))
+        prefills = self.signatures.drain(core.requests) if self.signatures is not None else []
+        moved_out, self._moved_out = self._moved_out, []
+        if self.rank == 0:
+            it.prefills, it.moved = prefills, moved_out
+        elif it.stepped or outputs or errors or self._send_window or moved or prefills or moved_out:
+            self._report = encode_report(self.report(outputs, errors, prefills, moved_out))
         return it
 
-    def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]]) -> Report:
+    def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]], prefills: list | None = None,
+               moved_out: list | None = None) -> Report:
         window = None
         if self._send_window:
             window, self._send_window = self.window_rows(), False
         self._report_seq += 1
         return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
                       self.times, self.expert_bytes, self._load_increment(), self.runtime.counters_by_epoch(),
-                      window, self.last_move, self._report_seq)
+                      window, self.last_move, self._report_seq, prefills or [], moved_out or [])
 
     def window_rows(self):
         if self.window is None:
@@ -188,6 +221,9 @@ class RankWorker:
             else:
                 target = plan_from_dict(commands.replan.plan)
                 self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
+        for request_id in commands.drops:  # before the adds: a dropped request may be resumed here
+            drop(self.core, request_id)
+            self._parked.pop(request_id, None)
         for add in commands.adds:
             if add.retry and (add.request_id in self.core.requests or add.request_id in self._parked):
                 continue
@@ -205,6 +241,8 @@ class RankWorker:
             out = self.core.abort(request_id)
             if out is not None:
                 outputs.append(out)
+            elif any(m.request_id == request_id for m in commands.moves_in):
+                self._missed_aborts.append(request_id)  # it arrives after the exchange
         return outputs
 
     def _add(self, add, errors: list[tuple[str, str]]) -> None:
@@ -296,6 +334,8 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
     control = ControlPlane(runtime.groups.control, setup.rank, setup.world)
     held = runtime.memory.held_bytes if runtime.memory is not None else 0
     worker = RankWorker(core, runtime, control, held, window_tokens or (setup.replan_window if setup.replanning else 0))
+    if setup.moves:
+        worker.enable_moves()
     if setup.elastic:
         from locus.engine.ep.elastic import ElasticOptions, expert_reader
 
@@ -313,6 +353,14 @@ def _with_micro_batches(config: EngineConfig, n: int) -> EngineConfig:
         raise LocusError("--ep-overlap runs two micro-batches at once in two threads; decode graphs (--compile) "
                          "run over one set of static input buffers and cannot: choose one")
     return replace(config, num_micro_batches=n)
+
+
+def incoming_tokens(commands: Commands, rank: int) -> int:
+    """The most tokens `commands` add to `rank`'s next step (rank 0 applied its adds before its header:
+    its pending tokens count them; its moves in arrive after it)."""
+    if rank == 0:
+        return sum(m.tokens for m in commands.moves_in)
+    return commands.prompt_tokens
 
 
 def aborted_output(add) -> RequestOutput:

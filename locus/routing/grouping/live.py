@@ -28,7 +28,10 @@ Untagged requests (no tag, a tag the plan does not know, or `untagged=True`: tag
 by the grouper's prompt predictor from their prompt token ids (`prompts`), as rank 0 places them: the
 domain it classifies them as, else the node cost it predicts; least loaded without one.
 With `moves`, every request's prefill signature is offered to the grouper's cost model after its
-prefill (the move of docs/planner.md); the KV cache a move sends is counted as migration bytes.
+prefill (the move of docs/planner.md); the KV cache a move sends is counted as migration bytes. Where
+the server moved requests live (--ep-moves), its log also holds where it offered each prefill
+(`observed`): the replay offers it at that point of the sequence, and a move it replays sends the KV
+positions the live one sent (`moved_tokens`; else the prompt's), at the trace's KV bytes per token.
 
 Shape legend: R requests, N nodes, L MoE layers, E experts.
 """
@@ -74,17 +77,24 @@ class LiveRequests:
     charges: np.ndarray  # [R] int64: tokens charged at admission
     admitted: np.ndarray | None = None  # [R] int64: recorded admission sequence numbers
     released: np.ndarray | None = None  # [R] int64: recorded release sequence numbers (-1: never released)
+    observed: np.ndarray | None = None  # [R] int64: where the server offered its prefill to the grouper (-1: never)
+    moved_tokens: np.ndarray | None = None  # [R] int64: KV positions its live move sent (-1: it did not move)
 
     @classmethod
     def from_records(cls, records) -> "LiveRequests":
         prompt = np.fromiter((r.prompt_tokens for r in records), dtype=np.int64, count=len(records))
         tokens = np.fromiter((r.tokens for r in records), dtype=np.int64, count=len(records))
         charges = np.array([r.charge if r.charge is not None else r.tokens + 1 for r in records], dtype=np.int64)
-        admitted = released = None
+        admitted = released = observed = moved = None
         if records and all(r.admitted is not None for r in records):
             admitted = np.array([r.admitted for r in records], dtype=np.int64)
             released = np.array([-1 if r.released is None else r.released for r in records], dtype=np.int64)
-        return cls([r.id for r in records], [r.domain for r in records], prompt, tokens, charges, admitted, released)
+            if any(r.observed is not None for r in records):
+                observed = np.array([-1 if r.observed is None else r.observed for r in records], dtype=np.int64)
+        if any(r.moved_tokens is not None for r in records):
+            moved = np.array([-1 if r.moved_tokens is None else r.moved_tokens for r in records], dtype=np.int64)
+        return cls([r.id for r in records], [r.domain for r in records], prompt, tokens, charges, admitted, released,
+                   observed, moved)
 
     @property
     def generated(self) -> np.ndarray:
@@ -98,10 +108,13 @@ def default_arrivals(requests: LiveRequests) -> str:
 
 def run_live(grouper: Grouper, requests: LiveRequests, arrivals: str = "closed", concurrency: int = 16,
              prompts: list | None = None, prefill_bytes: np.ndarray | None = None,
-             untagged: bool = False, request_start: int = 0, client_delay: int = 1) -> Assignment:
+             untagged: bool = False, request_start: int = 0, client_delay: int = 1,
+             kv_bytes_per_token: int | None = None) -> Assignment:
     """Admit and release every request as the live server would (module docstring). `prompts`: each
     request's prompt token ids (or None), for the grouper's predictor; `prefill_bytes` [R, N]: its node
-    cost from its prefill signature, offered to the grouper's move after prefill (None: no moves)."""
+    cost from its prefill signature, offered to the grouper's move after prefill (None: no moves).
+    `kv_bytes_per_token`: what a moved position's KV cache takes (the model's, as a recording engine
+    wrote it in the trace; None: the plan's grouping figure)."""
     if arrivals not in ARRIVALS:
         raise LocusError(f"unknown arrival model {arrivals!r}; choose one of {', '.join(ARRIVALS)}")
     R = len(requests.ids)
@@ -124,8 +137,17 @@ def run_live(grouper: Grouper, requests: LiveRequests, arrivals: str = "closed",
     ranks, decode = sim.ranks, sim.decode
     moved = decode != ranks
     stats = grouper.stats
-    return Assignment("grouper", request_start, ranks, decode if moved.any() else None,
-                      migrations=int(stats.moves), migrated_kv_bytes=int(stats.migrated_kv_bytes))
+    if not moved.any():
+        return Assignment("grouper", request_start, ranks, None, migrations=int(stats.moves),
+                          migrated_kv_bytes=int(stats.migrated_kv_bytes))
+    split = requests.prompt_tokens.copy()
+    if requests.moved_tokens is not None:  # the positions the live move sent, where it moved live
+        live = moved & (requests.moved_tokens >= 0)
+        split[live] = requests.moved_tokens[live]
+    kv = grouper.spec.kv_bytes_per_token if kv_bytes_per_token is None else int(kv_bytes_per_token)
+    across = moved & (ranks // grouper.G != decode // grouper.G)
+    return Assignment("grouper", request_start, ranks, decode, migrations=int(moved.sum()),
+                      migrated_kv_bytes=int((split[across] * kv).sum()), split_at=split)
 
 
 class _Admission:
@@ -137,7 +159,8 @@ class _Admission:
         self.decode = np.full(R, -1, dtype=np.int64)
 
     def admit(self, batch: list[int], streams: int = 1) -> None:
-        """Admit requests arriving at one step boundary, in order, then offer their prefills."""
+        """Admit requests arriving at one step boundary, in order, then offer their prefills (unless
+        the log says when the server offered them)."""
         g, req = self.grouper, self.req
         for i in batch:
             domain = "" if self.untagged else req.domains[i]
@@ -145,10 +168,17 @@ class _Admission:
             self.ranks[i] = g.admit(req.ids[i], domain, int(req.charges[i]), int(req.prompt_tokens[i]),
                                     streams=streams, prompt_ids=prompt)
         for i in batch:
-            if self.prefill_bytes is not None and req.prompt_tokens[i] > 0:
-                bound = max(float(req.charges[i] - req.prompt_tokens[i]), 0.0) / streams
-                remaining = min(bound, g.spec.expected_decode_tokens)
-                g.observe_prefill(req.ids[i], node_bytes=self.prefill_bytes[i], remaining_tokens=remaining)
+            if req.observed is None:
+                self.observe(i, streams)
+            self.decode[i] = g.rank_of(req.ids[i])
+
+    def observe(self, i: int, streams: int = 1) -> None:
+        """Offer request i's prefill signature to the grouper's move."""
+        g, req = self.grouper, self.req
+        if self.prefill_bytes is not None and req.prompt_tokens[i] > 0 and req.ids[i] in g.live:
+            bound = max(float(req.charges[i] - req.prompt_tokens[i]), 0.0) / streams
+            remaining = min(bound, g.spec.expected_decode_tokens)
+            g.observe_prefill(req.ids[i], node_bytes=self.prefill_bytes[i], remaining_tokens=remaining)
             self.decode[i] = g.rank_of(req.ids[i])
 
     def release(self, i: int) -> None:
@@ -157,11 +187,13 @@ class _Admission:
     def replay_recorded(self) -> None:
         """The server's own sequence: choices of one request (one admission number) admitted together."""
         req = self.req
-        events: list[tuple[int, int, int]] = []  # (sequence number, 0 admit / 1 release, request)
+        events: list[tuple[int, int, int]] = []  # (sequence number, 0 admit / 1 release / 2 observe, request)
         for i in range(len(req.ids)):
             events.append((int(req.admitted[i]), 0, i))
             if req.released[i] >= 0:
                 events.append((int(req.released[i]), 1, i))
+            if req.observed is not None and req.observed[i] >= 0:
+                events.append((int(req.observed[i]), 2, i))
         events.sort()
         k = 0
         while k < len(events):
@@ -170,6 +202,9 @@ class _Admission:
             k += len(same)
             if kind == 0:
                 self._admit_choices(same)
+            elif kind == 2:
+                for i in same:
+                    self.observe(i)
             else:
                 for i in same:
                     if self.req.ids[i] in self.grouper.live:
@@ -274,8 +309,11 @@ def simulate_live(plan, reader, start: int, stop: int, arrivals: str | None = No
     if moves:
         prefill = np.zeros((R, N))
         for lo, hi, counts in trace_prefill_chunks(reader, start, stop):
-            if hi > lo:
+            if hi > lo and requests.observed is not None:  # one at a time, as the server scored them
+                prefill[lo:hi] = [grouper.cost.expected_bytes(c) for c in counts]
+            elif hi > lo:
                 prefill[lo:hi] = grouper.cost.expected_bytes(counts)
-    assignment = run_live(grouper, requests, arrivals, concurrency, prompts, prefill, untagged, start, client_delay)
+    assignment = run_live(grouper, requests, arrivals, concurrency, prompts, prefill, untagged, start, client_delay,
+                          meta.kv_bytes_per_token)
     return LiveSimulation(assignment, arrivals, "table" if table is not None else "none", int(sum(blind)),
                           grouper.stats.admitted_by_prediction, grouper.stats.overflowed)

@@ -36,6 +36,9 @@ class Assignment:
     decode_ranks: np.ndarray | None = None  # [requests] rank of its decode rows; None: same as ranks
     migrations: int = 0  # requests moved between prefill and decode
     migrated_kv_bytes: int = 0  # KV cache bytes those moves sent between nodes
+    # [requests] the position from which a request's rows ran on its decode rank (a live move sends
+    # the KV cache of the positions its source had computed); None: its prompt length
+    split_at: np.ndarray | None = None
 
     @property
     def request_stop(self) -> int:
@@ -52,7 +55,8 @@ class Assignment:
         if self.decode_ranks is None:
             return ranks[request]
         decode = np.asarray(self.decode_ranks, dtype=np.int64)
-        return np.where(position < np.asarray(prompt_tokens)[request], ranks[request], decode[request])
+        split = np.asarray(prompt_tokens if self.split_at is None else self.split_at)
+        return np.where(position < split[request], ranks[request], decode[request])
 
 
 def assign_balanced(tokens, num_ranks: int, request_start: int = 0) -> Assignment:
@@ -70,17 +74,35 @@ def assign_round_robin(num_requests: int, num_ranks: int, request_start: int = 0
     return Assignment("round_robin", request_start, np.arange(num_requests, dtype=np.int64) % num_ranks)
 
 
-def assign_recorded(requests, num_ranks: int, request_start: int = 0) -> Assignment:
-    """The ranks the requests ran on, as an expert-parallel server recorded them in the trace."""
+def assign_recorded(requests, num_ranks: int, request_start: int = 0, kv_bytes_per_token: int | None = None,
+                    gpus_per_node: int | None = None) -> Assignment:
+    """The ranks the requests ran on, as an expert-parallel server recorded them in the trace: a request
+    it moved after its prefill (`decode_rank`) ran its rows before `moved_tokens` on `rank` and the rest
+    on `decode_rank`, and its move sent `moved_tokens * kv_bytes_per_token` bytes of KV cache (counted
+    when source and target are on different nodes of `gpus_per_node` ranks)."""
     ranks = np.empty(len(requests), dtype=np.int64)
+    decode = np.empty(len(requests), dtype=np.int64)
+    split = np.zeros(len(requests), dtype=np.int64)
+    migrations = migrated = 0
     for i, r in enumerate(requests):
         if r.rank is None:
             raise LocusError(f"request {r.id!r} has no recorded rank: the trace was not recorded by an "
                              "expert-parallel server (use another --assign)")
-        if not 0 <= r.rank < num_ranks:
-            raise LocusError(f"request {r.id!r} ran on rank {r.rank}, but the plan has {num_ranks} ranks")
-        ranks[i] = r.rank
-    return Assignment("recorded", request_start, ranks)
+        for rank in (r.rank, r.decode_rank):
+            if rank is not None and not 0 <= rank < num_ranks:
+                raise LocusError(f"request {r.id!r} ran on rank {rank}, but the plan has {num_ranks} ranks")
+        ranks[i], decode[i], split[i] = r.rank, r.rank, r.tokens
+        if r.decode_rank is not None and r.moved_tokens is not None:
+            if kv_bytes_per_token is None:
+                raise LocusError(f"request {r.id!r} moved after its prefill, and the trace does not say how many KV "
+                                 "cache bytes a token takes (meta.json kv_bytes_per_token)")
+            decode[i], split[i] = r.decode_rank, r.moved_tokens
+            migrations += 1
+            if gpus_per_node is None or r.rank // gpus_per_node != r.decode_rank // gpus_per_node:
+                migrated += r.moved_tokens * kv_bytes_per_token
+    if not migrations:
+        return Assignment("recorded", request_start, ranks)
+    return Assignment("recorded", request_start, ranks, decode, migrations, int(migrated), split)
 
 
 def load_assignment(path: str | Path, request_ids, num_ranks: int, request_start: int = 0) -> Assignment:
