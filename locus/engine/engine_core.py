@@ -189,14 +189,16 @@ class EngineCore:
         if bad:
             raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context limit is {limit} tokens, including at least one generated")
+        generated = 1 if params.generates else 0  # a request that only scores its prompt needs no room for a token
+        if len(prompt_ids) + generated > limit:
+            raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens; this model's context limit is {limit} tokens"
+                                             + (", including at least one generated" if generated else ""))
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
             raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's context limit of {limit} tokens")
         # A sequence must fit the whole pool on its own: one that cannot would preempt itself and
         # wait for room forever.
         pool_tokens = self.pool_tokens
-        if len(prompt_ids) + 1 > pool_tokens:
+        if len(prompt_ids) + generated > pool_tokens:
             raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only {pool_tokens}")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > pool_tokens:
             raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the {pool_tokens} tokens the KV cache holds")
@@ -295,6 +297,9 @@ class EngineCore:
             for scored in result.prompt_logits:
                 self._score_prompt(scored)
             self.routing.publish(result, items)
+            for item in items:
+                if not item.seq.request.params.generates and item.seq.num_computed == item.seq.num_tokens:
+                    self._finish_scored(item.seq, touched)
             if result.sampled:
                 self._sample(result.sampled, result.logits, touched, result.argmax)
         outputs = []
@@ -363,6 +368,21 @@ class EngineCore:
                 seq.finish_reason = "error"
                 self._release(seq)
         request.metrics.finished_time = time.monotonic()
+
+    def _finish_scored(self, seq: Sequence, touched: OrderedDict) -> None:
+        """A request that only scores its prompt (max_tokens 0) ends once its prompt is computed: it
+        never samples, and its n choices are all the same empty output."""
+        request = seq.request
+        seq.finish_reason = "length"
+        self._release(seq)
+        if not request.forked:
+            request.forked = True
+            for index in range(1, request.params.n):
+                child = self._new_sequence(request, index)
+                child.status, child.finish_reason = SequenceStatus.FINISHED, "length"
+                request.seqs.append(child)
+        request.metrics.finished_time = time.monotonic()
+        touched[request.request_id] = request
 
     def _score_prompt(self, scored) -> None:
         """Append this step's prompt logprobs (positions first.. predict tokens first + 1..)."""
@@ -445,7 +465,11 @@ class EngineCore:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             ))
             seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
-        prompt_logprobs = request.prompt_logprobs if final else None
+        # prompt logprobs go with the request's first output (a stream can echo the prompt at once)
+        # and its last (which holds everything); the prompt is all scored before either
+        prompt_logprobs = None
+        if final or not request.prompt_logprobs_reported:
+            prompt_logprobs, request.prompt_logprobs_reported = request.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics,
                              request.error, prompt_logprobs)
 

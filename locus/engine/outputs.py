@@ -32,7 +32,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: Exception | None = None  # set when the request failed (RequestFailedError); finished is True
-    # last output only, when asked for: one entry per prompt token (None for the first), as vLLM's
+    # the first and the last output, when asked for: one entry per prompt token (None for the first), as vLLM's
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
@@ -46,5 +46,6 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
             delta_token_ids=a.delta_token_ids + b.delta_token_ids,
             delta_logprobs=a.delta_logprobs + b.delta_logprobs, logprobs=b.logprobs,
             finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+    prompt_logprobs = later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs
     return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.error,
-                         later.prompt_logprobs)
+                         prompt_logprobs)

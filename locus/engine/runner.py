@@ -1,7 +1,8 @@
 """Model runner: turns one scheduled micro-batch into a forward pass over the paged KV cache.
 
 It computes logits only for the sequences that sample this step (those whose every token is now
-computed): the middle chunks of a long prefill need no lm_head. The one exception: a request that
+computed, unless the request only scores its prompt: max_tokens 0): the middle chunks of a long
+prefill need no lm_head. The one exception: a request that
 asked for prompt logprobs gets logits for the prompt positions this step computes that it has not
 scored yet (each position predicts the next prompt token).
 """
@@ -45,11 +46,12 @@ class ModelRunner:
         self.graphs = graphs  # decode graphs (decode_graph.py: captured and/or compiled); None = always eager
 
     def can_run_compiled(self, items: list[ScheduledSeq]) -> bool:
-        """A pure decode micro-batch (each sequence's one new token is its last) that fits a bucket:
-        it runs through the decode graphs. Such a step scores no prompt positions: every prompt
-        token is already computed."""
+        """A pure decode micro-batch (each sequence's one new token is its last) that fits a bucket: it runs
+        through the decode graphs. Such a step scores no prompt positions: every prompt token is
+        already computed. A request that samples nothing never runs here (its one-token last prefill chunk looks like a decode)."""
         return (self.graphs is not None and len(items) <= self.graphs.max_batch
-                and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens for item in items))
+                and all(item.num_tokens == 1 and item.seq.num_computed + 1 == item.seq.num_tokens
+                        and item.seq.request.params.generates for item in items))
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], record_routing: bool = False, defer_logits: bool = False) -> RunResult:
@@ -72,7 +74,7 @@ class ModelRunner:
                 if lo < hi:
                     prompt_rows.append((seq, lo, row + lo - start, hi - lo))
             row += n
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens and seq.request.params.generates:  # (a scoring request samples nothing)
                 sample_rows.append(row - 1)
                 sampled.append(seq)
         batch = ForwardBatch.from_spans(tokens, spans, device=self.model.device)

@@ -1,8 +1,9 @@
 """Sampling: a batch of next-token logits in, one token (and its logprobs) per sequence out.
 
-Processing order is vLLM's: penalties (repetition, frequency, presence) -> min_tokens (stop tokens
-masked) -> temperature -> top-k -> top-p -> min-p -> draw. Greedy rows (temperature ~0) take the argmax
-of the penalised logits and never touch a random number generator.
+Processing order is vLLM's: logit_bias (added) -> penalties (repetition, frequency, presence) ->
+min_tokens (stop tokens masked) -> temperature -> top-k -> top-p -> min-p -> draw. Greedy rows
+(temperature ~0) take the argmax of the biased, penalised logits and never touch a random number
+generator.
 
 Reproducibility: a seeded request must sample the same tokens alone or in any batch. So every random
 row draws exactly ONE float64 uniform per step from its own generator, and the token is found by
@@ -40,6 +41,8 @@ class SequenceSamplingState:
     json_guard: Any = None  # structured_output.JsonGuard for JSON constraints: tokens xgrammar would wrongly allow
     # prompt ids as a tensor, built once: penalties need them every step
     _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # logit_bias as (token ids [K] long, biases [K] float32), built once
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int], index: int = 0) -> SequenceSamplingState:
@@ -53,6 +56,13 @@ class SequenceSamplingState:
         if self._prompt_tensor is None:
             self._prompt_tensor = torch.tensor(self.prompt_ids, dtype=torch.long)
         return self._prompt_tensor
+
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bias is None:
+            bias = self.params.logit_bias or {}
+            self._bias = (torch.tensor(list(bias), dtype=torch.long),
+                          torch.tensor(list(bias.values()), dtype=torch.float32))
+        return self._bias
 
 
 @dataclass
@@ -78,19 +88,20 @@ class Sampler:
                argmax: torch.Tensor | None = None) -> SampleOutput:
         """logits [B, V] (row i belongs to states[i]) -> one token per row. argmax [B]: the logits'
         argmax if the caller already has it (the compiled decode graph computes it); greedy rows take
-        it when no penalty, stop-token mask or grammar changed the logits. A batch that only takes it
-        (greedy, no logprobs) never reads the logits."""
+        it when no logit_bias, penalty, stop-token mask or grammar changed the logits. A batch that
+        only takes it (greedy, no logprobs) never reads the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sequences")
         if argmax is not None and tuple(argmax.shape) != (len(states),):
             raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(states)} sequences")
         if argmax is not None and all(
                 s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and s.grammar is None
-                for s in states) and not self.stop_tokens_masked(states):
+                and not s.params.logit_bias for s in states) and not self.stop_tokens_masked(states):
             return SampleOutput(argmax.tolist(), [None] * len(states))
         logits = raw = logits.float()
         want_logprobs = any(s.params.logprobs is not None for s in states)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = apply_logit_bias(logits, states)
         logits = apply_penalties(logits, states)
         logits = self.mask_stop_tokens(logits, states)
         matchers = [s.grammar for s in states]
@@ -153,6 +164,23 @@ class Sampler:
         return None
 
 
+def apply_logit_bias(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits (a new tensor: `logits` may be the caller's, or the
+    raw logits the argmax shortcut compares against). Only rows with a bias pay."""
+    rows, ids, values = [], [], []
+    for i, s in enumerate(states):
+        if s.params.logit_bias:
+            token_ids, biases = s.bias_tensors()
+            rows.append(torch.full_like(token_ids, i))
+            ids.append(token_ids)
+            values.append(biases)
+    if not rows:
+        return logits
+    device = logits.device
+    where = (torch.cat(rows).to(device), torch.cat(ids).to(device))
+    return logits.index_put(where, torch.cat(values).to(device=device, dtype=logits.dtype), accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
     """Repetition (prompt + output: positive logits divided, negative multiplied), then frequency
     (x count) and presence (once) over output tokens, subtracted. Only rows with penalties pay."""
@@ -172,6 +200,9 @@ def apply_penalties(logits: torch.Tensor, states: list[SequenceSamplingState]) -
     seen = in_prompt | (counts > 0)
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    # a tiny repetition_penalty (5e-324 is 0 in float32) overflows a logit to inf: keep it the largest finite
+    # value, so the row's distribution stays defined (inf would make it NaN, and the draw fail)
+    sub = torch.nan_to_num(sub, nan=-math.inf, posinf=torch.finfo(sub.dtype).max)
     return logits.index_copy(0, index, sub)
 
 
@@ -225,6 +256,7 @@ def truncate(sorted_logits: torch.Tensor, top_k: torch.Tensor | None, top_p: tor
         # that rounding in the cumulative sum never drops a tail token
         mass_before = probs.cumsum(dim=-1) - probs
         keep &= (mass_before < top_p) | (top_p >= 1)
+        keep[:, 0] = True  # a top_p under float32's least positive value is 0 here, which would keep nothing
     if min_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
         keep &= probs >= min_p * probs[:, :1]

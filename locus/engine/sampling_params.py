@@ -15,6 +15,7 @@ GREEDY_EPS = 1e-5  # a temperature below this is greedy (dividing by it would ov
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 all but bans a token, 100 all but forces it
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -37,7 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # over output tokens
     frequency_penalty: float = 0.0  # over output tokens
     seed: int | None = None
-    max_tokens: int | None = 16  # None = up to the context limit
+    max_tokens: int | None = 16  # None = up to the context limit; 0 (with prompt_logprobs) = score the prompt only
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -47,6 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: Any = None  # a StructuredOutput (structured_output.py): the grammar the output must match
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (greedy too)
 
     def __post_init__(self) -> None:
         # Requests carry lists (JSON) and OpenAI allows `stop` as one string; store tuples.
@@ -66,6 +68,11 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def generates(self) -> bool:
+        """False for a request that only scores its prompt (max_tokens 0): it never samples."""
+        return self.max_tokens != 0
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
@@ -82,8 +89,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if self.seed is not None:
             _check_int("seed", self.seed, *SEED_RANGE)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, None)
+        if self.max_tokens is not None:  # 0 only for a request that scores its prompt (else it asks for nothing)
+            _check_int("max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1, None)
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameter("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -96,6 +103,21 @@ class SamplingParams:
             raise InvalidParameter("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, None if vocab_size is None else vocab_size - 1)
+        if self.logit_bias is not None:
+            self._check_logit_bias(vocab_size)
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidParameter("logit_bias", "logit_bias must map token ids to numbers")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                    vocab_size is not None and token >= vocab_size):
+                where = "" if vocab_size is None else f" (0..{vocab_size - 1})"
+                raise InvalidParameter("logit_bias", f"logit_bias token id {token!r} is outside the vocabulary{where}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+                raise InvalidParameter("logit_bias", f"logit_bias values must be numbers in [{low:g}, {high:g}]; "
+                                                     f"token {token} has {bias!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:

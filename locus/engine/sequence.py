@@ -130,6 +130,7 @@ class Request:
     error: Exception | None = None  # why the engine failed this request (it is then finished)
     # when params.prompt_logprobs is set: one entry per prompt token scored so far (the first, None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_reported: bool = False  # in an output already (they go with the first and the last)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -38,7 +38,7 @@ from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStor
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
 from locus.files import directory_bytes
-from locus.server import body_limit, responses
+from locus.server import body_limit, openapi, responses, scoring
 from locus.server.errors import APIError, install_handlers, parse_json, sse_error
 from locus.server.event_stream import SERVER_SEND, Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
 from locus.server.metrics import ServerMetrics
@@ -379,6 +379,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.max_body_bytes = config.limits.max_body_bytes
     app.state.locus = state
     install_handlers(app)
+    openapi.install(app, state)
 
     @app.get("/health")
     async def health():
@@ -432,12 +433,15 @@ def create_app(config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "locus", "root": config.model or "tiny", "max_model_len": max_len}]}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        engine = state.ready_engine()
+        return scoring.tokenizer_info(engine.core.tokenizer, engine.core.max_model_len)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         engine = state.accept(body)
         tok = engine.core.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         # the completion endpoints' limits: a text that cannot fit the context is refused untokenized,
         # a large one is tokenized off the event loop
         if body.messages is not None:
@@ -450,7 +454,10 @@ def create_app(config: ServerConfig) -> FastAPI:
             chars = len(body.prompt)
             check_text_size(chars, tok, engine.core.max_model_len, "prompt")
             ids = await off_loop_if_large(chars, lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": engine.core.max_model_len}
+        if body.return_token_strs:
+            answer["token_strs"] = scoring.token_strings(tok, ids)
+        return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -512,15 +519,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         engine = state.accept(body)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs())
         tok, chars = engine.core.tokenizer, text_chars(body.prompt)
         if isinstance(body.prompt, str):
             check_text_size(chars, tok, engine.core.max_model_len, "prompt")
         elif body.prompt and isinstance(body.prompt[0], str):
             for text in body.prompt:
                 check_text_size(len(text), tok, engine.core.max_model_len, "prompt")
-        prompts = await off_loop_if_large(chars, lambda: responses.completion_prompts(body.prompt, tok))
-        return await serve(raw, engine, prompts, params, body, "cmpl", responses.CompletionFormat(state.model_name, tok))
+        prompts = await off_loop_if_large(chars, lambda: responses.completion_prompts(body.prompt, tok,
+                                                                                      body.add_special_tokens))
+        fmt = responses.CompletionFormat.for_request(state.model_name, tok, body)
+        return await serve(raw, engine, prompts, params, body, "cmpl", fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
@@ -531,7 +540,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         chars = text_chars(messages)
         check_text_size(chars, tok, engine.core.max_model_len, "messages")
         prompt = await off_loop_if_large(chars, lambda: tok.encode(
-            tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=False))
+            tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=body.add_special_tokens))
         return await serve(raw, engine, [prompt], params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
 
     async def compile_constraint(engine: AsyncEngine, so) -> None:
@@ -558,7 +567,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         for p in prompts:
             engine.core.validate(p, params)
         engine.check_admission(len(prompts))
-        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        request_id = f"{prefix}-{body.request_id or uuid.uuid4().hex[:24]}"
         domain = body.domain or raw.headers.get("x-locus-domain")
         if domain is not None and len(domain) > MAX_DOMAIN_CHARS:
             raise InvalidParameter("domain", f"the domain (X-Locus-Domain) may be at most {MAX_DOMAIN_CHARS} characters")

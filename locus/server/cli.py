@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="most prompts one /v1/completions request may batch (default 1024)")
     p.add_argument("--max-stop-chars", type=int, default=4096, metavar="N",
                    help="most characters a request's stop strings may hold, all of them together (default 4096)")
+    p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
+                   help="most entries one request's logit_bias may hold (default 1024)")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
@@ -157,10 +159,11 @@ def request_limits_of(args: argparse.Namespace):
     from locus.server.protocol import RequestLimits
 
     body = parse_memory(args.max_request_body_bytes)
-    if body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1:
-        raise LocusError("--max-request-body-bytes, --max-prompts-per-request and --max-stop-chars must be positive")
+    if body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1 or args.max_logit_bias < 0:
+        raise LocusError("--max-request-body-bytes, --max-prompts-per-request and --max-stop-chars must be positive, "
+                         "--max-logit-bias not negative")
     return RequestLimits(max_body_bytes=body, max_prompts=args.max_prompts_per_request,
-                         max_stop_chars=args.max_stop_chars)
+                         max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias)
 
 
 def grammar_limits_of(args: argparse.Namespace):

@@ -96,7 +96,8 @@ def install_handlers(app: FastAPI) -> None:
             return JSONResponse(error_body(400, f"malformed JSON body: {first.get('msg', '')}", "invalid_request_error"), 400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:3])
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+                            f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in errors[:3])
         return JSONResponse(error_body(400, message, "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -105,7 +106,8 @@ def install_handlers(app: FastAPI) -> None:
         detail = str(exc.detail)
         if isinstance(exc.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
             detail = NESTED_TOO_DEEP
-        return JSONResponse(error_body(exc.status_code, detail, type_), exc.status_code)
+        # a 405 keeps Starlette's Allow header (RFC 9110: it lists the methods the path takes)
+        return JSONResponse(error_body(exc.status_code, detail, type_), exc.status_code, headers=exc.headers)
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling import InvalidParameter, TokenLogprob
 from locus.engine.checkpoint.tokenizer import Tokenizer
+from locus.server import scoring
 
 
 @dataclass
@@ -25,16 +26,17 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def completion_prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
-    """OpenAI's four prompt forms -> token-id lists."""
+def completion_prompts(prompt, tokenizer: Tokenizer, add_special_tokens: bool = True) -> list[list[int]]:
+    """OpenAI's four prompt forms -> token-id lists (texts get the tokenizer's BOS unless
+    add_special_tokens is false; token ids are taken as they are)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
     if not prompt:
         raise InvalidParameter("prompt", "the prompt is empty")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p) for p in prompt]
+        return [tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
     return [list(p) for p in prompt]
 
 
@@ -62,6 +64,7 @@ def _line_safe(encoded: str) -> str:
 class _Format:
     object_name = ""
     chunk_object = ""
+    report_prompt_logprobs = True  # False when the engine scored the prompt for echo, not for the client
 
     def __init__(self, model_name: str, tokenizer: Tokenizer):
         self.model_name, self.tokenizer = model_name, tokenizer
@@ -89,11 +92,11 @@ class _Format:
             usage.prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
-                choices.append(self.full_choice(i * n + c.index, c))
+                choices.append(self.full_choice(i * n + c.index, c, i, out))
         choices.sort(key=lambda ch: ch["index"])
         body = {"id": request_id, "object": self.object_name, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": usage.as_dict()}
-        if finals and finals[0].prompt_logprobs is not None:
+        if self.report_prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
             self.attach_prompt_logprobs(body, [self.prompt_logprobs(out.prompt_logprobs) for out in finals], n)
         return body
 
@@ -124,12 +127,17 @@ class _Format:
         frames = []
         for c in out.outputs:
             usage.completion_tokens += len(c.delta_token_ids)
-            if c.finish_reason is None and c.logprobs is None:
+            index = prompt_index * n + c.index
+            if c.finish_reason is None and c.logprobs is None and self.plain(index):
                 if c.delta_text or c.delta_token_ids:
-                    frames.append(self._text_frame(request_id, prompt_index * n + c.index, c.delta_text))
-            elif c.delta_text or c.delta_token_ids or c.finish_reason:
-                frames.append(sse(self._chunk(request_id, [self.delta_choice(prompt_index * n + c.index, c)])))
+                    frames.append(self._text_frame(request_id, index, c.delta_text))
+            elif c.delta_text or c.delta_token_ids or c.finish_reason or not self.plain(index):
+                frames.append(sse(self._chunk(request_id, [self.delta_choice(index, c, prompt_index, out)])))
         return frames
+
+    def plain(self, index: int) -> bool:
+        """Whether choice `index`'s next chunk is its text delta alone (its frame can come from a template)."""
+        return True
 
     def _text_frame(self, request_id: str, index: int, text: str) -> str:
         """The frame of a plain text delta (no logprobs, not the last): the same bytes as
@@ -139,7 +147,7 @@ class _Format:
         template = self._templates.get(index)
         if template is None:
             probe = CompletionOutput(index=0, text="", token_ids=[], delta_text=_TEXT_MARK, delta_token_ids=[0])
-            rendered = sse(self._chunk(request_id, [self.delta_choice(index, probe)]))
+            rendered = sse(self._chunk(request_id, [self.delta_choice(index, probe, 0, None)]))
             head, tail = rendered.split(_encode_text(_TEXT_MARK))
             template = self._templates[index] = (head, tail)
         return template[0] + _line_safe(_encode_text(text)) + template[1]
@@ -153,46 +161,86 @@ class _Format:
         return {"id": request_id, "object": self.chunk_object, "created": self.created, "model": self.model_name,
                 "choices": choices}
 
-    def full_choice(self, index: int, c: CompletionOutput) -> dict:
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
         raise NotImplementedError
 
 
 class CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
 
-    def logprobs(self, items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
-        if items is None:
+    def __init__(self, model_name: str, tokenizer: Tokenizer, echo: "scoring.PromptEcho | None" = None,
+                 top_n: int | None = None):
+        super().__init__(model_name, tokenizer)
+        self.echo = echo  # echo: each choice's text (and logprobs) start with its prompt's
+        self.top_n = top_n  # the request's logprobs: alternatives per token (the prompt's may have been scored wider)
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out already
+
+    @classmethod
+    def for_request(cls, model_name: str, tokenizer: Tokenizer, body) -> "CompletionFormat":
+        fmt = cls(model_name, tokenizer, scoring.PromptEcho.of(body, tokenizer), body.logprobs)
+        fmt.report_prompt_logprobs = body.prompt_logprobs is not None  # (echo scores the prompt for itself)
+        return fmt
+
+    def logprobs(self, entries: list[scoring.Entry] | None, offset: int = 0) -> dict | None:
+        """OpenAI's completion logprobs: per token its text, logprob, the alternatives with the token
+        itself (so up to top_n + 1 of them, as OpenAI and vLLM give) and its text offset; a prompt's
+        first token has a null logprob and null alternatives."""
+        if entries is None:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for lp in items:
-            text = self.token_text(lp.token_id)
+        for token_id, logprob, alternatives in entries:
+            text = self.token_text(token_id)
             offsets.append(offset)
             offset += len(text)
             tokens.append(text)
-            token_logprobs.append(lp.logprob)
-            top.append({self.token_text(t): v for t, v in lp.top})
+            token_logprobs.append(logprob)
+            if alternatives is None:
+                top.append(None)
+                continue
+            chosen = {text: logprob}
+            chosen.update((self.token_text(t), v) for t, v in alternatives[:self.top_n])
+            top.append(chosen)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def full_choice(self, index: int, c: CompletionOutput) -> dict:
-        return {"index": index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
+    def _entries(self, c: CompletionOutput, items: list[TokenLogprob] | None, echo: bool,
+                 out: RequestOutput | None) -> list[scoring.Entry] | None:
+        """A choice's logprob entries: the prompt's first when it is echoed, then its own `items`."""
+        if c.logprobs is None:
+            return None
+        entries = scoring.output_entries(items or [])
+        if echo:
+            return scoring.prompt_entries(out.prompt_token_ids, out.prompt_logprobs) + entries
+        return entries
+
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
+        echo = self.echo is not None
+        text = (self.echo.text(prompt_index, out.prompt_token_ids) + c.text) if echo else c.text
+        return {"index": index, "text": text, "logprobs": self.logprobs(self._entries(c, c.logprobs, echo, out)),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
         for choice in body["choices"]:  # as vLLM: on every choice, its own prompt's
             choice["prompt_logprobs"] = per_prompt[choice["index"] // n]
 
-    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+    def plain(self, index: int) -> bool:
+        return self.echo is None or index in self._echoed
+
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
+        text, echo = c.delta_text, not self.plain(index)
+        if echo:  # this choice's first chunk: its prompt, then what it generated so far
+            self._echoed.add(index)
+            text = self.echo.text(prompt_index, out.prompt_token_ids) + text
         lp = None
         if c.logprobs is not None:
             # text_offset continues across chunks, as in the whole response
             start = self._text_offsets.get(index, 0)
-            lp = self.logprobs(c.delta_logprobs, start)
+            lp = self.logprobs(self._entries(c, c.delta_logprobs, echo, out), start)
             if lp["tokens"]:
                 self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        return {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason,
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
 
@@ -209,7 +257,7 @@ class ChatFormat(_Format):
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in items]}
 
-    def full_choice(self, index: int, c: CompletionOutput) -> dict:
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -221,7 +269,7 @@ class ChatFormat(_Format):
         return [sse(self._chunk(request_id, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}])) for i in range(num_prompts * n)]
 
-    def delta_choice(self, index: int, c: CompletionOutput) -> dict:
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
         delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
         lp = self.logprobs(c.delta_logprobs) if c.logprobs is not None else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,

@@ -60,3 +60,40 @@ def test_prompt_logprobs_survive_preemption(pair):
     assert llm.engine.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         check_against_transformers(hf, prompt, out.prompt_logprobs, 1)
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # 49 tokens in chunks of 16: the last chunk is one token
+def test_a_request_that_only_scores_its_prompt_samples_nothing(pair, budget, monkeypatch):
+    """max_tokens 0 (the API's echo with max_tokens 0): the prompt is computed and scored, then the
+    request ends with no token sampled, no logits row for sampling, and its blocks back in the pool."""
+    hf, ours = pair
+    prompt = prompt_ids(49)
+    llm = LLM.from_model(ours, ByteTokenizer(300), EngineConfig(block_size=8, num_kv_blocks=64, max_num_batched_tokens=budget))
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("a scoring request sampled")
+
+    monkeypatch.setattr(llm.engine.sampler, "sample", no_sampling)
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2, n=2))[0]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] == [([], "", "length")] * 2
+    check_against_transformers(hf, prompt, out.prompt_logprobs, 2)
+    stats = llm.engine.stats()
+    assert stats.generation_tokens == 0 and stats.num_free_blocks == stats.num_blocks
+    # a prompt as long as the context: nothing is generated, so it fits
+    llm.engine.max_model_len = 49
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0].prompt_logprobs) == 49
+
+
+def test_prompt_logprobs_come_with_the_first_output_and_the_last(pair):
+    """A stream echoes the prompt at once: its logprobs are in the request's first output (and again in
+    the last, which holds everything), not in the ones between."""
+    from locus.engine.engine_core import EngineCore
+
+    _, ours = pair
+    core = EngineCore(ours, ByteTokenizer(300), EngineConfig(block_size=8, num_kv_blocks=64))
+    core.add_request("r", prompt_ids(20), SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1, ignore_eos=True))
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    assert [o.prompt_logprobs is not None for o in outputs] == [True, False, False, True]
+    assert len(outputs[0].prompt_logprobs) == 20 and outputs[0].prompt_logprobs is outputs[-1].prompt_logprobs

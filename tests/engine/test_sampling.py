@@ -288,6 +288,69 @@ def test_sampling_frequencies_match_the_distribution(fields, want):
     assert freq.tolist() == pytest.approx(want, abs=0.015)
 
 
+# ---------------------------------------------------------------- logit_bias
+
+def test_logit_bias_is_added_before_greedy_and_random_sampling():
+    """OpenAI's logit_bias: added to the logits before sampling, greedy included; -100 all but bans
+    a token, +100 all but forces it; rows without a bias are untouched; logprobs stay the raw model's."""
+    logits = random_logits(4, seed=11)
+    best = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0, logit_bias={best[0]: -100}),
+              SamplingParams(temperature=0, logit_bias={7: 100}, logprobs=1),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=3, logit_bias={11: 100})]
+    out = Sampler().sample(logits, states_for(params))
+    banned = logits[0].clone()
+    banned[best[0]] -= 100
+    assert out.token_ids == [int(banned.argmax()), 7, best[2], 11]
+    assert out.logprobs[1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[7]))
+    # a small bias moves the greedy choice exactly where the sum of the logits says
+    gap = float(logits[2].sort(descending=True).values[0] - logits[2].sort(descending=True).values[1])
+    second = int(logits[2].sort(descending=True).indices[1])
+    assert Sampler().sample(logits[2:3], states_for([SamplingParams(temperature=0, logit_bias={second: gap + 1e-3})])).token_ids == [second]
+    assert Sampler().sample(logits[2:3], states_for([SamplingParams(temperature=0, logit_bias={second: gap - 1e-3})])).token_ids == [best[2]]
+
+
+def test_a_biased_greedy_row_does_not_take_the_graphs_argmax():
+    """The compiled decode graph hands over its argmax of the unbiased logits: a biased row must not take it."""
+    logits = random_logits(2, seed=12)
+    marker = logits.argmax(-1)
+    biased = states_for([SamplingParams(temperature=0, logit_bias={5: 100}), SamplingParams(temperature=0)])
+    assert Sampler().sample(logits, biased, marker).token_ids == [5, int(marker[1])]
+    assert Sampler().sample(logits.bfloat16(), biased, marker).token_ids == [5, int(marker[1])]
+
+
+@pytest.mark.parametrize("bias, needle", [
+    ({50: 1.0}, "outside the vocabulary"), ({-1: 1.0}, "outside the vocabulary"), ({True: 1.0}, "outside the vocabulary"),
+    ({3: 100.5}, r"\[-100, 100\]"), ({3: float("nan")}, r"\[-100, 100\]"), ({3: True}, r"\[-100, 100\]"),
+    ({3: "1"}, r"\[-100, 100\]"),
+])
+def test_logit_bias_out_of_range_is_refused(bias, needle):
+    with pytest.raises(InvalidParameter, match=needle) as info:
+        SamplingParams(logit_bias=bias).validate(vocab_size=V)
+    assert info.value.param == "logit_bias"
+    SamplingParams(logit_bias={0: -100, V - 1: 100.0}).validate(vocab_size=V)
+
+
+def test_max_tokens_zero_only_for_a_request_that_scores_its_prompt():
+    SamplingParams(max_tokens=0, prompt_logprobs=0).validate()
+    with pytest.raises(InvalidParameter, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=0).validate()
+
+
+@pytest.mark.parametrize("fields", [{"top_p": 5e-324}, {"repetition_penalty": 5e-324}, {"repetition_penalty": 1e-30}])
+def test_values_that_underflow_float32_still_sample(fields):
+    """Found by schemathesis: top_p and repetition_penalty of 5e-324 are 0 in float32; the first kept no
+    token and the second made the logits inf, and either draw failed (which took the engine down)."""
+    SamplingParams(**fields).validate()
+    logits = random_logits(3, seed=13)
+    states = states_for([SamplingParams(temperature=1.0, seed=i, **fields) for i in range(3)])
+    tokens = Sampler().sample(logits, states).token_ids
+    assert all(0 <= t < V for t in tokens)
+    if "top_p" in fields:
+        assert tokens == logits.argmax(-1).tolist()
+
+
 # ---------------------------------------------------------------- logprobs
 
 def test_logprobs_are_the_raw_model_distribution():

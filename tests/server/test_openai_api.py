@@ -277,3 +277,123 @@ def test_prompt_logprobs_as_vllm_returns_them(server, client):
     streamed = httpx.post(f"{server.base_url}/v1/completions",
                           json={"prompt": "x", "max_tokens": 1, "stream": True, "prompt_logprobs": 1})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+# ---------------------------------------------------------------- issue 44: fidelity for real clients
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/detokenize", {"tokens": [False]}, "tokens"),  # was a 200: false taken as token 0
+    ("/detokenize", {"tokens": [72.0]}, "tokens"),  # was a 200: taken as 72
+    ("/detokenize", {"tokens": [72, True]}, "tokens"),
+    ("/v1/completions", {"prompt": [72, False], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [72.0], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[72], [1.0]], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "stop_token_ids": [True]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "2"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "n": True}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"65": True}}, "logit_bias"),
+    ("/tokenize", {"messages": []}, "messages"),  # was a 200, where chat completions refused it
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, "messages"),
+])
+def test_booleans_floats_and_strings_are_not_token_ids_nor_counts(server, path, body, param):
+    r = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_tokenize_and_chat_agree_on_what_messages_are(server):
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(f"{server.base_url}{path}", json={"messages": [], "max_tokens": 1} if "chat" in path else {"messages": []})
+        assert r.json()["error"]["message"] == "messages: List should have at least 1 item after validation, not 0"
+
+
+def test_a_405_names_the_allowed_methods(server):
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("DELETE", "/tokenize", "POST"),
+                                ("POST", "/health", "GET"), ("PUT", "/v1/models", "GET")):
+        r = httpx.request(method, f"{server.base_url}{path}")
+        assert r.status_code == 405 and r.headers["allow"] == allow
+        assert r.json()["error"]["code"] == 405
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "function calling"),
+    ({"function_call": "auto"}, "function_call", "function calling"),
+    ({"use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "whitelist"),
+    ({"audio": {"voice": "x"}}, "audio", "text only"),
+    ({"temperature_typo": 0.5}, "temperature_typo", "unknown field"),
+])
+def test_fields_asked_of_what_the_server_does_not_do_are_refused(server, body, param, needle):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and needle in r.json()["error"]["message"], r.text
+    # the values that ask for nothing are accepted
+    ok = {"functions": [], "function_call": "none", "use_beam_search": False, "parallel_tool_calls": True,
+          "user": "u", "metadata": {"k": "v"}, "modalities": ["text"], "store": False}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **ok})
+    assert r.status_code == 200, r.text
+
+
+def byte_token_ids(tokens: list[str]) -> list[int]:
+    """The byte tokenizer's ids of logprobs' token strings (a lone byte of a multi-byte character is
+    written `token_id:N`)."""
+    from locus.engine.checkpoint.tokenizer import ByteTokenizer
+
+    return [int(t[9:]) if t.startswith("token_id:") else ByteTokenizer.SPECIALS.get(t, None) or ord(t) for t in tokens]
+
+
+def test_logit_bias_changes_greedy_output_as_specified(server, client):
+    args = dict(model=MODEL, prompt="bias me", max_tokens=6, temperature=0, logprobs=0)
+    plain = client.completions.create(**args).choices[0]
+    plain_ids = byte_token_ids(plain.logprobs.tokens)
+    banned = client.completions.create(**args, logit_bias={str(t): -100 for t in plain_ids}).choices[0]
+    assert banned.text != plain.text and not set(byte_token_ids(banned.logprobs.tokens)) & set(plain_ids)
+    assert banned.logprobs.token_logprobs[0] < 0  # logprobs stay the model's own
+    # only the first token banned: the output's first token is the model's second choice there
+    second = client.completions.create(**{**args, "max_tokens": 1, "logprobs": 2}).choices[0].logprobs.top_logprobs[0]
+    runner_up = sorted(second.items(), key=lambda kv: -kv[1])[1][0]
+    one = client.completions.create(**{**args, "max_tokens": 1}, logit_bias={str(plain_ids[0]): -100}).choices[0]
+    assert one.logprobs.tokens == [runner_up]
+    forced = client.completions.create(**{**args, "max_tokens": 3}, logit_bias={"65": 100})
+    assert forced.choices[0].text == "AAA"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logit_bias={"66": 100})
+    assert chat.choices[0].message.content == "BBB"
+    too_many = httpx.post(f"{server.base_url}/v1/completions",
+                          json={"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}})
+    assert too_many.status_code == 400 and "--max-logit-bias" in too_many.json()["error"]["message"]
+    outside = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "logit_bias": {"100000": 1}})
+    assert outside.status_code == 400 and "outside the vocabulary" in outside.json()["error"]["message"]
+
+
+def test_echo_through_the_openai_client(server, client):
+    scored = client.completions.create(model=MODEL, prompt="score this", max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "score this"}).json()["count"]
+    assert choice.text == "score this" and len(choice.logprobs.tokens) == count and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and all(v < 0 for v in choice.logprobs.token_logprobs[1:])
+    generated = client.completions.create(model=MODEL, prompt=[[104, 105], [106]], max_tokens=2, echo=True,
+                                          temperature=0, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in generated.choices] == [4, 3]
+    assert generated.choices[0].text.startswith("hi")
+    # the prompt's logprobs are the same whether the request generates or not
+    again = client.completions.create(model=MODEL, prompt=[104, 105], max_tokens=0, echo=True, logprobs=1)
+    assert again.choices[0].logprobs.token_logprobs == pytest.approx(generated.choices[0].logprobs.token_logprobs[:2])
+    streamed = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0,
+                                              stream=True))
+    whole = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert whole.choices[0].text.startswith("abc")
+
+
+def test_tokenizer_info_answers_lm_evals_remote_tokenizer(server):
+    info = httpx.get(f"{server.base_url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|eot|>" and info["tokenizer_class"] == "ByteTokenizer" and info["chat_template"]
+    eos = httpx.post(f"{server.base_url}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == [257]
+    strs = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["<|begin_of_text|>", "h", "i"]

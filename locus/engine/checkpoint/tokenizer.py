@@ -37,6 +37,15 @@ class ByteTokenizer:
     SPECIALS = {"<|begin_of_text|>": BOS, "<|eot|>": EOS, "<|pad|>": PAD,
                 "<|header_start|>": HEADER_START, "<|header_end|>": HEADER_END}
     MIN_VOCAB = 261
+    # the built-in chat format (apply_chat_template) as a Jinja template, for clients that render it
+    # themselves (/tokenizer_info); tests check that the two agree
+    CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                     "{{ '<|header_start|>' + message['role'] + '<|header_end|>\n\n' }}"
+                     "{% if message['content'] is string %}{{ message['content'] }}"
+                     "{% elif message['content'] %}{% for part in message['content'] %}"
+                     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+                     "{{ '<|eot|>' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|header_start|>assistant<|header_end|>\n\n' }}{% endif %}")
     _special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 
     def __init__(self, vocab_size: int = MIN_VOCAB):
@@ -111,6 +120,7 @@ class HFTokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception
             raise LocusError(f"{path}: cannot load tokenizer ({exc})") from None
         cfg = _read_json(model_dir / "tokenizer_config.json") or {}
+        self.config = cfg  # tokenizer_config.json as written (/tokenizer_info serves it)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None

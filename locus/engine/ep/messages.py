@@ -125,7 +125,7 @@ def pack_output(out: RequestOutput) -> tuple:
     if out.finished and m.first_scheduled_time is not None:
         queued = m.first_scheduled_time - m.arrival_time
     error = str(out.error) if out.error is not None else None
-    return (out.request_id, out.finished, error, choices, out.prompt_logprobs if out.finished else None, queued)
+    return (out.request_id, out.finished, error, choices, out.prompt_logprobs, queued)
 
 
 def unpack_output(packed: tuple, prompt_ids: list[int], metrics: RequestMetrics, now: float) -> RequestOutput:

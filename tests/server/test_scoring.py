@@ -1,0 +1,139 @@
+"""The scoring API's layout, in process (no server): `echo` with `logprobs` is the engine's prompt
+logprobs then the output's, whole and streamed; /tokenizer_info is what lm-eval's remote tokenizer reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from locus.engine.checkpoint.tokenizer import ByteTokenizer, load_tokenizer, render_chat_template
+from locus.engine.llm import LLM
+from locus.engine.sampling import SamplingParams
+from locus.engine.checkpoint.loader import SHIPPED
+from locus.server.protocol import CompletionRequest
+from locus.server.responses import CompletionFormat, Usage
+from locus.server.scoring import tokenizer_info
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny")
+
+
+def request_for(body: dict):
+    request = CompletionRequest.model_validate(body)
+    request.check_unsupported()
+    return request
+
+
+def run(llm, body: dict):
+    """What /v1/completions does with `body`, without HTTP: the engine's outputs, whole and per step."""
+    request = request_for(body)
+    tok = llm.tokenizer
+    from locus.server.responses import completion_prompts
+
+    prompts = completion_prompts(request.prompt, tok, request.add_special_tokens)
+    params = request.sampling_params(request.max_tokens, request.logprobs, request.engine_prompt_logprobs())
+    core = llm.engine
+    steps = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    while core.has_unfinished():
+        for out in core.step():
+            steps[int(out.request_id[1:])].append(out)
+    return request, prompts, steps
+
+
+def fmt_for(llm, request):
+    return CompletionFormat.for_request("tiny", llm.tokenizer, request)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_layout_is_the_prompt_logprobs_then_the_output(llm, max_tokens):
+    text = "The cat sat"
+    request, prompts, steps = run(llm, {"prompt": text, "max_tokens": max_tokens, "echo": True, "logprobs": 2,
+                                        "temperature": 0})
+    final = steps[0][-1]
+    body = fmt_for(llm, request).full_response("cmpl-x", [final], 1)
+    choice = body["choices"][0]
+    generated = final.outputs[0]
+    assert choice["text"] == text + generated.text and len(generated.token_ids) == max_tokens
+    lp = choice["logprobs"]
+    ids = prompts[0] + generated.token_ids
+    fmt = fmt_for(llm, request)
+    assert lp["tokens"] == [fmt.token_text(t) for t in ids]
+    # the prompt's entries are its prompt_logprobs: the first token has nothing before it
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for t, entry in enumerate(final.prompt_logprobs[1:], start=1):
+        assert lp["token_logprobs"][t] == entry.logprob
+        top = lp["top_logprobs"][t]
+        assert top[fmt.token_text(prompts[0][t])] == entry.logprob  # the token itself, as OpenAI's
+        assert {fmt.token_text(i): v for i, v in entry.top[:2]}.items() <= top.items() and len(top) <= 3
+    for k, entry in enumerate(generated.logprobs or []):
+        assert lp["token_logprobs"][len(prompts[0]) + k] == entry.logprob
+    assert lp["text_offset"] == [sum(len(tok) for tok in lp["tokens"][:i]) for i in range(len(ids))]
+    assert "prompt_logprobs" not in choice  # the client did not ask for vLLM's own field
+    assert body["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": max_tokens,
+                             "total_tokens": len(prompts[0]) + max_tokens}
+
+
+def test_streamed_echo_concatenates_to_the_whole_response(llm):
+    """Streamed, each choice's first chunk carries its prompt (text and logprobs); the chunks add up
+    to the whole response, for a batch of token-id prompts with n = 2."""
+    body = {"prompt": [[1, 2, 3, 4], [5, 6]], "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0, "n": 2}
+    request, prompts, steps = run(llm, body)
+    whole = fmt_for(llm, request).full_response("cmpl-x", [steps[0][-1], steps[1][-1]], 2)
+    stream_fmt, usage = fmt_for(llm, request), Usage()
+    chunks = []
+    for i in (0, 1):
+        for out in steps[i]:
+            for frame in stream_fmt.stream_chunk("cmpl-x", i, 2, out, usage):
+                chunks += json.loads(frame.removeprefix("data: "))["choices"]
+    for choice in whole["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert choice["text"].startswith(llm.tokenizer.decode(prompts[choice["index"] // 2], skip_special_tokens=False))
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for c in mine for v in c["logprobs"][key]] == choice["logprobs"][key], key
+
+
+def test_streamed_echo_with_no_output_is_one_chunk_with_the_prompt(llm):
+    request, prompts, steps = run(llm, {"prompt": "abc", "max_tokens": 0, "echo": True, "stream": True})
+    assert len(steps[0]) == 1 and steps[0][0].finished
+    frames = fmt_for(llm, request).stream_chunk("cmpl-x", 0, 1, steps[0][0], Usage())
+    [choice] = json.loads(frames[0].removeprefix("data: "))["choices"]
+    assert (choice["text"], choice["logprobs"], choice["finish_reason"]) == ("abc", None, "length")
+
+
+def test_logprobs_include_the_chosen_token_as_openai_does(llm):
+    """OpenAI's top_logprobs hold the chosen token besides the `logprobs` best: up to logprobs + 1."""
+    request, _, steps = run(llm, {"prompt": "abc", "max_tokens": 6, "logprobs": 1, "temperature": 1.0, "seed": 3})
+    lp = fmt_for(llm, request).full_response("cmpl-x", [steps[0][-1]], 1)["choices"][0]["logprobs"]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == value and 1 <= len(top) <= 2
+
+
+def test_the_byte_tokenizers_chat_template_is_its_built_in_format():
+    tok = ByteTokenizer()
+    for messages in ([{"role": "user", "content": "hi"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                               {"type": "text", "text": "b"}]}],
+                     [{"role": "assistant", "content": None}]):
+        for generation in (True, False):
+            assert render_chat_template(ByteTokenizer.CHAT_TEMPLATE, messages, generation, bos_token="<|begin_of_text|>",
+                                        eos_token="<|eot|>") == tok.apply_chat_template(messages, generation)
+
+
+def test_tokenizer_info_is_the_tokenizer_config_as_vllm_serves_it():
+    mini = SHIPPED["mini"]
+    tok = load_tokenizer(mini, 4096)
+    info = tokenizer_info(tok, 2048)
+    config = json.loads((mini / "tokenizer_config.json").read_text())
+    assert info["tokenizer_class"] == config["tokenizer_class"] and info["eos_token"] == "<|eot|>"
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == 2048
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    # lm-eval's remote tokenizer: eos_token_id = the first id /tokenize gives for eos_token, unadorned
+    assert tok.encode(info["eos_token"], add_special_tokens=False) == list(tok.eos_token_ids)
+    byte = tokenizer_info(ByteTokenizer(), 64)
+    assert byte["eos_token"] == "<|eot|>" and byte["chat_template"] == ByteTokenizer.CHAT_TEMPLATE
