@@ -161,10 +161,10 @@ class _Format:
         return {"id": request_id, "object": self.chunk_object, "created": self.created, "model": self.model_name,
                 "choices": choices}
 
-    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         raise NotImplementedError
 
 
@@ -215,7 +215,7 @@ class CompletionFormat(_Format):
             return scoring.prompt_entries(out.prompt_token_ids, out.prompt_logprobs) + entries
         return entries
 
-    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         echo = self.echo is not None
         text = (self.echo.text(prompt_index, out.prompt_token_ids) + c.text) if echo else c.text
         return {"index": index, "text": text, "logprobs": self.logprobs(self._entries(c, c.logprobs, echo, out)),
@@ -228,7 +228,7 @@ class CompletionFormat(_Format):
     def plain(self, index: int) -> bool:
         return self.echo is None or index in self._echoed
 
-    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         text, echo = c.delta_text, not self.plain(index)
         if echo:  # this choice's first chunk: its prompt, then what it generated so far
             self._echoed.add(index)
@@ -257,7 +257,7 @@ class ChatFormat(_Format):
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in items]}
 
-    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput) -> dict:
+    def full_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -269,7 +269,7 @@ class ChatFormat(_Format):
         return [sse(self._chunk(request_id, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}])) for i in range(num_prompts * n)]
 
-    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int, out: RequestOutput | None) -> dict:
+    def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
         delta = {"content": c.delta_text} if (c.delta_text or not c.finish_reason) else {}
         lp = self.logprobs(c.delta_logprobs) if c.logprobs is not None else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
