@@ -117,24 +117,30 @@ def test_growing_contexts_reuse_the_bucket_graphs(compiled):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
 
 
-def test_biased_rows_and_scoring_requests_in_compiled_steps(compiled):
-    """logit_bias holds in compiled decode steps (the graph's argmax is of the unbiased logits: a biased
+def check_biased_rows_and_scoring_requests(core: EngineCore) -> None:
+    """logit_bias holds in graph decode steps (the graph's argmax is of the unbiased logits: a biased
     row must not take it), and a request that only scores its prompt never runs there, even when its
     whole prompt is one token (a one-token prefill looks like a decode step)."""
-    core = compiled
     prompts = random_prompts(2, 10, 20, seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     plain = run_to_completion(core, prompts, [params] * 2)
     first = plain[0].outputs[0].token_ids
     banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={t: -100 for t in first})
+    forced = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={65: 100})
     steps = core.graphs.steps
-    biased = run_to_completion(core, prompts, [banned, params])
-    assert core.graphs.steps > steps  # the decode steps ran compiled
+    biased = run_to_completion(core, prompts + prompts[1:], [banned, params, forced])
+    assert core.graphs.steps > steps  # the decode steps ran through the graphs
     assert not set(biased[0].outputs[0].token_ids) & set(first)
-    assert biased[1].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    assert biased[1].outputs[0].token_ids == plain[1].outputs[0].token_ids  # an unbiased row beside them
+    assert biased[2].outputs[0].token_ids == [65] * 6
     steps = core.graphs.steps
     scored = run_to_completion(core, [[42]], [SamplingParams(max_tokens=0, prompt_logprobs=0)])
     assert core.graphs.steps == steps and scored[0].outputs[0].token_ids == [] and scored[0].prompt_logprobs == [None]
+
+
+@pytest.mark.slow  # compiles decode graphs (the module's compiled engine)
+def test_biased_rows_and_scoring_requests_in_compiled_steps(compiled):
+    check_biased_rows_and_scoring_requests(compiled)
 
 
 def test_rope_as_real_pairs_equals_the_complex_rotation():

@@ -12,7 +12,7 @@ from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.decode_graph import DecodeGraphs
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.sampling import SamplingParams
-from tests.engine.test_decode_graph import check_decode_steps, run_to_completion
+from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
 from tests.engine.test_engine import random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -60,6 +60,14 @@ def test_captured_graphs_replay_the_eager_logits_in_every_bucket(tiny_cuda, tok,
     eager = EngineCore(tiny_cuda, tok, config(enforce_eager=True))
     assert eager.graphs is None
     assert fast == generate(eager, prompts, staggered(8))
+
+
+def test_biased_rows_do_not_take_the_captured_argmax(tiny_cuda, tok):
+    """A captured graph hands over its argmax of the unbiased logits: logit_bias rows sample from the
+    biased logits beside rows that take it, and a scoring-only request never replays a graph."""
+    core = EngineCore(tiny_cuda, tok, config())
+    assert core.graphs.capture
+    check_biased_rows_and_scoring_requests(core)
 
 
 def test_graphs_are_on_by_default_on_cuda_and_off_with_enforce_eager(tiny_cuda, tok):

@@ -16,7 +16,7 @@ from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.sampling import SamplingParams
 from locus.kernels import fused_moe
 from tests.engine.sync_guard import record_syncs
-from tests.engine.test_decode_graph import check_decode_steps, run_to_completion
+from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
 from tests.engine.test_engine import random_prompts
 
 
@@ -48,6 +48,12 @@ def test_every_bucket_gives_the_eager_logits_and_tokens(tiny, tok, monkeypatch):
     eager = EngineCore(tiny, tok, EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=8))
     slow = run_to_completion(eager, prompts, params)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
+
+
+def test_biased_rows_do_not_take_the_graphs_argmax(tiny, tok):
+    """The runner every CUDA graph captures hands the sampler its argmax of the unbiased logits:
+    logit_bias rows (banned, forced) sample from the biased ones beside an unbiased row that takes it."""
+    check_biased_rows_and_scoring_requests(engine_with_graphs(tiny, tok, (1, 4), num_kv_blocks=64, max_num_seqs=4))
 
 
 def test_paged_attention_in_the_graph_gives_the_eager_logits(tiny, tok, monkeypatch):
