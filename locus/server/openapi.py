@@ -191,11 +191,12 @@ class TokenizerInfo(BaseModel):
 
 
 class Health(_Doc):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"]  # degraded: elastic EP serving on fewer ranks than it started with
+    detail: str | None = None
 
 
 class HealthUnavailable(_Doc):
-    status: Literal["loading", "error"]
+    status: Literal["loading", "error", "recovering"]  # recovering: EP survivors regrouping (Retry-After)
     detail: str | None
 
 
@@ -323,7 +324,7 @@ def build(app: FastAPI, state) -> dict:
             continue
         operation["responses"] = {"200": success(schemas, ok), **{str(s): error(s) for s in errors}}
         if path == "/health":
-            operation["responses"]["503"] = json_response("Loading, or the engine failed",
+            operation["responses"]["503"] = json_response("Loading, the engine failed, or EP survivors regrouping",
                                                           add_model(schemas, HealthUnavailable))
         if path in EXAMPLES:
             operation["requestBody"]["content"]["application/json"]["examples"] = {

@@ -51,3 +51,13 @@ def test_loading_and_a_failed_load():
     assert answer(health_of(state(loaded=False)))[:2] == (503, {"status": "loading", "detail": None})
     assert answer(health_of(state(loaded=False, load_error="no such model")))[:2] == (
         503, {"status": "error", "detail": "no such model"})
+
+
+def test_every_state_is_one_the_openapi_document_lists():
+    """/openapi.json's /health models (issue 44: the document describes what the server answers)."""
+    from locus.server.openapi import Health, HealthUnavailable
+
+    for s in (state(), state(recovering=True), state(world=3, members=(0, 1, 3)), state(loaded=False),
+              state(loaded=False, load_error="no such model"), state(healthy=False, error=PlacementDisagreement("x"))):
+        code, body, _ = answer(health_of(s))
+        (Health if code == 200 else HealthUnavailable).model_validate(body)
