@@ -124,8 +124,8 @@ def take_in(core, migrant: Migrant) -> bool:
         seq.sampling.generator.set_state(migrant.generator_state)
     if migrant.queued is not None:
         request.metrics.first_scheduled_time = request.metrics.arrival_time + migrant.queued
-    if migrant.prompt_logprobs is not None:
-        request.prompt_logprobs = list(migrant.prompt_logprobs)
+    if migrant.prompt_logprobs is not None:  # the source sent them with the request's first output
+        request.prompt_logprobs, request.prompt_logprobs_reported = list(migrant.prompt_logprobs), True
     if migrant.trace is not None and core.recorder is not None:
         core.recorder.adopt(seq, migrant.trace)
     scheduler, blocks = core.scheduler, core.blocks
