@@ -437,5 +437,5 @@ def _check(a: torch.Tensor, w: WeightOperand, routing: AlignedRouting, topk_weig
 def _dot_form(w: WeightOperand, a: torch.Tensor, dot: str | None) -> str:
     if dot is None:
         return choose_dot(w.format, a.dtype, a.device)
-    check_dot(dot, w.format, a.dtype)
+    check_dot(dot, w.format, a.dtype, a.device)
     return dot

@@ -14,7 +14,9 @@ widen each tile in registers inside their K loop. Three ways to multiply a tile 
              or "e2m1"), the MX tile handed to Triton as stored (E2M1 packed along K, scales [N, K/32]).
              Triton lowers it to block-scaled tensor-core instructions where the GPU has them
              (Blackwell) and otherwise, Hopper included, to its own upcast to bfloat16 and a bf16
-             dot: the same math as "dequant", with Triton's conversion and layouts.
+             dot: the same math as "dequant", with Triton's conversion and layouts. The mxfp4
+             ("e2m1") product is refused on CUDA: it was wrong on an H200 with Triton 3.6
+             (moe_dot_forms.py); the interpreter runs it.
   "fp8"      W8A8 for row-wise fp8 weights on GPUs with FP8 tensor cores (compute capability 8.9+):
              each GEMM's activations (x, then h) are quantized once to E4M3 with one float32 scale
              per row (`quantize_activations`: FBGEMM's quantize_fp8_per_row, which is how Meta's

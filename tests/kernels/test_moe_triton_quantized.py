@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,24 +183,46 @@ def test_fused_moe_no_longer_sends_narrow_weights_to_the_reference(monkeypatch):
 
 
 def test_choice_of_dot_form(monkeypatch):
+    """"dequant" on every device, dtype and batch size (measured fastest on an H200, docs/kernels.md);
+    LOCUS_MOE_DOT selects another form within check_dot's rules."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("LOCUS_MOE_DOT", raising=False)
     assert choose_dot("mxfp4", torch.bfloat16, cpu) == "dequant"  # the interpreter: portable
     assert choose_dot("float", torch.bfloat16, cuda) == "dequant"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert choose_dot("mxfp4", torch.bfloat16, cuda) == "scaled"
-    assert choose_dot("mxfp8", torch.float16, cuda) == "scaled"
-    assert choose_dot("mxfp8", torch.float32, cuda) == "dequant"  # dot_scaled takes 16-bit activations
-    assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=4) == "dequant"  # decode: the weight read
-    assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=512) == "fp8"  # prefill: tensor cores
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=512) == "dequant"  # A100: no FP8 dot
-    assert choose_dot("mxfp4", torch.bfloat16, cuda) == "dequant"  # dot_scaled is chosen from Hopper on
+    for capability in ((8, 0), (8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        for fmt in EXPERT_FORMATS:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for rows in (0.0, 1, 4, moe_dot_forms.DECODE_ROWS + 1, 512):
+                    chosen = choose_dot(fmt, dtype, cuda, rows_per_expert=rows)
+                    assert chosen == "dequant", (capability, fmt, dtype, rows)
     monkeypatch.setenv("LOCUS_MOE_DOT", "dequant")
     assert choose_dot("mxfp4", torch.bfloat16, cuda) == "dequant"
+    monkeypatch.setenv("LOCUS_MOE_DOT", "scaled")
+    assert choose_dot("mxfp8", torch.bfloat16, cuda) == "scaled"
+    assert choose_dot("mxfp4", torch.bfloat16, cpu) == "scaled"  # the interpreter's dot_scaled is right
+    with pytest.raises(ValueError, match="refused for mxfp4 experts: tl.dot_scaled with e2m1 weights was measured "
+                                         "wrong on CUDA .*H200.*Triton 3.6"):
+        choose_dot("mxfp4", torch.bfloat16, cuda)
     monkeypatch.setenv("LOCUS_MOE_DOT", "fp8")
+    assert choose_dot("fp8", torch.bfloat16, cuda, rows_per_expert=4) == "fp8"
     with pytest.raises(ValueError, match="mxfp4 expert weights take the dot forms dequant, scaled"):
         choose_dot("mxfp4", torch.bfloat16, cuda)
+
+
+def test_mxfp4_scaled_form_is_refused_on_cuda():
+    """An explicit dot="scaled" on CUDA mxfp4 weights is refused before any kernel runs; the GEMMs
+    pass their activations' device to the check (stand-ins: only dtype, device and format are read)."""
+    cuda = torch.device("cuda")
+    on_cuda = SimpleNamespace(dtype=torch.bfloat16, device=cuda)
+    with pytest.raises(ValueError, match="refused for mxfp4 experts"):
+        moe_gemm._dot_form(SimpleNamespace(format="mxfp4"), on_cuda, "scaled")
+    assert moe_gemm._dot_form(SimpleNamespace(format="mxfp8"), on_cuda, "scaled") == "scaled"
+    with pytest.raises(ValueError, match="refused for mxfp4 experts.*use the 'dequant' dot form"):
+        moe_dot_forms.check_dot("scaled", "mxfp4", torch.bfloat16, cuda)
+    moe_dot_forms.check_dot("scaled", "mxfp8", torch.bfloat16, cuda)  # mxfp8's dot_scaled is right
+    moe_dot_forms.check_dot("scaled", "mxfp4", torch.bfloat16, torch.device("cpu"))
+    moe_dot_forms.check_dot("dequant", "mxfp4", torch.bfloat16, cuda)
 
 
 def test_unusable_forms_and_tiles_are_refused():
@@ -261,9 +284,10 @@ def test_forms_per_format_are_listed():
 
 
 def gpu_forms(fmt):
+    """The dot forms this GPU runs for `fmt` weights: mxfp4's "scaled" is refused on CUDA."""
     forms = ["dequant"]
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-    if fmt != "fp8" and capability >= moe_dot_forms.SCALED_CAPABILITY:
+    if fmt == "mxfp8" and capability >= moe_dot_forms.SCALED_CAPABILITY:
         forms.append("scaled")
     if fmt == "fp8" and capability >= moe_dot_forms.FP8_CAPABILITY:
         forms.append("fp8")
@@ -278,6 +302,9 @@ def test_bf16_parity_on_gpu_every_form(fmt):
     (every T of 1..8 runs under the interpreter; here a few, to keep the compiles short)."""
     for T in (1, 4, 8, 512):
         x, gate_up, down, ids, w = problem(T, 1, 16, 1024, 2048, fmt, torch.bfloat16)
+        if fmt == "mxfp4":
+            with pytest.raises(ValueError, match="refused for mxfp4 experts"):
+                fused_moe_triton(x, gate_up, down, ids, w, dot="scaled")
         for dot in gpu_forms(fmt):
             actual = fused_moe_triton(x, gate_up, down, ids, w, dot=dot)
             expected = (fused_moe_w8a8_reference if dot == "fp8" else fused_moe_quantized_reference)(
