@@ -220,6 +220,8 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self.core.has_unfinished():
                     idle = True
+                    # a step still in flight (overlapped) holds only rows of ended requests: let it go
+                    self._deliver_step(self.core.drain())
                     self._publish_stats(0)
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -352,6 +354,8 @@ class AsyncEngine:
                 for request_id in list(self.core.requests):
                     self._note_finished(self.core.abort(request_id))
             elif isinstance(cmd, _Call):
+                # a call sees the engine between whole steps: the step in flight (overlapped) finishes first
+                self._deliver_step(self.core.drain())
                 try:
                     result, error = cmd.fn(self.core), None
                 except Exception as exc:  # noqa: BLE001 - handed to the caller

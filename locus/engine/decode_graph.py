@@ -161,23 +161,27 @@ class DecodeGraphs:
         topks = [out.routing[layer] for layer in self.moe_layers]
         return logits, argmax, torch.stack([t.ids for t in topks], 1), torch.stack([t.weights for t in topks], 1)
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> DecodeOutput:
-        """Decode one token for each of n sequences: token_ids[i] at positions[i], KV in block_tables[i]."""
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            sources: list[int] | None = None, fed: torch.Tensor | None = None) -> DecodeOutput:
+        """Decode one token for each of n sequences: token_ids[i] at positions[i], KV in block_tables[i].
+        sources / fed: sequence i's token is fed[sources[i]] (still on the device) where sources[i] >= 0."""
         n = len(token_ids)
         B = self.bucket(n)
         if B is None:
             raise ValueError(f"{n} sequences exceed the largest decode bucket ({self.max_batch})")
         # One step at a time: the buffers are shared (--ep-overlap's two lanes at once refuse decode
         # graphs, ep/worker.py).
-        self.inputs.stage(token_ids, positions, block_tables, B)
-        out = self._launch(self.inputs, B)
+        self.inputs.stage(token_ids, positions, block_tables, B, sources)
+        out = self._launch(self.inputs, B, fed, n)
         self.steps += 1
         logits, argmax, expert_ids, expert_weights = out
         return DecodeOutput(logits[:n], argmax[:n], expert_ids[:n], expert_weights[:n])
 
     @torch.inference_mode()
-    def _launch(self, inputs: DecodeInputs, B: int) -> tuple[torch.Tensor, ...]:
+    def _launch(self, inputs: DecodeInputs, B: int, fed: torch.Tensor | None = None, n: int = 0) -> tuple[torch.Tensor, ...]:
         inputs.commit(B)
+        if fed is not None:
+            inputs.feed(n, fed)
         graph = self._graphs.get(B)
         if graph is not None:
             graph.replay()

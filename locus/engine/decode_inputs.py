@@ -7,7 +7,9 @@ part to the device; a device-side copy then puts the step's block tables in plac
 staging area is the buffers themselves.
 
 Layout (int32; the model casts what must be int64 once per forward):
-    meta   [4, B_max]        0 token ids | 1 positions (-1 = padding) | 2 KV write rows | 3 context lengths
+    meta   [5, B_max]        0 token ids | 1 positions (-1 = padding) | 2 KV write rows | 3 context lengths
+                             | 4 feed source: the row of the previous step's sampled ids that is this
+                               row's token (-1: the host's token id); see `feed`
     tables [B_max, W_max]    block ids; W_max = the most blocks a sequence can hold
 The staged tables are dense [B, W] for the step's widest table W, so a step copies B * W entries,
 not B * W_max. Columns of `tables` past a row's W keep stale (valid) block ids: the paged kernel
@@ -15,6 +17,10 @@ never reads past a context, and the gathered path reads only the step's [B, W], 
 
 Two staging areas alternate, so the host fills step N + 1's while step N's copy may still be in
 flight; before reusing one it waits for the copy that last read it (step N - 1's).
+
+The overlapped schedule (step_pipeline.py) stages step N + 1 before step N's tokens reach the host: a
+sequence's newest token is then staged as a placeholder with its feed source, and `feed` copies it
+from step N's sampled ids on the device after the commit, before the graph reads the buffers.
 
 Shape legend: B bucket, n real sequences, W widest table of the step.
 """
@@ -28,6 +34,7 @@ import numpy as np
 import torch
 
 MIN_TABLE_WIDTH = 2  # dynamo specialises a dynamic dimension of size 0 or 1; never pass one
+META_ROWS = 5
 
 
 @dataclass
@@ -53,18 +60,19 @@ class DecodeInputs:
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.staged = device.type != "cpu" if staged is None else staged
         on_cuda = device.type == "cuda"
-        meta_size = 4 * max_batch
+        meta_size = META_ROWS * max_batch
         if self.staged:
             # device: [meta | dense tables of the step]; the graphs read meta in place, tables after a copy
             self._flat = torch.zeros(meta_size + max_batch * self.max_width, dtype=torch.int32, device=device)
-            self.meta = self._flat[:meta_size].view(4, max_batch)
+            self.meta = self._flat[:meta_size].view(META_ROWS, max_batch)
             self._staging = [torch.zeros(self._flat.numel(), dtype=torch.int32, pin_memory=on_cuda) for _ in range(2)]
+            self._staging_np = [area.numpy() for area in self._staging]  # the host writes these
             # the copy that last read each staging area (CUDA copies are asynchronous; others are done at once)
             self._copied: list[torch.cuda.Event | None] = [None, None]
             self._track_copies = on_cuda
             self._turn = 0
         else:
-            self.meta = torch.zeros(4, max_batch, dtype=torch.int32)
+            self.meta = torch.zeros(META_ROWS, max_batch, dtype=torch.int32)
         self.tables = torch.full((max_batch, self.max_width), scratch_block, dtype=torch.int32, device=device)
         if not self.staged:  # the host writes the buffers themselves
             self._meta_np, self._tables_np = self.meta.numpy(), self.tables.numpy()
@@ -81,8 +89,11 @@ class DecodeInputs:
         return DecodeArgs(whole.input_ids, whole.positions, whole.write_rows, whole.context_lens,
                           self.tables[:B, :width])
 
-    def stage(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], B: int) -> int:
-        """Write a step of n <= B sequences (and B - n padding rows); returns the widest table W."""
+    def stage(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], B: int,
+              sources: list[int] | None = None) -> int:
+        """Write a step of n <= B sequences (and B - n padding rows); returns the widest table W.
+        sources: per sequence, the row of the previous step's sampled ids that is its token (-1: the
+        token id given here), for `feed`."""
         n = len(token_ids)
         lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
         W = max(MIN_TABLE_WIDTH, int(lengths.max()) if n else 0)
@@ -101,7 +112,8 @@ class DecodeInputs:
         meta[1, :n] = pos
         meta[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         meta[3, :n] = pos + 1
-        meta[0, n:B], meta[1, n:B], meta[2, n:B], meta[3, n:B] = 0, -1, scratch_row, 0
+        meta[4, :n] = -1 if sources is None else sources
+        meta[0, n:B], meta[1, n:B], meta[2, n:B], meta[3, n:B], meta[4, n:B] = 0, -1, scratch_row, 0, -1
         self.width = W
         return W
 
@@ -123,13 +135,21 @@ class DecodeInputs:
             event.record()
         self._turn ^= 1
 
+    def feed(self, n: int, tokens: torch.Tensor) -> None:
+        """After `commit`: the staged rows with a feed source take their token from `tokens` (the
+        previous step's sampled ids, on the device), the others keep theirs. Device ops only."""
+        source = self.meta[4, :n]
+        ids = self.meta[0, :n]
+        fed = tokens.index_select(0, source.clamp(min=0)).to(torch.int32)
+        ids.copy_(torch.where(source >= 0, fed, ids))
+
     def _host_views(self, B: int, W: int) -> tuple[np.ndarray, np.ndarray]:
-        """(meta [4, B_max], tables [B, W]) numpy views the host writes."""
+        """(meta [5, B_max], tables [B, W]) numpy views the host writes."""
         if not self.staged:
             return self._meta_np, self._tables_np[:B, :W]
         event = self._copied[self._turn]
         if event is not None:
             event.synchronize()  # the copy that last read this staging area is done
-        staging = self._staging[self._turn].numpy()
+        staging = self._staging_np[self._turn]
         meta_size = self.meta.numel()
-        return staging[:meta_size].reshape(4, self.max_batch), staging[meta_size:meta_size + B * W].reshape(B, W)
+        return staging[:meta_size].reshape(META_ROWS, self.max_batch), staging[meta_size:meta_size + B * W].reshape(B, W)

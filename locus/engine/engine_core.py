@@ -1,7 +1,9 @@
 """The engine loop: schedule -> run -> sample -> postprocess, one step at a time.
 
-`EngineCore` is synchronous and single-threaded; `LLM` (offline) drives it in a loop and
-`AsyncEngine` (serving) drives it from a background thread.
+`EngineCore` is single-threaded; `LLM` (offline) drives it in a loop and `AsyncEngine` (serving)
+drives it from a background thread. A step is two halves, `launch` (schedule, queue the device work
+and the step's one readback) and `finish` (append the tokens, outputs); its StepPipeline runs them
+serially or overlapped, the host finishing step N while the device runs N + 1 (step_pipeline.py).
 
 Failures: an exception in the per-request parts of a step (sampling a row with the request's own
 parameters, detokenizing and stop-checking its token) fails that request alone: it finishes with
@@ -20,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from locus.engine.block_manager import BlockManager
@@ -32,8 +35,11 @@ from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.observers.routing_tap import RoutingTap
-from locus.engine.runner import ModelRunner, RunResult
-from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState, score_tokens
+from locus.engine.host_transfer import Readback, to_device
+from locus.engine.logprobs import describe, logprob_tensors
+from locus.engine.runner import Feed, ModelRunner, PromptLogits, RunResult
+from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
+from locus.engine.step_pipeline import LaunchedBatch, LaunchedSample, LaunchedStep, StepPipeline
 from locus.engine.structured_output import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
 from locus.engine.scheduler import Scheduler, SchedulerConfig
 from locus.engine.sequence import Request, Resumed, Sequence, SequenceStatus
@@ -74,6 +80,9 @@ class EngineConfig:
     compile_decode: bool = False
     compile_buckets: tuple[int, ...] | None = None
     enforce_eager: bool = False
+    # The overlapped schedule (step_pipeline.py): the host finishes step N while the device runs N + 1.
+    # None = on where the forward runs asynchronously (CUDA), off on CPU (docs/engine.md).
+    async_scheduling: bool | None = None
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # output constraints' budgets
 
 
@@ -130,6 +139,8 @@ class EngineCore:
         self.graphs = self._decode_graphs(model, config)
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
+        overlap = config.async_scheduling if config.async_scheduling is not None else model.device.type == "cuda"
+        self.pipeline = StepPipeline(self, overlap)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -264,100 +275,180 @@ class EngineCore:
     def pending_tokens(self) -> int:
         """Tokens the unfinished sequences still have to run through the model: an upper bound on
         what the next step can schedule (expert parallelism sizes its fixed-capacity exchange by it)."""
-        return sum(seq.num_tokens - seq.num_computed for request in self.requests.values()
+        return sum(seq.num_uncomputed for request in self.requests.values()
                    for seq in request.seqs if not seq.is_finished)
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: serially, launch and finish it; overlapped, launch the next one and finish the one
+        in flight (step_pipeline.py). Returns the outputs of the step finished."""
+        return self.pipeline.step()
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight, if any: afterwards every sampled token is on the host."""
+        return self.pipeline.drain()
+
+    def launch(self, feed: Feed | None = None) -> LaunchedStep | None:
+        """Schedule a step, queue its forwards and sampling on the device and its one readback; reads
+        nothing back. feed: the previous step's sampled ids, if it is still in flight. None: nothing
+        to run."""
         batch = self.scheduler.schedule()
-        micro_batches = batch.micro_batches if batch is not None else []
-        if batch is not None:
-            for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
-                self.cache.copy_block(src, dst)
-        record = self.routing.active
-        # Micro-batches that run at once (expert parallelism's overlap) share one lm_head call.
-        defer = len(micro_batches) > 1 and self.lockstep is not None
+        if batch is None:
+            if self.lockstep is not None:  # an idle rank still meets the others' exchanges
+                self.lockstep.run_forwards([], self.runner.run)
+            return None
+        micro_batches = batch.micro_batches
+        for src, dst in batch.block_copies:  # copy-on-write of forked sequences' shared tails
+            self.cache.copy_block(src, dst)
+        options = {"record_routing": self.routing.active}
+        if len(micro_batches) > 1 and self.lockstep is not None:
+            options["defer_logits"] = True  # micro-batches that run at once (expert parallelism) share one lm_head
+        if feed is not None:
+            options["feed"] = feed
 
         def forward(items: list[ScheduledSeq]) -> RunResult:
-            if defer:
-                return self.runner.run(items, record_routing=record, defer_logits=True)
-            return self.runner.run(items, record_routing=record)
+            return self.runner.run(items, **options)
 
         if self.lockstep is not None:  # every rank runs as many forwards as the others, in order
             results = self.lockstep.run_forwards(micro_batches, forward)
         else:
             results = [forward(items) for items in micro_batches]
-        if defer:
+        if "defer_logits" in options:
             self.runner.attach_logits(results)
-        touched: OrderedDict[str, Request] = OrderedDict()
+        launched = LaunchedStep([], Readback(self.model.device))
         for items, result in zip(micro_batches, results):
             for item in items:
                 item.seq.num_computed += item.num_tokens
                 self._register_full_blocks(item.seq)
-            for scored in result.prompt_logits:
-                self._score_prompt(scored)
-            self.routing.publish(result, items)
-            for item in items:
-                if not item.seq.request.params.generates and item.seq.num_computed == item.seq.num_tokens:
-                    self._finish_scored(item.seq, touched)
+            part = LaunchedBatch(items, result)
+            if result.routing and self.routing.active:
+                part.routing = launched.readback.add(self.routing.pack(result))
+            part.prompts = [(scored, self._launch_prompt_scores(scored, launched.readback))
+                            for scored in result.prompt_logits]
             if result.sampled:
-                self._sample(result.sampled, result.logits, touched, result.argmax)
+                part.sample = self._launch_sample(result, launched)
+            launched.batches.append(part)
+        launched.readback.issue()
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's readback; publish its routing, score its prompts, append its
+        tokens (dropping the rows of sequences that finished meanwhile) and return the outputs."""
+        arrays = launched.readback.wait()
+        touched: OrderedDict[str, Request] = OrderedDict((r.request_id, r) for r in launched.failed)
+        for part in launched.batches:
+            for scored, handles in part.prompts:
+                self._score_prompt(scored, [arrays[h] for h in handles])
+            if part.routing is not None:
+                self.routing.publish(arrays[part.routing], part.items, part.result.batch)
+            for item in part.items:  # a request that only scores its prompt ends with it
+                seq = item.seq
+                if not seq.request.params.generates and not seq.is_finished and seq.num_computed == seq.num_tokens:
+                    self._finish_scored(seq, touched)
+            if part.sample is not None:
+                self._take_sample(part.sample, arrays, touched)
         outputs = []
         for request in touched.values():
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted since: abort() gave its last output
             outputs.append(self._output(request))
             if request.finished:
                 self.requests.pop(request.request_id, None)
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, touched: OrderedDict,
-                argmax: torch.Tensor | None = None) -> None:
-        rows, expanded = [], []
-        for i, seq in enumerate(seqs):
-            group = [seq] if seq.request.forked else [seq, *self._fork(seq)]
+    def _launch_sample(self, result: RunResult, launched: LaunchedStep) -> LaunchedSample | None:
+        """Queue the sampling of a micro-batch's sampled rows (an n > 1 request forks here, when its
+        prompt is done: its choices sample from the parent's row)."""
+        rows, seqs, forks = [], [], []
+        for i, seq in enumerate(result.sampled):
+            group = [seq]
+            if not seq.request.forked:
+                children = self._fork(seq)
+                forks += [(seq, child) for child in children]
+                group += children
             rows += [i] * len(group)
-            expanded += group
+            seqs += group
+        logits, argmax = result.logits, result.argmax
         if len(rows) != logits.shape[0]:  # n > 1 repeats rows; skip the [B, V] copy when not
-            index = torch.tensor(rows, device=logits.device)
-            logits = logits[index]
-            argmax = None if argmax is None else argmax[index]
+            index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
+            logits = logits.index_select(0, index)
+            argmax = None if argmax is None else argmax.index_select(0, index)
         try:
-            sample = self.sampler.sample(logits, [s.sampling for s in expanded], argmax)
-            tokens, logprobs = sample.token_ids, sample.logprobs
+            sample = self.sampler.launch(logits, [s.sampling for s in seqs], argmax)
         except Exception as exc:  # noqa: BLE001 - find the row(s) to blame, or re-raise
-            tokens, logprobs = self._sample_rows(logits, expanded, exc)
+            sample, seqs = self._launch_rows(logits, argmax, seqs, exc, launched.failed)
+            if sample is None:
+                return None
+        for row in sample.dead:  # a constraint (with the stop-token mask) left the row no token at all
+            request = seqs[row].request
+            if request.error is None:
+                self._fail(request, ConstraintDeadEnd(f"row {row}: the output constraint allows no token here"))
+                launched.failed.append(request)
+        for seq in seqs:
+            seq.sampling.in_flight += 1
+        handles = [launched.readback.add(sample.token_ids)]
+        if sample.logprobs is not None:
+            handles += sample.logprobs.add_to(launched.readback)
+        return LaunchedSample(seqs, sample, handles, forks)
+
+    def _launch_rows(self, logits: torch.Tensor, argmax: torch.Tensor | None, seqs: list[Sequence],
+                     batch_error: Exception, failed: list[Request]):
+        """The batched sampler raised: try each row alone (its generator put back after), fail the
+        requests whose rows raise, and launch the others together. If every row raises, the fault is
+        not the requests' and the batch's error propagates, unless each row's own constraint is what
+        failed (ConstraintDeadEnd: that request's fault, always). Returns (launch or None, its seqs)."""
+        good, own_fault = [], 0
+        for i, seq in enumerate(seqs):
+            generator = seq.sampling.generator
+            saved = generator.get_state() if generator is not None else None
+            try:
+                self.sampler.launch(logits[i:i + 1], [seq.sampling], None if argmax is None else argmax[i:i + 1])
+                good.append(i)
+            except Exception as exc:  # noqa: BLE001
+                own_fault += isinstance(exc, ConstraintDeadEnd)
+                if seq.request.error is None:
+                    self._fail(seq.request, exc)
+                    failed.append(seq.request)
+            finally:
+                if saved is not None:
+                    generator.set_state(saved)
+        if not good:
+            if own_fault < len(seqs):
+                raise batch_error
+            return None, []
+        index = to_device(np.asarray(good, dtype=np.int64), logits.device)
+        chosen = [seqs[i] for i in good]
+        sample = self.sampler.launch(logits.index_select(0, index), [s.sampling for s in chosen],
+                                     None if argmax is None else argmax.index_select(0, index))
+        return sample, chosen
+
+    def _take_sample(self, sample: LaunchedSample, arrays: list, touched: OrderedDict) -> None:
+        """A launched sampling's tokens, on the host now: append each to its sequence (a sequence that
+        finished since the launch drops its row)."""
+        tokens = arrays[sample.handles[0]].tolist()
+        launch = sample.launch
+        logprobs = [None] * len(tokens) if launch.logprobs is None else \
+            describe(tokens, [arrays[h] for h in sample.handles[1:]], launch.logprob_counts)
+        if self.recorder is not None:  # the children's prompt rows are the parent's, published by now
+            for parent, child in sample.forks:
+                if not child.is_finished:
+                    self.recorder.fork(parent, child)
         now = time.monotonic()
-        for seq, token, logprob in zip(expanded, tokens, logprobs):
+        for seq, token, logprob in zip(sample.seqs, tokens, logprobs):
+            seq.sampling.in_flight -= 1
+            if seq.is_finished:  # finished, aborted or failed after this step was launched
+                continue
             request = seq.request
-            if request.error is None:  # (a row that failed to sample failed its request)
-                try:
-                    self._append(seq, token, logprob)
-                except Exception as exc:  # noqa: BLE001 - this request's own tokens or stop strings
-                    self._fail(request, exc)
+            try:
+                self._append(seq, token, logprob)
+            except Exception as exc:  # noqa: BLE001 - this request's own tokens or stop strings
+                self._fail(request, exc)
+            if not seq.is_finished:
+                self._register_full_blocks(seq)  # its newest token is known now
             if request.request_id not in touched:
                 touched[request.request_id] = request
                 if request.error is None:
                     request.metrics.note_token(now)
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence], batch_error: Exception):
-        """The batched sampler raised: sample row by row, failing the requests whose rows raise.
-        If every row raises, the fault is not the requests' and the batch's error propagates, unless
-        each row's own constraint is what failed (ConstraintDeadEnd: that request's fault, always)."""
-        tokens, logprobs, failed, own_fault = [], [], 0, 0
-        for i, seq in enumerate(seqs):
-            try:
-                one = self.sampler.sample(logits[i:i + 1], [seq.sampling])
-                tokens.append(one.token_ids[0])
-                logprobs.append(one.logprobs[0])
-            except Exception as exc:  # noqa: BLE001
-                failed += 1
-                own_fault += isinstance(exc, ConstraintDeadEnd)
-                tokens.append(None)
-                logprobs.append(None)
-                if seq.request.error is None:
-                    self._fail(seq.request, exc)
-        if failed == len(seqs) and own_fault < failed:
-            raise batch_error
-        return tokens, logprobs
 
     def _fail(self, request: Request, exc: Exception) -> None:
         """End one request with an error; the engine goes on with the others."""
@@ -384,14 +475,23 @@ class EngineCore:
         request.metrics.finished_time = time.monotonic()
         touched[request.request_id] = request
 
-    def _score_prompt(self, scored) -> None:
+    def _launch_prompt_scores(self, scored: PromptLogits, readback: Readback) -> list[int]:
+        """Queue one step's prompt logprobs (positions first.. predict tokens first + 1..) on the device."""
+        request = scored.seq.request
+        n = scored.logits.shape[0]
+        targets = request.prompt_ids[scored.first + 1: scored.first + 1 + n]
+        raw = torch.log_softmax(scored.logits.float(), dim=-1)
+        ids = to_device(np.asarray(targets, dtype=np.int64), raw.device)
+        return logprob_tensors(raw, ids, request.params.prompt_logprobs, ranks=True).add_to(readback)
+
+    def _score_prompt(self, scored: PromptLogits, arrays: list) -> None:
         """Append this step's prompt logprobs (positions first.. predict tokens first + 1..)."""
         request = scored.seq.request
         if request.prompt_positions_scored != scored.first:  # a recompute of scored positions
             return
         n = scored.logits.shape[0]
         targets = request.prompt_ids[scored.first + 1: scored.first + 1 + n]
-        request.prompt_logprobs += score_tokens(scored.logits, targets, request.params.prompt_logprobs)
+        request.prompt_logprobs += describe(targets, arrays, [request.params.prompt_logprobs] * len(targets))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Create the other n-1 choices, each sharing all of the parent's blocks. Nothing is
@@ -404,9 +504,7 @@ class EngineCore:
             child = self._new_sequence(request, index)
             request.seqs.append(child)
             children.append(child)
-            if self.recorder is not None:
-                self.recorder.fork(parent, child)  # the child's prompt rows are the parent's
-            self.scheduler.fork(parent, child)
+            self.scheduler.fork(parent, child)  # (the recorder forks at finish: the prompt rows come then)
         return children
 
     def _release(self, seq: Sequence) -> None:
@@ -416,12 +514,16 @@ class EngineCore:
             self.recorder.finish(seq)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks whose every token is computed (queued) and known on the host."""
         bs = self.blocks.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed, seq.num_tokens) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(self.blocks.register(seq.block_table[i], parent, tuple(seq.token_slice(i * bs, (i + 1) * bs))))
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
+        grammar = seq.sampling.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            raise RuntimeError(f"the grammar rejected token {token} it allowed")
         seq.output_ids.append(token)
         self.generation_tokens += 1
         seq.pending_ids.append(token)

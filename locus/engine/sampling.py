@@ -1,9 +1,9 @@
 """Sampling: a batch of next-token logits in, one token (and its logprobs) per sequence out.
 
 Processing order is vLLM's: logit_bias (added) -> penalties (repetition, frequency, presence) ->
-min_tokens (stop tokens masked) -> temperature -> top-k -> top-p -> min-p -> draw. Greedy rows
-(temperature ~0) take the argmax of the biased, penalised logits and never touch a random number
-generator.
+min_tokens (stop tokens masked) -> output constraint (grammar) -> temperature -> top-k -> top-p ->
+min-p -> draw. Greedy rows (temperature ~0) take the argmax of the biased, penalised logits and never
+touch a random number generator.
 
 Reproducibility: a seeded request must sample the same tokens alone or in any batch. So every random
 row draws exactly ONE float64 uniform per step from its own generator, and the token is found by
@@ -12,8 +12,16 @@ tensor math, vectorised over the batch. Generators live on the CPU, whatever dev
 so one seed gives one random stream on any machine (a CUDA generator would give another stream).
 One scalar per row per step also keeps host work tiny next to drawing V exponentials per row.
 
-Logprobs are those of the raw model distribution (log_softmax of the unprocessed logits), as vLLM
-returns by default: they describe the model, not the sampling knobs.
+Sync-free (`Sampler.launch`): the sampler queues its work on the logits' device and reads nothing
+back. What the rows' parameters decide (which rows are greedy, random, penalised or constrained; the
+knobs; each random row's uniform, drawn on the host; the token ids that penalties count and that stop
+tokens and grammars forbid) is built on the host with numpy and copied over without blocking
+(host_transfer.to_device); the tokens, and the logprobs asked for, stay on the device until the
+engine's one readback of the step. Each further per-row rule is one more device op on the [B, V]
+logits fed by such a host array (a sparse per-row bias would be one index_put). `Sampler.sample` is
+the synchronous form (launch, read back, advance the grammars) for callers that want tokens at once.
+
+Logprobs are those of the raw model distribution (logprobs.py).
 """
 
 from __future__ import annotations
@@ -22,12 +30,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from locus.engine.host_transfer import Readback, to_device
+from locus.engine.logprobs import (  # noqa: F401 - re-exported
+    LogprobTensors,
+    TokenLogprob,
+    compute_prompt_logprobs,
+    describe,
+    logprob_tensors,
+    score_tokens,
+)
 from locus.engine.sampling_params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
-from locus.engine.structured_output import ConstraintDeadEnd, apply_grammar_masks
+from locus.engine.structured_output import ConstraintDeadEnd, apply_bitmasks, fill_bitmasks
 
-# B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties
+# B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties, G constrained rows
+
 
 @dataclass
 class SequenceSamplingState:
@@ -39,10 +58,12 @@ class SequenceSamplingState:
     generator: torch.Generator | None  # CPU; None = torch's global RNG (unseeded requests)
     grammar: Any = None  # an xgrammar matcher when the request asked for structured output
     json_guard: Any = None  # structured_output.JsonGuard for JSON constraints: tokens xgrammar would wrongly allow
-    # prompt ids as a tensor, built once: penalties need them every step
-    _prompt_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    # logit_bias as (token ids [K] long, biases [K] float32), built once
-    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # tokens sampled on the device and not yet in output_ids (the overlapped schedule, step_pipeline.py)
+    in_flight: int = 0
+    # prompt ids as an array, built once: penalties need them every step
+    _prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # logit_bias as (token ids [K] int64, biases [K] float32) host arrays, built once
+    _bias: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int], index: int = 0) -> SequenceSamplingState:
@@ -52,25 +73,22 @@ class SequenceSamplingState:
             generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         return cls(params, list(prompt_ids), [], generator)
 
-    def prompt_tensor(self) -> torch.Tensor:
-        if self._prompt_tensor is None:
-            self._prompt_tensor = torch.tensor(self.prompt_ids, dtype=torch.long)
-        return self._prompt_tensor
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far, those still on the device included."""
+        return len(self.output_ids) + self.in_flight
 
-    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def prompt_array(self) -> np.ndarray:
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
+        return self._prompt_array
+
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         if self._bias is None:
             bias = self.params.logit_bias or {}
-            self._bias = (torch.tensor(list(bias), dtype=torch.long),
-                          torch.tensor(list(bias.values()), dtype=torch.float32))
+            self._bias = (np.fromiter(bias, dtype=np.int64, count=len(bias)),
+                          np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
         return self._bias
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob) alternatives, best first
-    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM)
 
 
 @dataclass
@@ -79,57 +97,80 @@ class SampleOutput:
     logprobs: list[TokenLogprob | None]  # None where the sequence asked for no logprobs
 
 
+@dataclass
+class SampleLaunch:
+    """A batch's sampling, queued on the logits' device; nothing has been read back."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobTensors | None  # when any row asked for logprobs
+    logprob_counts: list[int | None]  # per row: alternatives asked for (None: no logprobs)
+    dead: list[int]  # rows whose output constraint allows no token here (their token means nothing)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...] = ()):
         self.eos_token_ids = tuple(eos_token_ids)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
-               argmax: torch.Tensor | None = None) -> SampleOutput:
-        """logits [B, V] (row i belongs to states[i]) -> one token per row. argmax [B]: the logits'
-        argmax if the caller already has it (the compiled decode graph computes it); greedy rows take
-        it when no logit_bias, penalty, stop-token mask or grammar changed the logits. A batch that
-        only takes it (greedy, no logprobs) never reads the logits."""
+    def launch(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+               argmax: torch.Tensor | None = None) -> SampleLaunch:
+        """logits [B, V] (row i belongs to states[i]) -> one token per row, on the device. argmax [B]: the
+        logits' argmax if the caller already has it (the forward computes it); greedy rows take it
+        when no logit_bias, penalty, stop-token mask or grammar changed the logits. A batch that only
+        takes it (greedy, no logprobs) never touches the logits. Reads nothing back from the device."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sequences")
         if argmax is not None and tuple(argmax.shape) != (len(states),):
             raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(states)} sequences")
-        if argmax is not None and all(
-                s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and s.grammar is None
-                and not s.params.logit_bias for s in states) and not self.stop_tokens_masked(states):
-            return SampleOutput(argmax.tolist(), [None] * len(states))
-        logits = raw = logits.float()
-        want_logprobs = any(s.params.logprobs is not None for s in states)
+        counts = [s.params.logprobs for s in states]
+        if argmax is not None and self.takes_argmax(states):
+            return SampleLaunch(argmax, None, counts, [])
+        logits = raw = logits.float().contiguous()  # (the forward's logits may be a transposed view)
+        want_logprobs = any(n is not None for n in counts)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_bias(logits, states)
         logits = apply_penalties(logits, states)
         logits = self.mask_stop_tokens(logits, states)
-        matchers = [s.grammar for s in states]
-        constrained = any(m is not None for m in matchers)
-        if constrained:
-            logits = apply_grammar_masks(logits, matchers)
-            for i, s in enumerate(states):
-                if s.json_guard is not None:
-                    logits[i, s.json_guard.forbidden(s.output_ids).to(logits.device)] = -math.inf
-            dead = torch.isneginf(logits).all(dim=-1)
-            if bool(dead.any()):  # a constraint (with the stop-token mask) left a row no token at all
-                rows = dead.nonzero().flatten().tolist()
-                raise ConstraintDeadEnd(f"row(s) {rows}: the output constraint allows no token here")
+        logits, dead = self.apply_constraints(logits, states)
         tokens = argmax.clone() if argmax is not None and logits is raw else logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
-            tokens[index] = sample_random(logits[index], [states[i] for i in rows])
-        token_ids = tokens.tolist()
-        if constrained:  # advance each grammar by its row's token
-            for i, m in enumerate(matchers):
-                if m is not None and not m.accept_token(token_ids[i]):
-                    raise RuntimeError(f"row {i}: the grammar rejected token {token_ids[i]} it allowed")
-        return SampleOutput(token_ids, gather_logprobs(raw_logprobs, token_ids, states))
+            index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
+            tokens.index_copy_(0, index, sample_random(logits.index_select(0, index), [states[i] for i in rows]))
+        logprobs = None
+        if want_logprobs:
+            logprobs = logprob_tensors(raw_logprobs, tokens, max(n or 0 for n in counts))
+        return SampleLaunch(tokens, logprobs, counts, dead)
+
+    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+               argmax: torch.Tensor | None = None) -> SampleOutput:
+        """`launch`, then read the tokens (and logprobs) back and advance each grammar by its row's token.
+        Raises ConstraintDeadEnd when a row's constraint allows no token."""
+        launched = self.launch(logits, states, argmax)
+        if launched.dead:
+            raise ConstraintDeadEnd(f"row(s) {launched.dead}: the output constraint allows no token here")
+        readback = Readback(launched.token_ids.device)
+        readback.add(launched.token_ids)
+        if launched.logprobs is not None:
+            launched.logprobs.add_to(readback)
+        readback.issue()
+        arrays = readback.wait()
+        token_ids = arrays[0].tolist()
+        for i, s in enumerate(states):
+            if s.grammar is not None and not s.grammar.accept_token(token_ids[i]):
+                raise RuntimeError(f"row {i}: the grammar rejected token {token_ids[i]} it allowed")
+        logprobs = describe(token_ids, arrays[1:], launched.logprob_counts) if launched.logprobs is not None \
+            else [None] * len(states)
+        return SampleOutput(token_ids, logprobs)
+
+    def takes_argmax(self, states: list[SequenceSamplingState]) -> bool:
+        """Whether every row's token is the raw logits' argmax (greedy, nothing changes the logits, no logprobs)."""
+        return all(s.params.greedy and s.params.logprobs is None and not s.params.has_penalties and s.grammar is None
+                   and not s.params.logit_bias for s in states) and not self.stop_tokens_masked(states)
 
     def banned_tokens(self, state: SequenceSamplingState) -> set[int]:
         """The stop tokens this sequence may not sample yet (none once min_tokens are out)."""
-        if len(state.output_ids) >= state.params.min_tokens:
+        if state.generated >= state.params.min_tokens:
             return set()
         return set(state.params.stop_token_ids) | (set() if state.params.ignore_eos else set(self.eos_token_ids))
 
@@ -147,8 +188,32 @@ class Sampler:
                     ids.append(t)
         if not rows:
             return logits
-        where = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-        return logits.index_put(where, torch.tensor(-math.inf, device=logits.device))
+        flat = to_device(np.asarray(rows, dtype=np.int64) * vocab + np.asarray(ids, dtype=np.int64), logits.device)
+        masked = logits.clone(memory_format=torch.contiguous_format)
+        masked.view(-1).index_fill_(0, flat, -math.inf)
+        return masked
+
+    def apply_constraints(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> tuple[torch.Tensor, list[int]]:
+        """Each constrained row's grammar mask (its stop tokens before min_tokens and its JsonGuard ids
+        folded in), filled on the host and applied on the device. Returns the masked logits and the
+        rows left no token at all (found on the host, from the masks)."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return logits, []
+        forbidden = []
+        for i in rows:
+            s = states[i]
+            ids = [np.fromiter(self.banned_tokens(s), dtype=np.int64)]
+            if s.json_guard is not None:
+                ids.append(s.json_guard.forbidden(s.output_ids))
+            forbidden.append(np.concatenate(ids))
+        words = fill_bitmasks([states[i].grammar for i in rows], logits.shape[1], forbidden)
+        alive = (words != 0).any(axis=1)
+        dead = [i for i, a in zip(rows, alive) if not a]
+        words[~alive] = -1  # a dead row samples unconstrained (its token is dropped): no row of -inf on the device
+        device = logits.device
+        masked = apply_bitmasks(logits, to_device(np.asarray(rows, dtype=np.int64), device), to_device(words, device))
+        return masked, dead
 
     def finish_reason(self, state: SequenceSamplingState) -> str | None:
         """After the engine appended a token: "stop" (a stop token), "length" (max_tokens), or None.
@@ -166,37 +231,40 @@ class Sampler:
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
     """Add each row's logit_bias to its logits (a new tensor: `logits` may be the caller's, or the
-    raw logits the argmax shortcut compares against). Only rows with a bias pay."""
-    rows, ids, values = [], [], []
+    raw logits the argmax shortcut compares against). Only rows with a bias pay; the ids and biases
+    travel as one host array each, the sum happens on the device."""
+    flat, values, vocab = [], [], logits.shape[1]
     for i, s in enumerate(states):
         if s.params.logit_bias:
-            token_ids, biases = s.bias_tensors()
-            rows.append(torch.full_like(token_ids, i))
-            ids.append(token_ids)
+            token_ids, biases = s.bias_arrays()
+            flat.append(i * vocab + token_ids)
             values.append(biases)
-    if not rows:
+    if not flat:
         return logits
     device = logits.device
-    where = (torch.cat(rows).to(device), torch.cat(ids).to(device))
-    return logits.index_put(where, torch.cat(values).to(device=device, dtype=logits.dtype), accumulate=True)
+    biased = logits.clone(memory_format=torch.contiguous_format)
+    biased.view(-1).index_add_(0, to_device(np.concatenate(flat), device),
+                               to_device(np.concatenate(values), device).to(logits.dtype))
+    return biased
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
     """Repetition (prompt + output: positive logits divided, negative multiplied), then frequency
-    (x count) and presence (once) over output tokens, subtracted. Only rows with penalties pay."""
+    (x count) and presence (once) over output tokens, subtracted. Only rows with penalties pay.
+    The counts are built on the device from host ids; nothing is read back."""
     rows = [i for i, s in enumerate(states) if s.params.has_penalties]
     if not rows:
         return logits
     chosen = [states[i] for i in rows]
     device, vocab = logits.device, logits.shape[1]
-    counts = count_tokens([torch.tensor(s.output_ids, dtype=torch.long) for s in chosen], vocab, device)  # [P, V]
-    in_prompt = count_tokens([s.prompt_tensor() for s in chosen], vocab, device) > 0
-    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=device)[:, None]  # noqa: E731
-    rep = column([s.params.repetition_penalty for s in chosen])
-    freq = column([s.params.frequency_penalty for s in chosen])
-    pres = column([s.params.presence_penalty for s in chosen])
-    index = torch.tensor(rows, device=device)
-    sub = logits[index]
+    counts = count_tokens([np.asarray(s.output_ids, dtype=np.int64) for s in chosen], vocab, device)  # [P, V]
+    in_prompt = count_tokens([s.prompt_array() for s in chosen], vocab, device) > 0
+    knobs = np.array([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                      for s in chosen], dtype=np.float64)
+    knobs = to_device(knobs, device).to(logits.dtype)  # [P, 3]
+    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
+    index = to_device(np.asarray(rows, dtype=np.int64), device)
+    sub = logits.index_select(0, index)
     seen = in_prompt | (counts > 0)
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
@@ -206,40 +274,44 @@ def apply_penalties(logits: torch.Tensor, states: list[SequenceSamplingState]) -
     return logits.index_copy(0, index, sub)
 
 
-def count_tokens(id_lists: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
-    """[P, V] float32 occurrence counts of each row's token ids (CPU long tensors)."""
-    counts = torch.zeros(len(id_lists), vocab, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(ids) for ids in id_lists])
-    if int(lengths.sum()) == 0:
+def count_tokens(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+    """[P, V] float32 occurrence counts of each row's token ids (host int64 arrays), on `device`."""
+    counts = torch.zeros(len(id_arrays), vocab, dtype=torch.float32, device=device)
+    lengths = [len(ids) for ids in id_arrays]
+    if sum(lengths) == 0:
         return counts
-    row = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
-    ids = torch.cat(id_lists)
+    row = np.repeat(np.arange(len(id_arrays), dtype=np.int64), lengths)
+    ids = np.concatenate(id_arrays)
     # an id outside the model's vocabulary would be a device-side assert on CUDA; it has no logit anyway
     inside = (ids >= 0) & (ids < vocab)
-    row, ids = row[inside].to(device), ids[inside].to(device)
-    return counts.index_put_((row, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    flat = row[inside] * vocab + ids[inside]
+    if not len(flat):
+        return counts
+    counts.view(-1).index_add_(0, to_device(flat, device), torch.ones(len(flat), dtype=torch.float32, device=device))
+    return counts
 
 
 def sample_random(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
     """logits [R, V] penalised -> [R] token ids, one uniform draw per row from its own generator."""
-    device = logits.device
-    column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
-    logits = logits / column([s.params.temperature for s in states])
+    device, vocab = logits.device, logits.shape[1]
+    # the rows' knobs and uniforms, one host array and one copy: temperature, top_k, top_p, min_p, uniform
+    knobs = torch.empty(len(states), 5, dtype=torch.float64)
+    knobs[:, :4] = torch.from_numpy(np.array(
+        [[s.params.temperature, s.params.top_k if s.params.top_k > 0 else vocab, s.params.top_p, s.params.min_p]
+         for s in states], dtype=np.float64))
+    for i, s in enumerate(states):  # = torch.rand((), generator=s.generator, dtype=torch.float64)
+        knobs[i, 4:5].uniform_(0, 1, generator=s.generator)
+    knobs = to_device(knobs, device)
+    logits = logits / knobs[:, 0:1].float()
     # Stable sort: ties keep vocabulary order, so top_k=1 picks what argmax picks.
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [R, V]
-    vocab = logits.shape[1]
-    # knobs nobody in the batch uses stay None: no work, and no device sync on checking them
-    top_k = top_p = min_p = None
-    if any(s.params.top_k > 0 for s in states):
-        top_k = column([s.params.top_k if s.params.top_k > 0 else vocab for s in states], torch.long)
-    if any(s.params.top_p < 1 for s in states):
-        top_p = column([s.params.top_p for s in states])
-    if any(s.params.min_p > 0 for s in states):
-        min_p = column([s.params.min_p for s in states])
+    # knobs nobody in the batch uses stay None: no work
+    top_k = knobs[:, 1:2].long() if any(s.params.top_k > 0 for s in states) else None
+    top_p = knobs[:, 2:3].float() if any(s.params.top_p < 1 for s in states) else None
+    min_p = knobs[:, 3:4].float() if any(s.params.min_p > 0 for s in states) else None
     keep = truncate(sorted_logits, top_k, top_p, min_p)
     probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
-    uniforms = torch.stack([torch.rand((), generator=s.generator, dtype=torch.float64) for s in states]).to(device)
-    position = draw_inverse_cdf(probs, uniforms)
+    position = draw_inverse_cdf(probs, knobs[:, 4])
     return order.gather(1, position[:, None]).squeeze(1)
 
 
@@ -271,45 +343,4 @@ def draw_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     position = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # u * total can round up to total; never step past the last token with mass
     last = (probs > 0).sum(dim=-1) - 1
-    return torch.minimum(position, last)
-
-
-def gather_logprobs(raw: torch.Tensor | None, token_ids: list[int],
-                    states: list[SequenceSamplingState]) -> list[TokenLogprob | None]:
-    """raw [B, V] log_softmax of the model's logits -> per row the sampled token's logprob and top-n."""
-    if raw is None:
-        return [None] * len(states)
-    k = max(s.params.logprobs or 0 for s in states)
-    rows = describe_tokens(raw, token_ids, k)
-    return [None if s.params.logprobs is None else _first(row, s.params.logprobs) for s, row in zip(states, rows)]
-
-
-def compute_prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
-    """logits [P, V] of the prompt's own positions (row t predicts prompt_ids[t + 1]) -> one entry per
-    prompt token; the first has no context, so None (as in OpenAI's and vLLM's output)."""
-    if len(prompt_ids) < 2:
-        return [None] * len(prompt_ids)
-    return [None, *score_tokens(logits[: len(prompt_ids) - 1], prompt_ids[1:], k)]
-
-
-def score_tokens(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """logits [N, V], one given token per row -> its logprob, its rank and the row's k best."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    described = describe_tokens(raw, token_ids, k)
-    own = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])
-    for entry, rank in zip(described, ((raw > own).sum(dim=1) + 1).tolist()):
-        entry.rank = rank
-    return described
-
-
-def describe_tokens(raw: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """raw [N, V] logprobs, one token per row -> its logprob and the row's k best, best first."""
-    own = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None]).squeeze(1).tolist()
-    if k == 0:
-        return [TokenLogprob(t, lp, []) for t, lp in zip(token_ids, own)]
-    values, ids = raw.topk(min(k, raw.shape[1]), dim=-1)
-    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(token_ids, own, ids.tolist(), values.tolist())]
-
-
-def _first(row: TokenLogprob, n: int) -> TokenLogprob:
-    return TokenLogprob(row.token_id, row.logprob, row.top[:n])
+    return torch.minimum(position, last).clamp_(min=0)  # (a row without mass, NaN logits: never index -1)

@@ -5,7 +5,9 @@ Each step is either a prefill batch or a decode batch (as vLLM's original schedu
   waiting ones in arrival order), within `max_num_batched_tokens`; a prompt that does not fit the
   remaining budget is prefilled in chunks over several steps. Waiting sequences first take any
   cached prefix blocks.
-- decode: every running sequence whose only uncomputed token is its last sampled one, one token each.
+- decode: every running sequence whose only uncomputed token is its last sampled one, one token each
+  (that token may still be on the device, `Sequence.in_flight`: the overlapped schedule, step_pipeline.py;
+  a sequence whose token in flight is its last, by max_tokens, is not scheduled again).
 When the pool runs out of blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + output so
 far) when there is room. Prefills go first when sequences are waiting, which keeps TTFT low.
@@ -154,6 +156,8 @@ class Scheduler:
         bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.in_flight:  # preempted with a token still on the device: recomputed once it is known
+                break
             tokens = seq.prompt_ids + seq.output_ids
             # a cached prefix saves its blocks' compute; keep >= 1 token to compute for the logits
             # (and every prompt token, for a request that wants its prompt scored)
@@ -190,6 +194,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.admitted_order):
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
+            limit = seq.request.params.max_tokens
+            if seq.in_flight and limit is not None and seq.sampling.generated >= limit:
+                continue  # its token in flight is its last: nothing more to compute
             if len(chosen) == self.config.max_num_seqs:
                 break
             need = self._blocks_to_write(seq, 1)

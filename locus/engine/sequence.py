@@ -93,6 +93,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens known on the host (not those in flight)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
@@ -105,13 +106,20 @@ class Sequence:
 
     @property
     def last_token(self) -> int:
-        """The newest token (what a decode step feeds the model)."""
+        """The newest token known on the host (what a decode step feeds the model unless one is in flight)."""
         outputs = self.output_ids
         return outputs[-1] if outputs else self.prompt_ids[-1]
 
     @property
+    def in_flight(self) -> int:
+        """Tokens sampled on the device but not yet appended (the overlapped schedule): they follow
+        output_ids, and the device, not the host, feeds the newest one to the next step."""
+        return self.sampling.in_flight
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        """Tokens (those in flight included) whose KV the model has not been asked to compute."""
+        return self.num_tokens + self.sampling.in_flight - self.num_computed
 
     @property
     def is_finished(self) -> bool:

@@ -2,8 +2,9 @@
 
 xgrammar (the library vLLM and SGLang use) compiles a JSON schema, a regex, a list of choices or an
 EBNF grammar against the tokenizer's vocabulary; a per-sequence matcher then fills a token bitmask
-before each sample and advances by the sampled token. The mask is applied inside the batched sampler
-(`Sampler.sample`), so constrained and free rows share a step. A spec that cannot compile is a 400
+before each sample and advances by the sampled token. The mask is filled on the host (`fill_bitmasks`)
+and applied on the device inside the batched sampler (`apply_bitmasks`), so constrained and free rows
+share a step and the host reads nothing back. A spec that cannot compile is a 400
 (`InvalidParameter` naming the request field), raised at admission, before any engine work.
 
 `StructuredOutput` is plain data (it crosses processes under expert parallelism); each engine
@@ -13,12 +14,14 @@ compiles it against its own tokenizer, caching compiled grammars by spec.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from locus.engine.grammar_limits import GrammarLimits, check_spec
@@ -170,11 +173,12 @@ class JsonGuard:
       needs one outside a string either): those tokens are forbidden always;
     - UTF-16 surrogates encoded as UTF-8 (ED A0..BF ..): the rule accepts them, Python's UTF-8 does not,
       so the text would hold U+FFFD and break the schema's length: a token holding such a sequence is
-      forbidden always, and after a token that ends in the lead byte ED, so is one starting A0..BF."""
+      forbidden always, and after a token that ends in the lead byte ED, so is one starting A0..BF.
+    Token ids are host arrays: the sampler folds them into the row's bitmask on the host."""
 
-    always: torch.Tensor  # token ids never allowed
+    always: np.ndarray  # int64 token ids never allowed
     ends_in_ed: frozenset  # token ids whose last byte is ED
-    after_ed: torch.Tensor  # token ids starting with A0..BF
+    after_ed: np.ndarray  # int64 token ids starting with A0..BF
 
     @classmethod
     def of(cls, vocab: list[bytes]) -> "JsonGuard":
@@ -187,12 +191,12 @@ class JsonGuard:
                 ends.append(i)
             if token and 0xA0 <= token[0] <= 0xBF:
                 after.append(i)
-        return cls(torch.tensor(always, dtype=torch.long), frozenset(ends), torch.tensor(after, dtype=torch.long))
+        return cls(np.array(always, dtype=np.int64), frozenset(ends), np.array(after, dtype=np.int64))
 
-    def forbidden(self, output_ids: list[int]) -> torch.Tensor:
+    def forbidden(self, output_ids: list[int]) -> np.ndarray:
         """The token ids a JSON row may not sample next, given its output so far."""
         if output_ids and output_ids[-1] in self.ends_in_ed:
-            return torch.cat([self.always, self.after_ed])
+            return np.concatenate([self.always, self.after_ed])
         return self.always
 
 
@@ -200,19 +204,32 @@ class ConstraintDeadEnd(RuntimeError):
     """A sequence's output constraint allows no token at this point: that request's fault alone."""
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor:
-    """logits [B, V]; matchers[i] None (free row) or row i's matcher: forbid what its grammar forbids."""
-    import xgrammar as xgr
+def fill_bitmasks(matchers: list, vocab: int, forbidden: list[np.ndarray]) -> np.ndarray:
+    """[G, ceil(V / 32)] int32: bit t of row j set iff matchers[j] allows token t next and t is not in
+    forbidden[j] (the row's stop tokens before min_tokens, its JsonGuard ids). Built on the host,
+    where xgrammar's matchers live; bits past the vocabulary are clear, so a row of zeros is a row
+    its constraint leaves no token."""
+    words = np.full((len(matchers), (vocab + 31) // 32), -1, dtype=np.int32)
+    view = torch.from_numpy(words)  # xgrammar fills a torch int32 tensor; this one shares `words`
+    for j, m in enumerate(matchers):
+        m.fill_next_token_bitmask(view, j)
+    bits = words.view(np.uint32)
+    for j, ids in enumerate(forbidden):
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        if len(ids):
+            np.bitwise_and.at(bits[j], ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+    if vocab % 32:
+        bits[:, -1] &= np.uint32((1 << (vocab % 32)) - 1)
+    return words
 
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return logits
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
-    logits = logits.clone()  # the caller's tensor may be the model's logits, still needed on a retry
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-    return logits
+
+def apply_bitmasks(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float; rows [G] int64 and words [G, W] int32 (fill_bitmasks), on the logits'
+    device: a copy of logits with every token a row's bitmask clears at -inf. All on the device."""
+    G, W = words.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(G, W * 32)[:, :logits.shape[1]].bool()
+    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, -math.inf))
 
 
 def _clean(message: str) -> str:

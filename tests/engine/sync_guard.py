@@ -2,10 +2,13 @@
 would make the host wait for a GPU (read a value back, or size a tensor by its data).
 
 On CPU nothing waits, so the calls are found by intercepting them: Tensor.item / tolist / numpy /
-cpu / bool / int / float / index conversions, indexing with a boolean mask, and the ops whose
-output size depends on the data (nonzero, unique, masked_select, single-argument where, bincount,
-repeat_interleave without output_size). Only calls made directly from `locus/` count: torch's and
-Triton's interpreter's own conversions of CPU tensors are not what a GPU would wait for.
+cpu / bool / int / float / index conversions, indexing with a boolean mask, the ops whose output size
+depends on the data (nonzero, unique, masked_select, single-argument where, bincount,
+repeat_interleave without output_size), and `torch.tensor(values, device=...)` (on a GPU a blocking
+copy from pageable memory; host_transfer.to_device is the copy that does not wait). Only calls made
+directly from `locus/` count: torch's and Triton's interpreter's own conversions of CPU tensors are
+not what a GPU would wait for. A host array read with numpy (never a tensor method) is not a call
+here: that is how the engine keeps the host's own values on the host.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ def record_syncs():
             return original(*args, **kwargs)
         return wrapper
 
+    def tensor(original):
+        def wrapper(*args, **kwargs):
+            if kwargs.get("device") is not None:
+                note("torch.tensor(..., device=...)")
+            return original(*args, **kwargs)
+        return wrapper
+
     def repeat_interleave(original):
         def wrapper(*args, **kwargs):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
@@ -90,6 +100,7 @@ def record_syncs():
         patch(torch.Tensor, "__setitem__", setitem)
         patch(torch, "where", where)
         patch(torch, "repeat_interleave", repeat_interleave)
+        patch(torch, "tensor", tensor)
         yield found
     finally:
         for owner, name, original in reversed(saved):

@@ -58,11 +58,11 @@ def check_decode_steps(core: EngineCore, monkeypatch, atol: float = 1e-5, same_e
     eager_runner = type(runner)(runner.model, runner.cache)
     graph_run, checked = runner.run, []
 
-    def run_both(items, record_routing=False):
+    def run_both(items, record_routing=False, **kwargs):  # (kwargs: the feed of an overlapped step)
         if not runner.can_run_compiled(items):
-            return graph_run(items, record_routing)
-        eager = eager_runner.run(items, record_routing=True)
-        fast = graph_run(items, record_routing=True)
+            return graph_run(items, record_routing, **kwargs)
+        eager = eager_runner.run(items, record_routing=True, **kwargs)
+        fast = graph_run(items, record_routing=True, **kwargs)
         assert fast.logits.shape == eager.logits.shape == (len(items), core.model.config.vocab_size)
         assert (fast.logits.float() - eager.logits).abs().max() <= atol
         assert torch.equal(fast.argmax, fast.logits.argmax(-1))  # the graph's greedy token

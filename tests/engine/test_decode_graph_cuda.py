@@ -115,3 +115,42 @@ def test_bfloat16_scout_shaped_decode_replays_eager(tok, monkeypatch):
     checked = check_decode_steps(core, monkeypatch, atol=0.25, same_experts=False)  # bfloat16 logits, O(10)
     generate(core, random_prompts(6, 20, 40, seed=23), staggered(6))
     assert checked
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_a_decode_step_never_syncs_from_schedule_to_its_readback(tiny_cuda, tok, overlap):
+    """Item 2 on the device: every launch of a pure decode step (schedule, stage the buffers, replay,
+    sample greedy / seeded top-p-k-min-p / penalised / logprob / min_tokens / grammar rows, queue the
+    one readback) runs under CUDA's sync debug mode "error"; the tokens equal the serial engine's."""
+    pytest.importorskip("xgrammar")
+    from tests.engine.test_step_pipeline import GUARDED, run_collecting
+
+    kinds = list(GUARDED)
+    core = EngineCore(tiny_cuda, tok, config(compile_buckets=(len(kinds),), async_scheduling=overlap))
+    real, strict = core.launch, []
+
+    def launch(feed=None):
+        scheduler = core.scheduler
+        decode = not scheduler.waiting and bool(scheduler.running) and all(s.num_uncomputed == 1 for s in scheduler.running)
+        if not decode:
+            return real(feed)
+        before = core.graphs.steps
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = real(feed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        strict.append(core.graphs.steps > before)
+        return launched
+
+    core.launch = launch
+    prompts = random_prompts(len(kinds), 5, 12, seed=37)
+    for kind, prompt in zip(kinds, prompts):
+        core.add_request(kind, prompt, GUARDED[kind])
+    finals, _, _ = run_collecting(core)
+    assert all(o.error is None for o in finals.values()) and len(strict) >= 3 and all(strict)
+    serial = EngineCore(tiny_cuda, tok, config(compile_buckets=(len(kinds),), async_scheduling=False))
+    for kind, prompt in zip(kinds, prompts):
+        serial.add_request(kind, prompt, GUARDED[kind])
+    expected, _, _ = run_collecting(serial)
+    assert {k: o.outputs[0].token_ids for k, o in finals.items()} == {k: o.outputs[0].token_ids for k, o in expected.items()}

@@ -115,3 +115,20 @@ def test_inputs_are_staged_as_the_graph_reads_them(staged):
     assert inputs.args(2).block_tables.shape == (2, 6)
     with pytest.raises(ValueError, match="exceeds the decode graphs' width"):
         inputs.stage([1], [0], [[0] * 7], B=1)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_rows_fed_from_the_previous_step_take_its_sampled_ids_on_the_device(staged):
+    """The overlapped schedule stages a placeholder for a token still on the device and its row in the
+    previous step's sampled ids; after the commit, `feed` puts that token in; the other rows and the
+    padding keep what the host staged."""
+    inputs = DecodeInputs(max_batch=4, max_width=4, block_size=16, scratch_block=9, device=torch.device("cpu"),
+                          staged=staged)
+    inputs.stage([5, 0, 0], [3, 7, 2], [[1], [2], [3]], B=4, sources=[-1, 1, 0])
+    inputs.commit(4)
+    inputs.feed(3, torch.tensor([70, 71], dtype=torch.long))
+    args = inputs.args(4, 2)
+    assert args.input_ids.tolist() == [5, 71, 70, 0] and args.positions.tolist() == [3, 7, 2, -1]
+    inputs.stage([6, 8], [4, 8], [[1], [2]], B=2)  # no feed: every row is the host's
+    inputs.commit(2)
+    assert inputs.args(2, 2).input_ids.tolist() == [6, 8] and inputs.meta[4, :2].tolist() == [-1, -1]

@@ -19,10 +19,10 @@ CURSED_SEED = 666  # a request parameter the (patched) sampler cannot handle
 
 
 class CursedSampler(Sampler):
-    def sample(self, logits, states, argmax=None):
+    def launch(self, logits, states, argmax=None):  # what the engine's step calls
         if any(s.params.seed == CURSED_SEED for s in states):
             raise OverflowError("cannot handle this request's parameters")
-        return super().sample(logits, states, argmax)
+        return super().launch(logits, states, argmax)
 
 
 def run(core: EngineCore) -> dict:

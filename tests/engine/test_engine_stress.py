@@ -31,10 +31,14 @@ def random_request(rng: random.Random, vocab: int) -> tuple[list[int], SamplingP
     return prompt, params
 
 
-def finals_of(core: EngineCore, outputs: list[RequestOutput], into: dict[str, RequestOutput]) -> None:
+def finals_of(core: EngineCore, outputs: list[RequestOutput], into: dict[str, RequestOutput],
+              deltas: dict | None = None) -> None:
     for out in outputs:
+        assert out.request_id not in into, f"{out.request_id}: an output after its final one"
+        if deltas is not None:
+            for c in out.outputs:
+                deltas.setdefault((out.request_id, c.index), []).extend(c.delta_token_ids)
         if out.finished:
-            assert out.request_id not in into, f"{out.request_id} finished twice"
             into[out.request_id] = out
 
 
@@ -48,9 +52,10 @@ def run_unconstrained(model, tok, requests) -> dict[str, RequestOutput]:
     return finals
 
 
-def run_stressed(model, tok, requests, rng: random.Random) -> tuple[dict[str, RequestOutput], set[str], EngineCore]:
+def run_stressed(model, tok, requests, rng: random.Random, overlap: bool = False,
+                 deltas: dict | None = None) -> tuple[dict[str, RequestOutput], set[str], EngineCore]:
     core = EngineCore(model, tok, EngineConfig(block_size=8, num_kv_blocks=16, max_num_seqs=8,
-                                               max_num_batched_tokens=24))
+                                               max_num_batched_tokens=24, async_scheduling=overlap))
     pending = list(requests)
     finals: dict[str, RequestOutput] = {}
     aborted: set[str] = set()
@@ -64,18 +69,33 @@ def run_stressed(model, tok, requests, rng: random.Random) -> tuple[dict[str, Re
             rid = rng.choice(live)
             out = core.abort(rid)
             aborted.add(rid)
-            finals_of(core, [out], finals)
-        finals_of(core, core.step(), finals)
+            finals_of(core, [out], finals, deltas)
+        finals_of(core, core.step(), finals, deltas)
         if not pending and not core.has_unfinished():
+            finals_of(core, core.drain(), finals, deltas)  # a step in flight delivers nothing now
             return finals, aborted, core
     raise AssertionError(f"engine wedged: {len(core.requests)} requests unfinished after {MAX_STEPS} steps")
 
 
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_random_mixed_load_on_a_tiny_pool_never_breaks_the_engine(tiny, tok, seed):
+    check_stressed(tiny, tok, seed, overlap=False)
+
+
+@pytest.mark.parametrize("seed", range(max(TRIALS // 2, 1)))
+def test_the_overlapped_schedule_under_random_load_matches_the_serial_engine(tiny, tok, seed):
+    """The same trials with the host finishing step N while step N + 1 is queued (step_pipeline.py):
+    preemption, aborts and stops between the halves; every client sees exactly its final tokens."""
+    check_stressed(tiny, tok, seed, overlap=True)
+
+
+def check_stressed(tiny, tok, seed: int, overlap: bool) -> None:
     rng = random.Random(seed)
     requests = [(f"r{i}", *random_request(rng, tok.vocab_size)) for i in range(40)]
-    finals, aborted, core = run_stressed(tiny, tok, requests, rng)
+    deltas: dict = {}
+    finals, aborted, core = run_stressed(tiny, tok, requests, rng, overlap, deltas)
+    for rid, out in finals.items():  # what was streamed is the final output: nothing extra, nothing lost
+        assert all(deltas.get((rid, c.index), []) == c.token_ids for c in out.outputs), rid
     stats = core.stats()
     assert stats.num_preemptions > 0, "the pool was meant to be too small"
     assert stats.num_free_blocks == stats.num_blocks and not core.requests

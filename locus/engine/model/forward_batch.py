@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from locus.engine.host_transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,12 @@ class ForwardBatch:
     def from_spans(cls, token_ids: list[list[int]], spans: list[SequenceSpan], device: torch.device | str = "cpu") -> "ForwardBatch":
         if len(token_ids) != len(spans) or any(len(t) != s.length for t, s in zip(token_ids, spans)):
             raise ValueError("every span needs exactly `length` token ids")
-        flat = [t for seq in token_ids for t in seq]
-        positions = [p for s in spans for p in range(s.start, s.end)]
-        return cls(
-            input_ids=torch.tensor(flat, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            spans=list(spans),
-        )
+        flat = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64)
+        positions = np.fromiter((p for s in spans for p in range(s.start, s.end)), dtype=np.int64)
+        device = torch.device(device)
+        # one host array, one copy that does not wait for the device (pinned memory on CUDA)
+        both = to_device(np.stack([flat, positions]), device)
+        return cls(input_ids=both[0], positions=both[1], spans=list(spans))
 
     @classmethod
     def single(cls, token_ids: list[int], start: int = 0, slot: int = 0, device: torch.device | str = "cpu") -> "ForwardBatch":
