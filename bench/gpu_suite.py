@@ -8,7 +8,8 @@ Stages, in this order (each in its own process with its own time budget, so that
 costs that stage only; its error goes into the JSON and the suite goes on):
     tests         pytest -m gpu: kernels, paged attention, decode graphs captured and compiled, sampling
     decode-small  bench/profile_decode.py --device cuda, `small`, bfloat16, 32 sequences: the step of
-                  each decode mode against its floor (target <= 3x); fails if any graph was skipped
+                  each decode mode against its floor (target <= 3x); fails if any graph was skipped;
+                  the step split into graph replay, its kernels, launch gaps and host time
     decode-scout  the same on `scout-2l` (two layers of Llama-4 Scout, weights drawn on the GPU;
                   target <= 1.5x)
     parity        greedy tokens and logits max-diff in float32 on `small`: Triton vs torch experts,
@@ -139,8 +140,10 @@ def stage_decode(result: StageResult, budget: float, work: Path, model: str) -> 
         result.reason = f"graphs skipped: {result.figures['graphs_skipped'] or result.figures['inductor_cudagraph_skips']}"
 
 
+# step_split: per mode, the step's replay (CUDA events), its kernels' sum (torch.profiler), the launch gaps
+# between them and the host's time on top (bench/profile_decode.py)
 DECODE_KEYS = ("workload", "floor_ms", "floor_parts_ms", "step_ms", "step_over_floor", "bandwidth_gbps", "peak_tflops",
-               "graphs", "graphs_skipped", "inductor_cudagraph_skips")
+               "graphs", "graphs_skipped", "inductor_cudagraph_skips", "step_split")
 
 
 def decode_figures(data: dict, target: float) -> dict:
@@ -342,6 +345,10 @@ def summary_note(r: StageResult) -> str:
         steps = ", ".join(f"{m} {ms:.3f} ms ({f['step_over_floor'][m]:.2f}x)" for m, ms in f["step_ms"].items())
         note = (f"floor {f['floor_ms']:.3f} ms; {steps}; target <= {f['target_step_over_floor']}x: "
                 f"{'met' if f['target_met'] else 'MISSED'}; skipped graphs: {f['graphs_skipped'] or 'none'}")
+        split = f["step_split"].get(f["best_mode"]) or {}
+        if split.get("reason") is None and split.get("replay_ms") is not None:
+            note += (f"; {f['best_mode']} step = replay {split['replay_ms']:.3f} (kernels {split['kernel_sum_ms']:.3f} "
+                     f"+ gaps {split['launch_gaps_ms']:.3f}) + host {split['host_ms']:.3f} ms")
     elif r.name == "parity":
         g, t = f["graph_vs_eager"], f["triton_vs_torch"]
         note = (f"graph vs eager: {g['tokens_identical']}/{g['prompts']} identical, max diff {g['logits_max_diff']}; "

@@ -29,6 +29,14 @@ The JSON's `graphs_skipped` lists every bucket a CUDA-graph engine could not cap
 format (`--quantize-experts` of `locus serve`): its engines (one per mode) step in turn with the
 model-dtype ones, and its floor counts the narrow expert bytes (ExpertQuantization.bytes_after per
 expert held), so both steps, both floors and their ratios come from one run.
+
+The split of a steady-state step (`step_split`, per CUDA-graph mode; on CPU and in eager mode its
+fields are None, with the reason):
+- replay_ms: the bucket's graph replayed back to back, timed with CUDA events (device time of one replay);
+- kernel_sum_ms: the sum of the kernels' (and device copies') own durations in one replay, from
+  torch.profiler's trace (mean over a few replays);
+- launch_gaps_ms = replay_ms - kernel_sum_ms: the device idle between the graph's kernels;
+- host_ms = the engine's whole step - replay_ms: what the host adds on top of the device's work.
 """
 
 from __future__ import annotations
@@ -122,6 +130,58 @@ def engine_config(mode: str, B: int, prompt_len: int):
     return EngineConfig(**config, compile_decode=mode in ("compiled", "graph+compile"), enforce_eager=mode == "eager")
 
 
+SPLIT_KEYS = ("replay_ms", "kernel_sum_ms", "kernel_count", "launch_gaps_ms", "host_ms")
+DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # device work in a chrome trace's "cat"
+
+
+def device_time_ms(trace: dict) -> tuple[float, int]:
+    """(sum of the device activities' durations in ms, how many) from a torch.profiler chrome trace."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat", "").lower() in DEVICE_ACTIVITY]
+    return sum(float(e.get("dur", 0.0)) for e in events) / 1e3, len(events)
+
+
+def split_step(step_ms: float, replay_ms: float, kernel_sum_ms: float, kernel_count: int) -> dict:
+    """The step's parts: device busy (kernels), device idle inside the replay (launch gaps), host on top."""
+    return {"replay_ms": replay_ms, "kernel_sum_ms": kernel_sum_ms, "kernel_count": kernel_count,
+            "launch_gaps_ms": replay_ms - kernel_sum_ms, "host_ms": step_ms - replay_ms, "reason": None}
+
+
+def no_split(reason: str) -> dict:
+    return {**dict.fromkeys(SPLIT_KEYS), "reason": reason}
+
+
+def step_split(core, B: int, step_ms: float, replays: int = 20, profiled: int = 5) -> dict:
+    """Split a CUDA-graph engine's steady-state decode step (module docstring). Replays the bucket of
+    the step just timed: the same inputs again, so the KV it rewrites is what it wrote."""
+    graphs = core.graphs
+    if core.model.device.type != "cuda":
+        return no_split("on CPU there is no CUDA graph replay to split")
+    bucket = graphs.bucket(B) if graphs is not None else None
+    graph = graphs._graphs.get(bucket) if graphs is not None else None
+    if graph is None:
+        return no_split("this mode runs no captured graph for the bucket (eager, or the capture was skipped)")
+    import tempfile
+
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_ms = start.elapsed_time(end) / replays
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        kernel_ms, count = device_time_ms(json.load(open(f.name)))
+    return split_step(step_ms, replay_ms, kernel_ms / profiled, count // profiled)
+
+
 def graph_report(core) -> dict:
     graphs = core.graphs
     if graphs is None:
@@ -197,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the {mode} engine's decode steps ({w} weights) did not run through its decode graphs")
     steps = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     step_ms = {mode: steps[("model", mode)] for mode in modes}
+    split = {mode: step_split(core, B, step_ms[mode]) for mode, core in cores.items()}
 
     touched = {}  # weights -> bytes of the experts one more (eager) step touches
     for w, (m, per_expert) in variants.items():
@@ -228,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| **floor** | **{floor_ms:.3f}** | {bw / 1e9:,.0f} GB/s, {peak / 1e12:,.1f} TFLOP/s (bench/device_ceilings.py) |")
     for mode in modes:
         print(f"| {mode} step | {step_ms[mode]:.3f} | {step_ms[mode] / floor_ms:.2f}x the floor |")
+    for mode, parts in split.items():
+        if parts["reason"] is None:
+            print(f"| {mode} step split | replay {parts['replay_ms']:.3f} | kernels {parts['kernel_sum_ms']:.3f} "
+                  f"({parts['kernel_count']} a replay) + launch gaps {parts['launch_gaps_ms']:.3f}; "
+                  f"host on top {parts['host_ms']:.3f} |")
     for mode, core in cores.items():
         if core.graphs is not None:
             print(f"{mode}: decode graphs captured {graphs[mode]['captured']}, set up in {core.compile_seconds:.1f} s")
@@ -257,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                        "compile_s": sum(core.compile_seconds for core in cores.values()),
                        "graphs": graphs, "graphs_skipped": skipped, "inductor_cudagraph_skips": inductor_skips,
                        "step_over_floor": {k: v / floor_ms for k, v in step_ms.items()},
-                       "quantized_experts": quantized}, f, indent=1)
+                       "quantized_experts": quantized, "step_split": split}, f, indent=1)
     if args.profile:
         core = cores[modes[-1]]
         with torch.profiler.profile(record_shapes=True) as prof:

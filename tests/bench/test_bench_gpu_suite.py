@@ -17,6 +17,7 @@ from tests.bench.bench_scripts import BENCH
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import gpu_suite  # noqa: E402
+import profile_decode  # noqa: E402
 
 
 def run_suite(*args: str) -> subprocess.CompletedProcess:
@@ -46,6 +47,7 @@ def test_dry_run_writes_every_stage_with_its_figures_keys(tmp_path):
         assert stage["figures"] == gpu_suite.dry_figures(name)
     assert report["targets"]["decode-scout"]["target"] == 1.5
     assert set(gpu_suite.DECODE_KEYS) <= set(report["stages"]["decode-small"]["figures"])
+    assert "step_split" in report["stages"]["decode-scout"]["figures"]  # replay / kernels / gaps / host per mode
 
 
 @pytest.mark.slow  # runs bench/gpu_suite.py as a subprocess, three times
@@ -126,11 +128,15 @@ def test_parity_stage_self_check_on_cpu_and_its_table_row(tmp_path):
 def test_table_rows_read_every_stage_figures():
     """Rows built from figures shaped as the parsers return them (the parsers read real bench output
     in the offline, profile_decode and serve bench tests)."""
+    split = {"eager": profile_decode.no_split("eager"), "graph": profile_decode.split_step(0.5, 0.3, 0.25, 120),
+             "graph+compile": profile_decode.split_step(0.4, 0.3, 0.2, 90)}
     decode = gpu_suite.decode_figures({
         "workload": "w", "floor_ms": 0.2, "floor_parts_ms": {}, "step_ms": {"eager": 9.0, "graph": 0.5, "graph+compile": 0.4},
         "step_over_floor": {"eager": 45.0, "graph": 2.5, "graph+compile": 2.0}, "bandwidth_gbps": 3000.0,
-        "peak_tflops": 700.0, "graphs": {}, "graphs_skipped": {}, "inductor_cudagraph_skips": 0}, 3.0)
+        "peak_tflops": 700.0, "graphs": {}, "graphs_skipped": {}, "inductor_cudagraph_skips": 0, "step_split": split}, 3.0)
     assert decode["best_mode"] == "graph+compile" and decode["target_met"]
+    assert "graph+compile step = replay 0.300 (kernels 0.200 + gaps 0.100) + host 0.100 ms" in \
+        gpu_suite.summary_row(gpu_suite.StageResult("decode-small", "ok", 1.0, figures=decode))
     percentiles = {"mean": 1.0, "median": 1.0, "p90": 1.0, "p99": 1.0}
     serve = {"successful": 64, "failed": 0, "duration_s": 1.0, "output_throughput": 4096.0, "ttft_ms": percentiles,
              "tpot_ms": percentiles, "itl_ms": percentiles, "errors": []}
@@ -179,3 +185,17 @@ def test_the_suite_loop_runs_each_stage_and_keeps_going(tmp_path, monkeypatch, c
     report = json.loads(out.read_text())
     assert code == 0 and report["passed"] and not report["complete"]
     assert "--stages serve" in capsys.readouterr().out
+
+
+def test_the_decode_step_split_reads_a_profiler_trace():
+    """profile_decode's split of a graph step: device activities of a chrome trace (kernels, copies,
+    memsets; not the host's runtime calls) summed; launch gaps = replay - kernels; host = step - replay."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 120.0}, {"ph": "X", "cat": "kernel", "name": "argmax", "dur": 30.5},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "dur": 4.5},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "dur": 900.0},
+        {"ph": "i", "cat": "kernel", "name": "marker"}]}
+    assert profile_decode.device_time_ms(trace) == (pytest.approx(0.155), 3)
+    parts = profile_decode.split_step(step_ms=0.9, replay_ms=0.2, kernel_sum_ms=0.155, kernel_count=3)
+    assert parts["launch_gaps_ms"] == pytest.approx(0.045) and parts["host_ms"] == pytest.approx(0.7)
+    assert set(profile_decode.SPLIT_KEYS) < set(parts) and parts["reason"] is None

@@ -48,6 +48,9 @@ def test_profile_decode_puts_eager_and_compiled_steps_beside_the_floor(tmp_path)
     for kind in ("eager", "compiled"):
         assert result["step_over_floor"][kind] == pytest.approx(result["step_ms"][kind] / result["floor_ms"])
     assert result["touched_expert_bytes"] > 0 and result["compile_s"] > 0
+    for kind in ("eager", "compiled"):  # on CPU no graph replays: the split says why, each figure None
+        split = result["step_split"][kind]
+        assert "CPU" in split["reason"] and split["replay_ms"] is None and split["host_ms"] is None
     figures = gpu_suite.decode_figures(result, 3.0)  # what the GPU suite reads of it
     assert figures["best_mode"] == "compiled" and figures["graphs_skipped"] == {}
     assert figures["target_met"] == (result["step_over_floor"]["compiled"] <= 3.0)
