@@ -115,6 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, do not capture decode steps as CUDA graphs (captured by default there; CPU never "
                         "captures)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the host's work with the device's: schedule and prepare step N + 1 while step N runs, "
+                        "then detokenize and stream step N (default: on with CUDA, off on CPU, where the forward runs "
+                        "on the host's own cores and nothing overlaps). See docs/engine.md")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
@@ -150,7 +154,7 @@ def engine_config_of(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         compile_decode=args.compile,
-        compile_buckets=args.compile_buckets, enforce_eager=args.enforce_eager,
+        compile_buckets=args.compile_buckets, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         grammar_limits=grammar_limits_of(args))
 
 

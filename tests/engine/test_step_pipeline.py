@@ -297,3 +297,15 @@ def test_the_guard_sees_a_read_back_during_a_launch(tiny, tok, monkeypatch):
     core.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     run_collecting(core)
     assert found and all(any(what == "Tensor.numpy" for what, _ in f) for f in found)
+
+
+def test_the_overlap_is_on_by_default_only_where_the_forward_is_asynchronous(tiny, tok):
+    """EngineConfig.async_scheduling None: on with CUDA, off on CPU (docs/engine.md has the measurement);
+    `locus serve --async-scheduling / --no-async-scheduling` sets it either way."""
+    from locus.cli import build_parser
+    from locus.server.cli import engine_config_of
+
+    assert not EngineCore(tiny, tok, overlap_config(None)).pipeline.overlapping  # tiny is on CPU
+    assert EngineCore(tiny, tok, overlap_config(True)).pipeline.overlapping
+    for flags, expected in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        assert engine_config_of(build_parser().parse_args(["serve", *flags])).async_scheduling is expected
