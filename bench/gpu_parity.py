@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     graphs, runner = graph.engine.graphs, graph.engine.runner
     eager_runner, graph_run, diffs = ModelRunner(model, runner.cache), runner.run, []
 
-    def run_both(items, record_routing=False):
-        fast = graph_run(items, record_routing)
+    def run_both(items, record_routing=False, **kwargs):  # (kwargs: an overlapped step's feed)
+        fast = graph_run(items, record_routing, **kwargs)
         if runner.can_run_compiled(items):
-            diffs.append(float((fast.logits.float() - eager_runner.run(items).logits).abs().max()))
+            diffs.append(float((fast.logits.float() - eager_runner.run(items, **kwargs).logits).abs().max()))
         return fast
 
     runner.run = run_both

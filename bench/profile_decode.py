@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     touched = {}  # weights -> bytes of the experts one more (eager) step touches
     for w, (m, per_expert) in variants.items():
         core = engines[(w, modes[0])]
+        core.drain()  # (overlapped, on CUDA: the step in flight's tokens first; this step feeds none)
         items = core.scheduler.schedule().micro_batches[0]
         touched[w] = touched_expert_bytes(ModelRunner(m, core.cache).run(items, record_routing=True).routing, per_expert)
     expert_bytes = touched["model"]
