@@ -21,6 +21,8 @@ Phases (medians over the timed steps, ms):
     host_cpu     the same in the engine thread's CPU time: without the time the thread was descheduled
                  or waiting for the GIL (the stream's event loop thread), which on a loaded machine
                  lands at random in the wall-time phases
+    forward_cpu  the forward's CPU time in the engine thread (on CPU with one torch thread, host_cpu +
+                 forward_cpu is the whole step's work)
 
     python bench/engine_overhead.py [--model small] [--device cpu|cuda] [--batch-sizes 1,32,256]
                                     [--decode eager|compiled|graph] [--overlap default|on|off] [--steps 20]
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 PHASES = ("schedule", "prepare", "forward", "sample", "readback", "postprocess", "outputs", "hand-off", "host",
-          "host_cpu")
+          "host_cpu", "forward_cpu")
 
 
 class Timers:
@@ -199,6 +201,7 @@ def measure(model, tokenizer, B: int, args, device: torch.device) -> dict:
                                                                       "readback", "postprocess"))
             row["host"] = (end - start) - row["forward"] - row["readback"]
             row["host_cpu"] = (end_cpu - start_cpu) - cpu.get("forward", 0.0)
+            row["forward_cpu"] = cpu.get("forward", 0.0)  # (on CPU, with host_cpu: the whole step's CPU time)
             rows.append(row)
         decoded = sum(len(out.outputs[0].delta_token_ids) for out in outputs)
         if decoded != B:

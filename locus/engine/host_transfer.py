@@ -8,7 +8,7 @@ step built of such calls keeps the host and the device taking turns. Here:
 - a step's results (sampled ids, the logprobs asked for, routing) come back in ONE non-blocking copy
   into pinned memory followed by one event (`Readback`): the host waits only when it reads them, which
   the overlapped schedule does while the device runs the next step (step_pipeline.py).
-On CPU there is nothing to wait for: `to_device` wraps the array, and a readback reads the tensors.
+On CPU there is nothing to wait for: `to_device` wraps the array, and a readback snapshots the tensors.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ class Readback:
     def issue(self) -> None:
         """Start the copy (CUDA: one device-side concatenation of the parts' bytes, one non-blocking
         copy into pinned memory, one event). Nothing is read here."""
-        if self.device.type == "cpu" or not self._parts:
+        if not self._parts:
+            return
+        if self.device.type == "cpu":  # the values as of now, as a device's copy would hold them (a later
+            self._parts = [p.clone() for p in self._parts]  # step may reuse a static output buffer)
             return
         # widest elements first: every part then starts at an offset its element size divides
         order = sorted(range(len(self._parts)), key=lambda i: -self._parts[i].element_size())

@@ -175,7 +175,10 @@ class Sampler:
         return set(state.params.stop_token_ids) | (set() if state.params.ignore_eos else set(self.eos_token_ids))
 
     def stop_tokens_masked(self, states: list[SequenceSamplingState]) -> bool:
-        return any(self.banned_tokens(s) for s in states)
+        """Whether any row has stop tokens banned (= a banned_tokens set not empty, without building it)."""
+        eos = bool(self.eos_token_ids)
+        return any(s.generated < s.params.min_tokens and (bool(s.params.stop_token_ids) or (eos and not s.params.ignore_eos))
+                   for s in states)
 
     def mask_stop_tokens(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """Forbid stop tokens (EOS unless ignore_eos, and stop_token_ids) until min_tokens are out."""

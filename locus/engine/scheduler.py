@@ -191,14 +191,21 @@ class Scheduler:
     def _schedule_decode(self) -> list[ScheduledSeq]:
         chosen: list[ScheduledSeq] = []
         scheduled: set[int] = set()
+        bs = self.blocks.block_size
         for seq in sorted(self.running, key=lambda s: s.admitted_order):
-            if seq not in self.running or seq.num_uncomputed != 1:
+            # (preempted earlier in this loop: its status is no longer RUNNING)
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
             limit = seq.request.params.max_tokens
             if seq.in_flight and limit is not None and seq.sampling.generated >= limit:
                 continue  # its token in flight is its last: nothing more to compute
             if len(chosen) == self.config.max_num_seqs:
                 break
+            # the common case, first: the token lands in the sequence's own last block
+            if seq.num_computed // bs < len(seq.block_table) and not self._shared_tail(seq):
+                chosen.append(ScheduledSeq(seq, 1))
+                scheduled.add(seq.seq_id)
+                continue
             need = self._blocks_to_write(seq, 1)
             if need > self.blocks.num_free_blocks and not self.make_room(need, scheduled | {seq.seq_id}):
                 self.preempt(seq)  # nothing else to take from: this one waits

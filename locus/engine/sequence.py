@@ -94,7 +94,8 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         """Prompt and output tokens known on the host (not those in flight)."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        sampling = self.sampling
+        return len(sampling.prompt_ids) + len(sampling.output_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = len(self.prompt_ids)
@@ -119,7 +120,8 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         """Tokens (those in flight included) whose KV the model has not been asked to compute."""
-        return self.num_tokens + self.sampling.in_flight - self.num_computed
+        sampling = self.sampling
+        return len(sampling.prompt_ids) + len(sampling.output_ids) + sampling.in_flight - self.num_computed
 
     @property
     def is_finished(self) -> bool:

@@ -70,18 +70,22 @@ class ForwardBatch:
     def query_rows(self) -> torch.Tensor:
         """[B, Q] int64: flat row of each sequence's i-th new token; -1 where the sequence is shorter."""
         if "query_rows" not in self.memo:
-            Q = max(s.length for s in self.spans)
-            rows = torch.full((len(self.spans), Q), -1, dtype=torch.long)
-            row = 0
-            for b, s in enumerate(self.spans):
-                rows[b, : s.length] = torch.arange(row, row + s.length)
-                row += s.length
-            self.memo["query_rows"] = rows.to(self.device)
+            self.memo["query_rows"] = to_device(self._query_rows_host(), self.device)
         return self.memo["query_rows"]
 
+    def _query_rows_host(self) -> np.ndarray:
+        lengths = np.fromiter((s.length for s in self.spans), dtype=np.int64, count=len(self.spans))
+        column = np.arange(int(lengths.max()) if len(lengths) else 0, dtype=np.int64)[None, :]
+        rows = (np.cumsum(lengths) - lengths)[:, None] + column
+        rows[column >= lengths[:, None]] = -1
+        return rows
+
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """[B, Q, ...] per-query values -> [T, ...] in flat row order (sequences are contiguous)."""
-        return padded[self.query_rows() >= 0]
+        """[B, Q, ...] per-query values -> [T, ...] in flat row order (sequences are contiguous). The
+        valid entries' indices come from the host: no boolean mask, which a GPU would have to count."""
+        if "unpad_index" not in self.memo:
+            self.memo["unpad_index"] = to_device(np.flatnonzero(self._query_rows_host().ravel() >= 0), self.device)
+        return padded.flatten(0, 1).index_select(0, self.memo["unpad_index"])
 
     def query_positions(self) -> torch.Tensor:
         """[B, Q] absolute positions of the padded queries (-1 = padding)."""

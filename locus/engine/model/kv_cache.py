@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from locus.engine.host_transfer import to_device
 from locus.engine.model.config import ModelConfig
 from locus.engine.model.forward_batch import ForwardBatch
 
@@ -132,8 +134,8 @@ class PagedKVCache(FlatKVCache):
             if len(table) * self.block_size < s.end:
                 raise ValueError(f"sequence slot {s.slot} reaches position {s.end} but holds {len(table)} blocks")
         width = max((len(t) for t in tables), default=1)
-        batch.memo[("block_tables", id(self))] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                             dtype=torch.long, device=batch.device)
+        padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64).reshape(len(tables), width)
+        batch.memo[("block_tables", id(self))] = to_device(padded, batch.device)  # (no wait for the device)
 
     def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tables = batch.memo.get(("block_tables", id(self)))
