@@ -249,17 +249,18 @@ GUARDED = {
     "penalties": SamplingParams(temperature=0.8, seed=6, max_tokens=4, repetition_penalty=1.2, frequency_penalty=0.5,
                                 presence_penalty=0.2, ignore_eos=True),
     "grammar": SamplingParams(temperature=1.0, seed=9, max_tokens=4, structured=StructuredOutput("regex", "[a-z]{6}")),
+    "logit_bias": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={65: 5.0, 66: -100.0}),
 }
 
 
 @pytest.mark.parametrize("overlap,kinds", [
     (False, list(GUARDED)),
-    (True, ["greedy", "seeded", "logprobs+min_tokens"]),  # (penalties and grammars finish each step first)
+    (True, ["greedy", "seeded", "logprobs+min_tokens", "logit_bias"]),  # (penalties, grammars: each step finishes first)
 ], ids=["serial", "overlapped"])
 def test_a_decode_step_never_waits_for_the_device(tok, overlap, kinds):
     """Greedy rows, seeded rows with top-p/top-k/min-p, penalties, logprobs, a stop-token mask
-    (min_tokens) and a grammar in the same decode steps: from schedule to the queued readback nothing
-    reads a value back or sizes a tensor by its data (the Triton experts and the paged kernel, as the
+    (min_tokens), a grammar and logit_bias in the same decode steps: from schedule to the queued
+    readback nothing reads a value back or sizes a tensor by its data (the Triton experts and the paged kernel, as the
     CUDA graph runs them, under the interpreter). Overlapped, the inputs are fed from the device."""
     pytest.importorskip("xgrammar")
     model = build_preset("tiny", seed=0, moe_backend="triton")
