@@ -244,7 +244,7 @@ def overhead_figures(data: dict) -> dict:
 def dry_figures(name: str) -> dict:
     """The figures' keys a real run fills, each None (the shape of the JSON without a GPU)."""
     keys = {"tests": ("tests", "failures", "errors", "skipped", "failed_tests"),
-            "parity": ("triton_vs_torch", "graph_vs_eager", "passed"), "kernels": ("table",),
+            "parity": ("triton_vs_torch", "graph_vs_eager", "overlapped_vs_serial", "passed"), "kernels": ("table",),
             "kernels-narrow": ("table", "by_format"),
             "offline": ("rows", "ratio_locus_over_transformers", "identical_greedy_share", "transformers_error"),
             "serve": SERVE_KEYS, "overhead": ("workload", "ms")}.get(name, (*DECODE_KEYS, "best_mode", "target_met"))
@@ -353,6 +353,9 @@ def summary_note(r: StageResult) -> str:
         g, t = f["graph_vs_eager"], f["triton_vs_torch"]
         note = (f"graph vs eager: {g['tokens_identical']}/{g['prompts']} identical, max diff {g['logits_max_diff']}; "
                 f"triton vs torch: argmax {t['argmax_identical']}/{t['prompts']}, max diff {t['logits_max_diff']:.2e}")
+        o = f.get("overlapped_vs_serial")
+        if o:
+            note += f"; overlapped vs serial schedule: {o['tokens_identical']}/{o['prompts']} identical"
     elif r.name == "offline":
         note = ", ".join(f"{row['engine']} {row['output_tokens_per_s']:,.0f} tok/s" for row in f["rows"])
         if f.get("ratio_locus_over_transformers"):

@@ -121,6 +121,7 @@ def test_parity_stage_self_check_on_cpu_and_its_table_row(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["passed"] and figures["graph_vs_eager"]["steps_compared"] >= 4
     assert figures["graph_vs_eager"]["logits_max_diff"] <= 1e-5 and figures["triton_vs_torch"]["logits_max_diff"] <= 1e-4
+    assert figures["overlapped_vs_serial"] == {"tokens_identical": 3, "prompts": 3, "identical_to_eager": 3}
     row = gpu_suite.summary_row(gpu_suite.StageResult("parity", "ok", 1.0, figures=figures))
     assert "3/3 identical" in row and "incomplete" not in row
 
