@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how decode steps run: the engine's default for the device (CPU eager, CUDA graphs), "
                         "eager, compiled (--compile), graph (CUDA graphs, CUDA only)")
     p.add_argument("--overlap", default="default", choices=["default", "on", "off"],
-                   help="the overlapped schedule (EngineConfig.async_scheduling; default: on on CUDA, off on CPU)")
+                   help="the overlapped schedule (EngineConfig.async_scheduling; default: off)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--against", default=None, metavar="DIR",

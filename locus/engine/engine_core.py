@@ -81,7 +81,7 @@ class EngineConfig:
     compile_buckets: tuple[int, ...] | None = None
     enforce_eager: bool = False
     # The overlapped schedule (step_pipeline.py): the host finishes step N while the device runs N + 1.
-    # None = on where the forward runs asynchronously (CUDA), off on CPU (docs/engine.md).
+    # None = off: the overlap has not yet measured faster on any device (docs/engine.md).
     async_scheduling: bool | None = None
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # output constraints' budgets
 
@@ -139,7 +139,7 @@ class EngineCore:
         self.graphs = self._decode_graphs(model, config)
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
-        overlap = config.async_scheduling if config.async_scheduling is not None else model.device.type == "cuda"
+        overlap = bool(config.async_scheduling)
         self.pipeline = StepPipeline(self, overlap)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
         self.requests: dict[str, Request] = {}

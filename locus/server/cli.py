@@ -117,8 +117,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "captures)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the host's work with the device's: schedule and prepare step N + 1 while step N runs, "
-                        "then detokenize and stream step N (default: on with CUDA, off on CPU, where the forward runs "
-                        "on the host's own cores and nothing overlaps). See docs/engine.md")
+                        "then detokenize and stream step N (default: off; it has not yet measured faster, on CPU or on "
+                        "an H200). See docs/engine.md")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)

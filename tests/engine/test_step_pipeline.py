@@ -300,9 +300,9 @@ def test_the_guard_sees_a_read_back_during_a_launch(tiny, tok, monkeypatch):
     assert found and all(any(what == "Tensor.numpy" for what, _ in f) for f in found)
 
 
-def test_the_overlap_is_on_by_default_only_where_the_forward_is_asynchronous(tiny, tok):
-    """EngineConfig.async_scheduling None: on with CUDA, off on CPU (docs/engine.md has the measurement);
-    `locus serve --async-scheduling / --no-async-scheduling` sets it either way."""
+def test_the_overlap_is_off_by_default_and_the_flag_sets_it(tiny, tok):
+    """EngineConfig.async_scheduling None: off (docs/engine.md has the measurements on CPU and on an
+    H200); `locus serve --async-scheduling / --no-async-scheduling` sets it either way."""
     from locus.cli import build_parser
     from locus.server.cli import engine_config_of
 
