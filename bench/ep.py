@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--ep-timeout", type=float, default=120.0)
     p.add_argument("--untagged", action="store_true", help="send no x-locus-domain header (tags withheld)")
+    p.add_argument("--dispatch-format", default="model", choices=("model", "mxfp8", "mxint8"),
+                   help="the servers' --ep-dispatch-format, replayed with the same (default: model)")
+    p.add_argument("--combine-format", default="model", choices=("model", "mxfp8", "mxint8"),
+                   help="the servers' --ep-combine-format, replayed with the same (default: model)")
     p.add_argument("--extra-serve-args", default="", help="more `locus serve` flags, as one string (e.g. '--ep-loop-nice 0')")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the work directory (traces, plans, server logs)")
@@ -139,6 +143,7 @@ def serve_and_measure(args: argparse.Namespace, plan: Path, trace: Path, log: Pa
     cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", args.model, "--ep-ranks", str(nodes * gpus),
            "--gpus-per-node", str(gpus), "--plan", str(plan), "--record-trace", str(trace), "--moe-backend", "torch",
            "--ep-timeout", str(args.ep_timeout), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+           "--ep-dispatch-format", args.dispatch_format, "--ep-combine-format", args.combine_format,
            *shlex.split(args.extra_serve_args)]
     base = f"http://127.0.0.1:{port}"
     server = start_server(cmd, threads=1, log_path=str(log))  # one torch thread per rank
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             plan.write_text(json.dumps(doc, indent=1) + "\n")
         trace = work / f"{name}-trace"
         run = serve_and_measure(args, plan, trace, work / f"{name}-server.log", text)
-        locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(work / f"{name}-replay.json"))
+        locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(work / f"{name}-replay.json"),
+              "--dispatch-format", args.dispatch_format, "--combine-format", args.combine_format)
         replayed = json.loads((work / f"{name}-replay.json").read_text())
         stats = run["stats"]
         tokens = stats["tokens"]

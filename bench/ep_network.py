@@ -34,6 +34,10 @@ the measured ones). For `mini` (8 experts) give `--slots 3`: with 6 slots a node
 `--untagged` sends the requests without their domain (as an ordinary client does): a locality
 plan's grouper then places them by its prompt predictor.
 
+`--dispatch-format model,mxfp8` runs every plan once per payload format (`--ep-dispatch-format` of the
+servers; `D/C` also sets `--ep-combine-format C`, e.g. `mxfp8/mxfp8`): the table's format column, with
+each format's inter-node payload bytes per token and decode TPOT (docs/formats.md).
+
 `--pin-nodes` keeps each virtual node on its own share of the cores (taskset), so that one node's
 compute cannot fill the time another node's messages spend on the link (by default all ranks share
 every core, which real nodes do not).
@@ -68,6 +72,7 @@ from serve_lib.table import print_table as markdown_table
 
 PROG = "bench/ep_network.py"
 PLANS = ("round_robin", "eplb", "locality")
+PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")  # locus.kernels.formats.PAYLOAD_FORMATS
 SHARES = (0.25, 0.5, 0.75)
 WARM_UP = 4  # requests a new cluster serves before anything is measured
 
@@ -84,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "nodes): no node's compute can hide another node's wait on the link, as on real machines")
     p.add_argument("--overlap", default="off,on", help="comma-separated: off, on (default: both)")
     p.add_argument("--exchange", default="exact", choices=("exact", "fixed"), help="--ep-exchange of the servers")
+    p.add_argument("--dispatch-format", default="model", metavar="F[,F...]",
+                   help="payload formats, each a cluster per plan: model, mxfp8, mxint8 (--ep-dispatch-format), or "
+                        "DISPATCH/COMBINE to set --ep-combine-format too, e.g. mxfp8/mxfp8 (default: model)")
     p.add_argument("--rates", default="auto", help="'auto', or comma-separated link rates (e.g. 20mbit,5mbit); "
                                                    "'unshaped' is always measured first")
     p.add_argument("--workloads", default="wave,mixed")
@@ -252,7 +260,26 @@ def node_cpus(node: int, args: argparse.Namespace) -> list[str]:
     return ["taskset", "-c", ",".join(str(c) for c in cpus[node * per:(node + 1) * per])]
 
 
-def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Path, overlap: bool, work: Path, tag: str) -> Cluster:
+def payload_formats(spec: str) -> list[tuple[str, str]]:
+    """'model,mxfp8,mxfp8/mxfp8' -> [(dispatch, combine), ...]."""
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        dispatch, _, combine = item.partition("/")
+        for fmt in (dispatch, combine or "model"):
+            if fmt not in PAYLOAD_FORMATS:
+                raise SystemExit(f"{PROG}: --dispatch-format {item!r}: {fmt!r} is not one of {', '.join(PAYLOAD_FORMATS)}")
+        out.append((dispatch, combine or "model"))
+    return out
+
+
+def format_name(fmt: tuple[str, str]) -> str:
+    return fmt[0] if fmt[1] == "model" else f"{fmt[0]}/{fmt[1]}"
+
+
+def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Path, overlap: bool, work: Path, tag: str,
+                  fmt: tuple[str, str] = ("model", "model")) -> Cluster:
     port, master = 8000, 29500
     serve = ["-m", "locus.cli", "serve", "--model", args.model, "--plan", str(plan), "--record-trace", str(trace),
              "--moe-backend", args.moe_backend, "--ep-timeout", str(args.ep_timeout), "--host", "0.0.0.0",
@@ -261,6 +288,8 @@ def start_cluster(net: Network, args: argparse.Namespace, plan: Path, trace: Pat
         serve += ["--ep-exchange", args.exchange]
     if overlap:
         serve.append("--ep-overlap")
+    if fmt != ("model", "model"):
+        serve += ["--ep-dispatch-format", fmt[0], "--ep-combine-format", fmt[1]]
     serve += args.extra_serve_args.split()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -493,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     overlaps = [o.strip() == "on" for o in args.overlap.split(",") if o.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    formats = payload_formats(args.dispatch_format)
     if bad := [p for p in plans if p not in PLANS]:
         raise SystemExit(f"{PROG}: unknown plan(s) {bad}")
     if args.rates == "auto" and (plans[0] != "round_robin" or overlaps[0]):
@@ -520,16 +550,17 @@ def main(argv: list[str] | None = None) -> int:
         for name in plans:
             plan = work / f"{name}.json"
             locus("plan", str(planning), "--topology", topology, "--slots", str(args.slots), "--planner", name, "-o", str(plan))
-            for overlap in overlaps:
-                tag = f"{name}{'-overlap' if overlap else ''}"
+            for fmt, overlap in [(f, o) for f in formats for o in overlaps]:
+                suffix = "" if fmt == ("model", "model") else "-" + format_name(fmt).replace("/", "-")
+                tag = f"{name}{suffix}{'-overlap' if overlap else ''}"
                 trace = work / f"{tag}-trace"
                 net.shape(None)
-                cluster = start_cluster(net, args, plan, trace, overlap, work, tag)
+                cluster = start_cluster(net, args, plan, trace, overlap, work, tag, fmt)
                 try:
                     model = httpx.get(f"{cluster.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
                     asyncio.run(run_jobs(cluster.base_url, model, unseen_jobs(text, WARM_UP, args.output_len)))  # warm-up
                     for index, rate in enumerate([None, *(rates or [])]):  # before calibration: unshaped only
-                        results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text)
+                        results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text, fmt)
                     if rates is None:  # calibrate on the first cluster (round_robin, unshaped)
                         wave = next(r for r in results if r["plan"] == name and r["workload"] == "wave")
                         calibration = decode_calibration(net, cluster, model, args, text, wave)
@@ -538,14 +569,14 @@ def main(argv: list[str] | None = None) -> int:
                               f"(TPOT {calibration['decode_step_ms']:.1f} ms unshaped); rates at which the link would "
                               f"take ~25/50/75% of round_robin's decode step: {', '.join(rates)}", flush=True)
                         for index, rate in enumerate(rates, start=1):
-                            results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text)
+                            results += measure_rate(net, cluster, model, args, name, overlap, rate, index, text, fmt)
                     final = httpx.get(f"{cluster.base_url}/ep/stats", timeout=30).json()
                 finally:
                     net.shape(None)
                     code = stop_cluster(cluster)
                 if code != 0:
                     raise RuntimeError(f"{tag}: the cluster exited with {code}; see {cluster.logs}")
-                sessions.append(check_replay(work, tag, plan, trace, final))
+                sessions.append(check_replay(work, tag, plan, trace, final, fmt))
     finally:
         net.remove()
     print_table(results)
@@ -565,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Namespace, plan: str, overlap: bool,
-                 rate: str | None, index: int, text: DomainText | None) -> list[dict]:
+                 rate: str | None, index: int, text: DomainText | None,
+                 fmt: tuple[str, str] = ("model", "model")) -> list[dict]:
     """The workloads at one link rate, --repeats times each. Every run sends prompts this cluster has
     not seen (consecutive request offsets by rate and repeat), so no run's prefill is served from the
     prefix cache of an earlier one (text prompts: until a domain's pool wraps around, which the corpus'
@@ -579,21 +611,24 @@ def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Name
                 (args.streams if name == "mixed" else 0)
             jobs = wave_jobs(args, offset, text) if name == "wave" else mixed_jobs(args, offset, repeat, text)
             runs.append(measure(net, cluster, model, jobs, args.untagged))
-        row = {"plan": plan, "overlap": overlap, "rate": rate or "unshaped", "workload": name, "untagged": args.untagged,
+        row = {"plan": plan, "format": format_name(fmt), "dispatch_format": fmt[0], "combine_format": fmt[1],
+               "overlap": overlap, "rate": rate or "unshaped", "workload": name, "untagged": args.untagged,
                **medians(runs)}
         rows.append(row)
-        print(f"{plan}{' +overlap' if overlap else ''} @ {row['rate']} {name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
+        print(f"{plan} ({row['format']}){' +overlap' if overlap else ''} @ {row['rate']} {name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
               f"{row['out_tok_s']:.0f} tok/s, step {row['step_ms']:.1f} ms (exchange {row['exchange']:.0%}), "
               f"CPU {row.get('cpu_ms_per_step', float('nan')):.1f} ms/step on {row.get('cpu_busy_cores', float('nan')):.2f} busy cores",
               flush=True)
     return rows
 
 
-def check_replay(work: Path, tag: str, plan: Path, trace: Path, final: dict) -> dict:
+def check_replay(work: Path, tag: str, plan: Path, trace: Path, final: dict,
+                 fmt: tuple[str, str] = ("model", "model")) -> dict:
     """The cluster's measured bytes (its /ep/stats just before it stopped) against the replay of the
-    trace it recorded: equal, to the byte, or the bench fails."""
+    trace it recorded, in the payload formats it served with: equal, to the byte, or the bench fails."""
     replay = work / f"{tag}-replay.json"
-    locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(replay))
+    locus("replay", str(trace), "--plan", str(plan), "--assign", "recorded", "--json", str(replay),
+          "--dispatch-format", fmt[0], "--combine-format", fmt[1])
     replayed = json.loads(replay.read_text())
     session = {"tag": tag, "measured": {k: final[k] for k in ("inter_node_bytes", "intra_node_bytes", "tokens")},
                "replayed": {k: replayed[k] for k in ("inter_node_bytes", "intra_node_bytes", "tokens")}}
@@ -604,9 +639,9 @@ def check_replay(work: Path, tag: str, plan: Path, trace: Path, final: dict) -> 
 
 
 def print_table(results: list[dict]) -> None:
-    head = ("plan", "overlap", "link", "workload", "TPOT p50", "TPOT p99", "TTFT p50", "out tok/s", "step ms",
+    head = ("plan", "format", "overlap", "link", "workload", "TPOT p50", "TPOT p99", "TTFT p50", "out tok/s", "step ms",
             "compute", "exchange", "control", "CPU ms/step", "cores busy", "inter B/tok", "link KB/step")
-    rows = [(r["plan"], "on" if r["overlap"] else "off", r["rate"], r["workload"], f"{r['tpot_p50_ms']:.1f}",
+    rows = [(r["plan"], r.get("format", "model"), "on" if r["overlap"] else "off", r["rate"], r["workload"], f"{r['tpot_p50_ms']:.1f}",
              f"{r['tpot_p99_ms']:.1f}", f"{r['ttft_p50_ms']:.0f}", f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}",
              f"{r['compute']:.0%}", f"{r['exchange']:.0%}", f"{r['control']:.0%}",
              f"{r['cpu_ms_per_step']:.1f}" if "cpu_ms_per_step" in r else "-",

@@ -16,9 +16,12 @@ Per format and domain:
     greedy     free-running: each held-out document's first --prompt-tokens tokens as the prompt,
                --greedy-tokens greedy tokens; the share of continuations identical to the
                unquantized model's, and the mean number of tokens before the first difference
-Rows: the routed experts' weights in fp8 (row-wise E4M3), mxfp8, mxfp4 (--quantize-experts);
-dispatch-only and dispatch + weights rows are marked TODO until the expert-parallel dispatch takes a
-format (--ep-dispatch-format).
+Rows (`where`):
+    weights    the routed experts' weights in fp8 (row-wise E4M3), mxfp8, mxfp4 (--quantize-experts)
+    dispatch   the routed experts' input rows rounded to mxfp8 / mxint8, as an expert-parallel server
+               with --ep-dispatch-format delivers them to every expert (one process: simulate_dispatch;
+               tests/engine/ep/test_expert_parallel.py checks the ranks compute exactly that)
+    both       weights and dispatch quantized (--both WEIGHTS+DISPATCH, e.g. mxfp8+mxfp8)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from locus.engine.checkpoint.loader import load, shipped_model
+from locus.engine.ep.payload import simulate_dispatch
 from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
 from locus.training.train import rows_batch
@@ -41,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench/mi
 from mini_heldout import heldout_texts, window_batches  # noqa: E402
 
 FORMATS = ("fp8", "mxfp8", "mxfp4")
-TODO_ROWS = [("dispatch", "mxfp8"), ("dispatch", "mxint8"), ("both", "mxfp8")]
+DISPATCH_FORMATS = ("mxfp8", "mxint8")
+BOTH = ("mxfp8+mxfp8",)
 
 
 def shipped_texts(model_dir: Path) -> dict[str, list[str]]:
@@ -77,10 +82,12 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def evaluate(name: str, fmt: str | None, texts, prompts, args) -> tuple[dict, dict]:
-    """The scores and greedy continuations of the model with its routed experts in `fmt` (None: as loaded)."""
+def evaluate(name: str, fmt: str | None, texts, prompts, args, dispatch: str | None = None) -> tuple[dict, dict]:
+    """The scores and greedy continuations of the model with its routed experts in `fmt` (None: as loaded)
+    and their input rows in the dispatch format `dispatch` (None: as they are)."""
     loaded = load(name, dtype=args.dtype, device="cpu", moe_backend=args.moe_backend, quantize_experts=fmt)
     model = loaded.model.eval()
+    simulate_dispatch(model, dispatch)
     return (score(model, loaded.tokenizer, texts, args.seq_len),
             greedy(model, loaded.tokenizer, prompts, args.prompt_tokens, args.greedy_tokens))
 
@@ -96,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompts", type=int, default=32, help="greedy prompts per domain (the first documents)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--moe-backend", default="torch", choices=["torch", "cpu"])
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS), help="expert weight formats (weights rows; '' for none)")
+    ap.add_argument("--dispatch-formats", default=",".join(DISPATCH_FORMATS),
+                    help="dispatch payload formats (dispatch rows; '' for none)")
+    ap.add_argument("--both", default=",".join(BOTH), help="WEIGHTS+DISPATCH pairs (both rows; '' for none)")
     ap.add_argument("--domains", help="comma-separated subset of the domains (default: all)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -115,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {d: docs[:args.max_prompts] for d, docs in texts.items()}
     base_score, base_greedy = evaluate(args.model, None, texts, prompts, args)
     rows = []
-    for fmt in [f for f in args.formats.split(",") if f]:
-        s, g = evaluate(args.model, fmt, texts, prompts, args)
+    specs = [("weights", f, None, f) for f in args.formats.split(",") if f]
+    specs += [("dispatch", None, d, d) for d in args.dispatch_formats.split(",") if d]
+    for pair in [b for b in args.both.split(",") if b]:
+        weights, _, dispatch = pair.partition("+")
+        if not dispatch:
+            ap.error(f"--both {pair!r}: give WEIGHTS+DISPATCH, e.g. mxfp8+mxfp8")
+        specs.append(("both", weights, dispatch, f"{weights} + {dispatch}"))
+    for where, fmt, dispatch, label in specs:
+        s, g = evaluate(args.model, fmt, texts, prompts, args, dispatch)
         per_domain = {}
         for domain in texts:
             base, now = base_score[domain], s[domain]
@@ -128,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy_identical": float(np.mean([n == args.greedy_tokens for n in same])),
                 "greedy_tokens_before_difference": float(np.mean(same)),
             }
-        rows.append({"where": "weights", "format": fmt, "domains": per_domain})
+        rows.append({"where": where, "format": label, "weights": fmt, "dispatch": dispatch, "domains": per_domain})
     elapsed = time.perf_counter() - start
     domains = list(texts)
     print(f"held-out quality of {args.model} with narrow formats ({source}; {args.dtype}, moe backend "
@@ -146,15 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         before = np.mean([doms[d]["greedy_tokens_before_difference"] for d in domains])
         print(f"| {row['where']} | {row['format']} | " + " | ".join(cells) +
               f" | {top1[0]:.3f}-{top1[1]:.3f} | {ident:.2f} | {before:.1f} |")
-    for where, fmt in TODO_ROWS:
-        print(f"| {where} | {fmt} | " + " | ".join("TODO" for _ in domains) + " | TODO | TODO | TODO |")
     print(f"({elapsed:.0f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "model": args.model, "source": source, "dtype": args.dtype, "moe_backend": args.moe_backend,
             "seq_len": args.seq_len, "prompt_tokens": args.prompt_tokens, "greedy_tokens": args.greedy_tokens,
             "base_nats_per_byte": {d: base_score[d]["nats"] / base_score[d]["bytes"] for d in domains},
-            "rows": rows, "todo": [{"where": w, "format": f} for w, f in TODO_ROWS]}, indent=2) + "\n")
+            "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -99,6 +99,21 @@ FORMATS: dict[str, Format] = {
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+# What an expert-parallel exchange can send its rows in (--ep-dispatch-format / --ep-combine-format):
+# the model's own dtype, or an MX format with the scales along the hidden dimension.
+PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")
+
+
+def payload_row_bytes(n: int, fmt: str, model_bytes: int) -> int:
+    """Bytes one exchanged row of n values takes: n * model_bytes in the model's dtype ("model"), else
+    the MX format's elements and E8M0 scales (FORMATS[fmt].nbytes(n): n + ceil(n/32) for MXFP8)."""
+    if fmt == "model":
+        return n * model_bytes
+    if fmt not in PAYLOAD_FORMATS:
+        raise ValueError(f"unknown payload format {fmt!r}; choose one of {', '.join(PAYLOAD_FORMATS)}")
+    return FORMATS[fmt].nbytes(n)
+
+
 def get_format(name: str | Format) -> Format:
     if isinstance(name, Format):
         return name

@@ -12,6 +12,7 @@ from pathlib import Path
 from locus.errors import LocusError
 
 BUILTIN_PLANS = ("round_robin", "eplb")
+PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")  # locus.kernels.formats.PAYLOAD_FORMATS (not imported: no torch at parse time)
 ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper "
                "admitting requests as a live expert-parallel server does: needs a plan with a grouping; see "
                "--arrivals), recorded (the rank each request ran on, from a trace an expert-parallel server "
@@ -72,6 +73,12 @@ def register(subparsers) -> None:
     p.add_argument("--dispatch", choices=("position", "node-aware"),
                    help="dispatch rule to route by (default: the plan's `dispatch` field, else node-aware; the "
                    "built-in eplb plan's is position, the rule EPLB is made for; docs/replay.md)")
+    p.add_argument("--dispatch-format", choices=PAYLOAD_FORMATS, default="model",
+                   help="what a dispatched row travels in, as the server's --ep-dispatch-format: model (hidden x the "
+                   "trace's dtype bytes), mxfp8 / mxint8 (hidden + hidden/32 bytes: elements and E8M0 scales; "
+                   "docs/formats.md). Default model")
+    p.add_argument("--combine-format", choices=PAYLOAD_FORMATS, default="model",
+                   help="what a combined row travels back in, as the server's --ep-combine-format (default model)")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON")
     p.add_argument("--chakra", metavar="OUT_PREFIX",
                    help="also write Chakra execution traces for ASTRA-sim, one per rank: OUT_PREFIX.<rank>.et "
@@ -155,7 +162,8 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"note: the trace ran under {len(reader.plans())} placement epochs; every row is replayed under "
               f"{args.plan} (use --plan embedded for the plans it ran under)", file=sys.stderr)
     report = replay(reader, plan, plan.topology, assignment, batch_tokens=args.batch_tokens, links=links,
-                    progress=bar, step_order=args.step_order, pair_sink=pairs, epoch_plans=epoch_plans)
+                    progress=bar, step_order=args.step_order, pair_sink=pairs, epoch_plans=epoch_plans,
+                    dispatch_format=args.dispatch_format, combine_format=args.combine_format)
     if bar:
         bar.close()
     print(report.format_table())
@@ -178,7 +186,11 @@ def _write_chakra(args, meta, topology, pairs) -> None:
 
     traffic = pairs.finish()
     try:
-        files = write_chakra(args.chakra, traffic, topology, meta.moe_layers, meta.hidden_size * meta.dtype_bytes,
+        from locus.kernels.formats import payload_row_bytes
+
+        row_bytes = tuple(payload_row_bytes(meta.hidden_size, fmt, meta.dtype_bytes)
+                          for fmt in (args.dispatch_format, args.combine_format))
+        files = write_chakra(args.chakra, traffic, topology, meta.moe_layers, row_bytes,
                              us_per_pair=args.chakra_us_per_pair)
     except OSError as exc:
         raise LocusError(f"cannot write Chakra traces {args.chakra}.<rank>.et: {exc.strerror or exc}") from None

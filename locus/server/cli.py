@@ -12,6 +12,8 @@ import threading
 from locus.engine.cli import add_model_args
 from locus.errors import LocusError
 
+EP_PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")  # locus.kernels.formats.PAYLOAD_FORMATS (not imported: no torch at parse time)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server",
@@ -74,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how a MoE layer's rows travel: 'exact' sends a small count all-to-all, then exactly the rows; "
                         "'fixed' sends blocks sized by the step's largest token count (no count exchange, padding on "
                         "the wire; DeepEP's low-latency layout). See docs/expert_parallel.md for which is faster where")
+    p.add_argument("--ep-dispatch-format", choices=EP_PAYLOAD_FORMATS, default="model",
+                   help="how a MoE layer's dispatched rows travel: 'model' in the model's dtype, 'mxfp8' / 'mxint8' "
+                        "quantized (one byte a value and an E8M0 scale per 32 values, dequantized on arrival; every "
+                        "expert, local ones included, computes on the dequantized rows). See docs/formats.md")
+    p.add_argument("--ep-combine-format", choices=EP_PAYLOAD_FORMATS, default="model",
+                   help="how the experts' partial sums travel back (default: the model's dtype, as DeepEP combines)")
     p.add_argument("--ep-max-tokens-per-rank", type=int, default=256, metavar="N",
                    help="the fixed exchange's bound: a step where a rank may run more tokens uses the exact exchange")
     p.add_argument("--ep-loop-nice", type=int, default=19, metavar="N",
@@ -234,13 +242,16 @@ def run_serve(args: argparse.Namespace) -> int:
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
                        args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots,
-                       args.ep_loop_nice)
+                       args.ep_loop_nice, args.ep_dispatch_format, args.ep_combine_format)
     if setup is not None:
         setup.moves = args.ep_moves
     elif args.ep_moves:
         raise LocusError("--ep-moves moves requests between expert-parallel ranks: add --ep-ranks N and a --plan")
     if not 0 <= args.burst_wait_ms <= 1000:
         raise LocusError(f"--burst-wait-ms must be between 0 and 1000 (got {args.burst_wait_ms})")
+    if setup is None and (args.ep_dispatch_format != "model" or args.ep_combine_format != "model"):
+        raise LocusError("--ep-dispatch-format / --ep-combine-format set how expert-parallel exchanges send rows: "
+                         "add --ep-ranks N (or run under torchrun)")
     if setup is None and (args.replan_every or args.replan_api):
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and args.quantize_experts:

@@ -1,5 +1,5 @@
 """bench/ep_network.py end to end on `tiny`: two network namespaces joined by a shaped veth link, one
-torchrun agent per namespace, one plan at one rate; the cluster's measured bytes equal the replay of
+torchrun agent per namespace, one plan at one rate, its rows dispatched and combined in MXFP8; the cluster's measured bytes equal the replay of
 the trace it recorded (the script exits non-zero otherwise), and nothing it created is left behind.
 Where namespaces cannot be made (not root, no iproute2), the bench says why and exits 2: skipped."""
 
@@ -28,7 +28,7 @@ def test_bench_ep_network_runs_and_cleans_up(tmp_path):
     done = subprocess.run(
         [sys.executable, str(BENCH / "ep_network.py"), "--model", "tiny", "--slots", "3", "--plans", "locality",
          "--overlap", "off", "--rates", "20mbit", "--workloads", "wave", "--streams", "4", "--output-len", "6",
-         "--repeats", "1", "--planning-requests", "12", "--out", str(out)],
+         "--repeats", "1", "--planning-requests", "12", "--dispatch-format", "mxfp8/mxfp8", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if done.returncode == 2 and "needs" in done.stderr + done.stdout:
         pytest.skip((done.stderr or done.stdout).strip().splitlines()[-1])
@@ -36,7 +36,9 @@ def test_bench_ep_network_runs_and_cleans_up(tmp_path):
     data = json.loads(out.read_text())
     assert [s["equal"] for s in data["sessions"]] == [True]
     rows = data["results"]
-    assert [(r["rate"], r["workload"]) for r in rows] == [("unshaped", "wave"), ("20mbit", "wave")]
+    # both payloads quantized (dispatch and combine): measured == replay in those formats, to the byte
+    assert [(r["rate"], r["workload"], r["format"]) for r in rows] == [("unshaped", "wave", "mxfp8/mxfp8"),
+                                                                       ("20mbit", "wave", "mxfp8/mxfp8")]
     for r in rows:
         assert r["tpot_p50_ms"] > 0 and r["out_tok_s"] > 0 and r["steps"] > 0
         # the machine's CPU during the run: the ranks spent some per step, and no more cores were busy than exist

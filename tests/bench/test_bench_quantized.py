@@ -35,9 +35,13 @@ def test_quantized_quality_bench(tmp_path):
     if shipped_model("mini") is None:
         pytest.skip("the shipped mini checkpoint is not installed")
     out = tmp_path / "quality.json"
-    stdout = run("quantized_quality.py", "--domains", "math", "--formats", "mxfp8", "--max-prompts", "2",
-                 "--greedy-tokens", "4", "--out", str(out), timeout=600)
-    assert "| weights | mxfp8 |" in stdout and "| dispatch | mxfp8 | TODO" in stdout
+    stdout = run("quantized_quality.py", "--domains", "math", "--formats", "mxfp8", "--dispatch-formats", "mxfp8",
+                 "--both", "mxfp8+mxfp8", "--max-prompts", "2", "--greedy-tokens", "4", "--out", str(out), timeout=600)
+    assert "| weights | mxfp8 |" in stdout and "| dispatch | mxfp8 |" in stdout and "| both | mxfp8 + mxfp8 |" in stdout
     result = json.loads(out.read_text())
-    row = result["rows"][0]["domains"]["math"]
-    assert abs(row["change"]) < 0.01 and 0.9 < row["top1_agreement"] <= 1
+    assert [(r["where"], r["weights"], r["dispatch"]) for r in result["rows"]] == [
+        ("weights", "mxfp8", None), ("dispatch", None, "mxfp8"), ("both", "mxfp8", "mxfp8")]
+    for r in result["rows"]:
+        row = r["domains"]["math"]
+        assert abs(row["change"]) < 0.01 and 0.9 < row["top1_agreement"] <= 1
+    assert "TODO" not in stdout

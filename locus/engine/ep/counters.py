@@ -1,8 +1,8 @@
 """What a rank's expert-parallel runtime counts: bytes by tier and direction, tokens, expert load,
 collectives, and where a step's time went.
 
-Payload bytes follow docs/design.md (sends of H * dtype_bytes, dispatch and combine each, counted by
-the sending rank); routing metadata (slot ids and weights) is counted apart; wire bytes are what
+Payload bytes follow docs/design.md (sends of one row's payload, dispatch and combine each, counted by
+the sending rank: H * dtype_bytes in the model's dtype, H + ceil(H/32) in an MX format, docs/formats.md); routing metadata (slot ids and weights) is counted apart; wire bytes are what
 the collectives really put on the network, padding and packed metadata included (never payload).
 """
 
@@ -67,7 +67,8 @@ class DeviceTally:
     count (on CUDA that would stall the stream). Adding is a list append, no tensor op; `drain` sums
     each name's values in one op and reads them once."""
 
-    NAMES = ("inter_node_bytes", "intra_node_bytes", "expert_pairs", "metadata_bytes")
+    NAMES = ("inter_node_bytes", "intra_node_bytes", "inter_node_combine_bytes", "intra_node_combine_bytes",
+             "expert_pairs", "metadata_bytes")
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = device

@@ -20,10 +20,16 @@ into one byte row (`RowFormat`). How the rows travel is the transport's business
 A rank with no tokens takes part with empty tensors (in every collective; exact's point-to-point
 batches pair up from the counts), so no rank ever waits on one that skipped a layer.
 
-Bytes are counted as docs/design.md defines them, by the sending rank: payload rows of
-H * dtype_bytes, dispatch and combine each; tier 1 is the inter-node figure, tier 2 (own and proxied
-rows) the intra-node one, counted by the source for its proxied rows too; routing metadata apart;
-wire bytes (what was really sent, counted by the sender) apart again.
+Rows travel in the exchange's payload formats (`--ep-dispatch-format`, `--ep-combine-format`;
+payload.py). A quantized dispatch encodes each of this rank's rows once, before tier 1, and its own
+experts compute on the decoded rows too, so a token's output does not depend on where its experts
+sit; a proxy forwards the bytes it received as they came (never re-encoded). A quantized combine
+encodes each partial sum that travels.
+
+Bytes are counted as docs/design.md defines them, by the sending rank: payload rows (H * dtype_bytes,
+or the format's packed row), dispatch and combine each; tier 1 is the inter-node figure, tier 2 (own
+and proxied rows) the intra-node one, counted by the source for its proxied rows too; routing
+metadata apart; wire bytes (what was really sent, counted by the sender) apart again.
 
 Shape legend: T tokens on this rank, K experts per token, H hidden, N rows held, M members of a
 tier's group, C rows of capacity per member.
@@ -46,8 +52,10 @@ Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # 
 class TwoTierExchange:
     """One lane's exchange: its sub-groups, its transport, its counters."""
 
-    def __init__(self, groups: Groups, lane: TierGroups, transport: Transport, device: torch.device | str = "cpu"):
+    def __init__(self, groups: Groups, lane: TierGroups, transport: Transport, device: torch.device | str = "cpu",
+                 dispatch_format: str = "model", combine_format: str = "model"):
         self.g, self.lane, self.transport = groups, lane, transport
+        self.dispatch_format, self.combine_format = dispatch_format, combine_format
         self.counters = ExchangeCounters()
         self.tally = DeviceTally(device)
 
@@ -59,18 +67,22 @@ class TwoTierExchange:
         start, expert_before = time.perf_counter(), self.counters.expert_s
         g, S, G = self.g, slots_per_gpu, self.g.gpus_per_node
         T, K = slots.shape
-        fmt = RowFormat(x.shape[1], K, x.dtype)
+        fmt = RowFormat(x.shape[1], K, x.dtype, self.dispatch_format, self.combine_format)
         self.counters.token_layers += T
         slot_node = slots // (S * G)  # -1 stays -1 (floor division)
+        xb = fmt.dispatch.encode(x)  # [T, x_bytes] what travels
+        if fmt.dispatch.quantized:
+            x = fmt.dispatch.decode(xb)  # what every expert computes on, local ones included
 
         # Tier 1: one row per (token, remote node holding any of its slots), to that node's proxy.
-        held_x, held_slots, held_w = x, slots.masked_fill(slot_node != g.node, -1), weights
+        held_x, held_xb, held_slots, held_w = x, xb, slots.masked_fill(slot_node != g.node, -1), weights
         tier1 = None
         if self.lane.inter is not None:
-            tier1 = self.transport.dispatch(x, slots, weights, slot_node.masked_fill(slot_node == g.node, -1), g.nodes,
+            tier1 = self.transport.dispatch(xb, slots, weights, slot_node.masked_fill(slot_node == g.node, -1), g.nodes,
                                             self.lane.inter, fmt, capacity, "inter_node", self.counters, self.tally)
             arrived = tier1.slots.masked_fill(tier1.slots // (S * G) != g.node, -1)  # this node's pairs only
             held_x = torch.cat([x, tier1.x])
+            held_xb = torch.cat([xb, tier1.encoded])
             held_slots = torch.cat([held_slots, arrived])
             held_w = torch.cat([weights, tier1.weights])
 
@@ -82,7 +94,7 @@ class TwoTierExchange:
             self._count_intra_node(slots, S, fmt)
             others = (held_rank % G).masked_fill_(mine | (held_slots < 0), -1)
             cap2 = capacity * g.nodes  # own tokens plus what this rank proxies for every other node
-            tier2 = self.transport.dispatch(held_x, held_slots, held_w, others, G, self.lane.intra, fmt, cap2,
+            tier2 = self.transport.dispatch(held_xb, held_slots, held_w, others, G, self.lane.intra, fmt, cap2,
                                             "intra_node", self.counters, self.tally, payload=False)
             local = (tier2.slots % S).masked_fill_(tier2.slots // S != g.rank, -1)
             partial = self._compute(compute, tier2.x, local, tier2.weights)
@@ -105,6 +117,7 @@ class TwoTierExchange:
         other = (dest >= 0) & (dest % g.gpus_per_node != g.local)
         pairs = hits(dest.masked_fill(~other, -1), g.world).sum()
         self.tally.add("intra_node_bytes", pairs * fmt.x_bytes)
+        self.tally.add("intra_node_combine_bytes", pairs * fmt.combine.nbytes)
         self.tally.add("metadata_bytes", pairs * fmt.meta_bytes)
 
     def _compute(self, compute: Compute, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -118,9 +131,9 @@ class TwoTierExchange:
         """The counters, with the device-side row counts folded in (one host read)."""
         counts = self.tally.drain()
         c = self.counters
-        for tier in ("inter_node", "intra_node"):  # dispatch and combine carry the same rows
+        for tier in ("inter_node", "intra_node"):  # dispatch and combine carry the same rows, each in its format
             setattr(c, f"{tier}_dispatch", getattr(c, f"{tier}_dispatch") + counts[f"{tier}_bytes"])
-            setattr(c, f"{tier}_combine", getattr(c, f"{tier}_combine") + counts[f"{tier}_bytes"])
+            setattr(c, f"{tier}_combine", getattr(c, f"{tier}_combine") + counts[f"{tier}_combine_bytes"])
         c.metadata += counts["metadata_bytes"]
         c.expert_pairs += counts["expert_pairs"]
         return c

@@ -30,6 +30,7 @@ from locus.engine.ep.runtime import MODES, EPRuntime
 from locus.engine.ep.slices import expert_memory, slices_of
 from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
+from locus.kernels.formats import PAYLOAD_FORMATS
 from locus.routing.plan.placement import PlacementPlan, PlanError, load_plan, validate
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import round_robin
@@ -60,6 +61,8 @@ class EPSetup:
     listener: object = None  # rank 0 of --ep-ranks: the store's listening socket, bound before the ranks start
     rendezvous: SignedStore | None = None  # the launch's store, once joined (load_rank)
     moves: bool = False  # move requests after their prefill when the plan's grouper says it pays (--ep-moves)
+    dispatch_format: str = "model"  # how dispatched rows travel (payload.py): model, mxfp8, mxint8
+    combine_format: str = "model"  # how the partial sums travel back
 
     @property
     def replanning(self) -> bool:
@@ -74,7 +77,7 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
                mode: str = "exact", max_tokens_per_rank: int = 256, overlap: bool = False,
                replan_every: str | None = None, replan_api: bool = False, replan_window: int = 4096,
                replan_layers_per_step: int = 1, elastic: bool = False, max_slots: int | None = None,
-               loop_nice: int = 19) -> EPSetup | None:
+               loop_nice: int = 19, dispatch_format: str = "model", combine_format: str = "model") -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
     from locus.engine.ep.replan import ReplanSchedule
@@ -90,9 +93,13 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
         raise LocusError(f"--ep-timeout must be a positive number of seconds, not {timeout_s}")
     if not 0 <= loop_nice <= 19:  # raising a thread's priority (below 0) needs privileges a server should not ask for
         raise LocusError(f"--ep-loop-nice must be between 0 (leave the threads as they are) and 19, not {loop_nice}")
+    for flag, fmt in (("--ep-dispatch-format", dispatch_format), ("--ep-combine-format", combine_format)):
+        if fmt not in PAYLOAD_FORMATS:
+            raise LocusError(f"{flag} {fmt!r}: choose one of {', '.join(PAYLOAD_FORMATS)}")
     options = dict(mode=mode, max_tokens_per_rank=max_tokens_per_rank, overlap=overlap, replan_every=replan_every,
                    replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step,
-                   elastic=elastic, max_slots=max_slots, loop_nice=loop_nice)
+                   elastic=elastic, max_slots=max_slots, loop_nice=loop_nice, dispatch_format=dispatch_format,
+                   combine_format=combine_format)
     if max_slots is not None and max_slots < 1:
         raise LocusError(f"--ep-max-slots must be at least 1, not {max_slots}")
     env = os.environ
@@ -169,7 +176,8 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
     topo = plan.topology
     groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, startup, setup.loop_nice)
-    runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank)
+    runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank,
+                                    dispatch_format=setup.dispatch_format, combine_format=setup.combine_format)
     runtime.fingerprints = share_fingerprints(runtime, groups.control, config.num_local_experts)
     set_timeout(groups, timeout)
     setup.rendezvous.store.set_timeout(timeout)

@@ -115,9 +115,11 @@ def _(x, ids, weights, positions, handle) -> torch.Tensor:
 
 
 def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups: Groups, mode: str = "exact",
-                          max_tokens_per_rank: int = 256, epoch: int = 0) -> EPRuntime:
+                          max_tokens_per_rank: int = 256, epoch: int = 0, dispatch_format: str = "model",
+                          combine_format: str = "model") -> EPRuntime:
     """Swap every MoE block of `model` for its expert-parallel form on this rank; returns the runtime
-    whose placement the layers read and whose exchanges count the bytes."""
+    whose placement the layers read and whose exchanges count the bytes. dispatch_format /
+    combine_format: how the exchanged rows travel (payload.py; "model": the model's dtype)."""
     config = model.config
     validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
     topo = plan.topology
@@ -125,7 +127,7 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
         raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} is not the process groups' "
                          f"{groups.nodes}x{groups.gpus_per_node}")
     placement = ExpertPlacement.build(plan, groups.rank, epoch, model.device)
-    runtime = EPRuntime(groups, placement, mode, max_tokens_per_rank, model.device)
+    runtime = EPRuntime(groups, placement, mode, max_tokens_per_rank, model.device, dispatch_format, combine_format)
     row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
     slices = slices_of(plan, groups.rank)  # what the loaders kept, if they sliced
     for layer in sorted(row_of):  # forward order, which idle() follows

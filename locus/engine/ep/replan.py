@@ -290,8 +290,10 @@ class Replanner:
         # each plan with the assignment it serves by: its own grouper (what rank 0 admits with after
         # the switch), or where it has none, the ranks the window's requests ran on
         recorded = assign_recorded(reader.requests, current.topology.ranks)
-        before = replay(reader, current, current.topology, assignment_of(current, reader, recorded))
-        after = replay(reader, target, target.topology, assignment_of(target, reader, recorded))
+        runtime = self.driver.runtime  # the rows' bytes in the formats they travel in
+        formats = dict(dispatch_format=runtime.dispatch_format, combine_format=runtime.combine_format)
+        before = replay(reader, current, current.topology, assignment_of(current, reader, recorded), **formats)
+        after = replay(reader, target, target.topology, assignment_of(target, reader, recorded), **formats)
         old_bpt, new_bpt = before.inter_node_bytes / tokens, after.inter_node_bytes / tokens
         expected = self._expected_tokens(tokens)
         slots, intra, inter = move_bytes(current, target, self.expert_bytes)

@@ -29,6 +29,7 @@ from locus.engine.ep.groups import Groups
 from locus.engine.ep.invariant import BROKEN, wrong_slots
 from locus.engine.ep.placement import ExpertPlacement
 from locus.engine.ep.transport import TRANSPORTS
+from locus.kernels.formats import PAYLOAD_FORMATS
 
 log = logging.getLogger("locus.engine")
 R = TypeVar("R")
@@ -37,14 +38,19 @@ MODES = ("exact", "fixed")
 
 class EPRuntime:
     def __init__(self, groups: Groups, placement: ExpertPlacement, mode: str = "exact",
-                 max_tokens_per_rank: int = 256, device: torch.device | str = "cpu"):
+                 max_tokens_per_rank: int = 256, device: torch.device | str = "cpu",
+                 dispatch_format: str = "model", combine_format: str = "model"):
         if mode not in MODES:
             raise ValueError(f"unknown exchange mode {mode!r}; choose one of {', '.join(MODES)}")
+        for what, fmt in (("dispatch", dispatch_format), ("combine", combine_format)):
+            if fmt not in PAYLOAD_FORMATS:
+                raise ValueError(f"unknown {what} format {fmt!r}; choose one of {', '.join(PAYLOAD_FORMATS)}")
         self.groups, self.placement, self.mode = groups, placement, mode
         self.loop_nice = groups.loop_nice  # kept for the groups of a regroup (elastic.py)
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.dispatch_format, self.combine_format = dispatch_format, combine_format  # payload.py
         self.transports = {name: cls() for name, cls in TRANSPORTS.items()}
-        self.lanes = [TwoTierExchange(groups, lane, self.transports["exact"], device) for lane in groups.lanes]
+        self.lanes = self._lanes(groups, device)
         self.layers: list = []  # the ExpertParallelMoE layers, in forward order (set by apply_expert_parallel)
         self.capacity = 0  # the step's largest token count on any rank (the fixed transport's block size)
         self.times = StepTimes()
@@ -157,8 +163,12 @@ class EPRuntime:
         """After a lost rank: the survivors' process groups (new lanes) and placement (a new epoch)."""
         self.switch(placement)
         self.groups = groups
-        self.lanes = [TwoTierExchange(groups, lane, self.transports["exact"], device) for lane in groups.lanes]
+        self.lanes = self._lanes(groups, device)
         self.move = None  # a move under way died with the old group
+
+    def _lanes(self, groups: Groups, device: torch.device | str) -> list[TwoTierExchange]:
+        return [TwoTierExchange(groups, lane, self.transports["exact"], device, self.dispatch_format, self.combine_format)
+                for lane in groups.lanes]
 
     # --- counters -------------------------------------------------------------------------------
     def _lanes_total(self) -> ExchangeCounters:

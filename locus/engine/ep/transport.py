@@ -5,7 +5,11 @@ K of its (slot, weight) pairs, into one uint8 row (`RowFormat`), so the metadata
 payload's collective; the receiver keeps the pairs it is there for (its node's slots in tier 1, its
 own in tier 2):
 
-    [ x: H * dtype bytes | slots: K int32 | weights: K * dtype bytes | padding to 8 bytes ]
+    [ x: H * dtype bytes | padding to 8 | slots: K int32 | weights: K * dtype bytes | padding to 8 bytes ]
+
+where x is the row as `--ep-dispatch-format` sends it (payload.py): its H * dtype bytes, or an MX
+format's H elements and ceil(H/32) scales, encoded once by the exchange and decoded on arrival. The
+combine sends [rows, H] partial sums back in `--ep-combine-format` (the model's dtype by default).
 
 - `ExactTransport`: the rows' per-member counts go first (one small all_to_all), then exactly the
   rows; combine sends back exactly the received rows. Wire bytes = payload + metadata (+ counts).
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed import irecv, isend  # bound at import: P2POp accepts only these two functions
 
 from locus.engine.ep.counters import DeviceTally, ExchangeCounters
+from locus.engine.ep.payload import Payload
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,12 @@ class RowFormat:
     hidden: int
     top_k: int
     dtype: torch.dtype
-    x_bytes: int = field(init=False)
+    dispatch_format: str = "model"  # how x travels out (payload.py)
+    combine_format: str = "model"  # how the partial sums travel back
+    dispatch: Payload = field(init=False)
+    combine: Payload = field(init=False)
+    x_bytes: int = field(init=False)  # the dispatch payload of a row: H * dtype bytes, or the MX format's packed row
+    x_span: int = field(init=False)  # x_bytes rounded up to 8, so that the slots and weights after it are aligned
     weight_bytes: int = field(init=False)
     meta_bytes: int = field(init=False)  # routing metadata per packet as docs/design.md counts it: K slot ids (4 bytes) and K weights
     row_bytes: int = field(init=False)
@@ -48,34 +58,41 @@ class RowFormat:
     def __post_init__(self):
         item = self.dtype.itemsize
         set_ = object.__setattr__
-        set_(self, "x_bytes", self.hidden * item)
+        set_(self, "dispatch", Payload(self.hidden, self.dtype, self.dispatch_format))
+        set_(self, "combine", Payload(self.hidden, self.dtype, self.combine_format))
+        set_(self, "x_bytes", self.dispatch.nbytes)
+        set_(self, "x_span", -(-self.x_bytes // 8) * 8)
         set_(self, "weight_bytes", self.top_k * item)
         set_(self, "meta_bytes", self.top_k * 4 + self.top_k * item)
-        set_(self, "row_bytes", -(-(self.x_bytes + self.meta_bytes) // 8) * 8)
+        set_(self, "row_bytes", -(-(self.x_span + self.meta_bytes) // 8) * 8)
 
-    def pack(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[P, H], [P, K], [P, K] -> [P, row_bytes] uint8."""
-        out = torch.empty((x.shape[0], self.row_bytes), dtype=torch.uint8, device=x.device)
-        if x.shape[0] == 0:  # (an empty tensor may carry strides a byte view refuses)
+    def pack(self, xb: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[P, x_bytes] encoded rows (`dispatch.encode`), [P, K], [P, K] -> [P, row_bytes] uint8."""
+        out = torch.empty((xb.shape[0], self.row_bytes), dtype=torch.uint8, device=xb.device)
+        if xb.shape[0] == 0:  # (an empty tensor may carry strides a byte view refuses)
             return out
-        a, b = self.x_bytes, self.x_bytes + 4 * self.top_k
-        out[:, :a] = x.contiguous().view(torch.uint8)
+        a, b = self.x_span, self.x_span + 4 * self.top_k
+        out[:, :self.x_bytes] = xb
         out[:, a:b] = slots.to(torch.int32).contiguous().view(torch.uint8)
         out[:, b:b + self.weight_bytes] = weights.to(self.dtype).contiguous().view(torch.uint8)
         return out  # the padding bytes are never read
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[P, row_bytes] uint8 -> x [P, H], slots [P, K] int64, weights [P, K] (views where they can be)."""
-        a, b = self.x_bytes, self.x_bytes + 4 * self.top_k
-        x = rows[:, :a].view(self.dtype)
+        """[P, row_bytes] uint8 -> encoded x [P, x_bytes], slots [P, K] int64, weights [P, K] (views where they can be)."""
+        a, b = self.x_span, self.x_span + 4 * self.top_k
+        xb = rows[:, :self.x_bytes]
         slots = rows[:, a:b].view(torch.int32).long()
         weights = rows[:, b:b + self.weight_bytes].view(self.dtype)
-        return x, slots, weights
+        return xb, slots, weights
+
+    def delivery(self, rows: torch.Tensor, route) -> "Delivery":
+        xb, slots, weights = self.unpack(rows)
+        return Delivery(self.dispatch.decode(xb), slots, weights, route, self, xb)
 
     def padding(self, rows: int, device) -> torch.Tensor:
-        """Padding rows: zeros, every slot -1."""
+        """Padding rows: zeros (zero in every payload format), every slot -1."""
         out = torch.zeros((rows, self.row_bytes), dtype=torch.uint8, device=device)
-        out[:, self.x_bytes:self.x_bytes + 4 * self.top_k] = 255  # int32 -1
+        out[:, self.x_span:self.x_span + 4 * self.top_k] = 255  # int32 -1
         return out
 
 
@@ -83,11 +100,12 @@ class RowFormat:
 class Delivery:
     """The rows a dispatch delivered to this rank, and how to send values for them back."""
 
-    x: torch.Tensor  # [R, H] rows received (fixed: every block row, padding included)
+    x: torch.Tensor  # [R, H] rows received, decoded (fixed: every block row, padding included)
     slots: torch.Tensor  # [R, K] their slots (-1: not for this node / padding)
     weights: torch.Tensor  # [R, K]
     route: object  # the transport's own record of where the sent rows went
     format: RowFormat
+    encoded: torch.Tensor  # [R, x_bytes] the rows as they travelled (a proxy forwards these, not re-encoded)
 
 
 def hits(member_of: torch.Tensor, size: int) -> torch.Tensor:
@@ -102,9 +120,11 @@ class Transport:
 
     def dispatch(self, x, slots, weights, member_of, size, group, fmt: RowFormat, capacity: int, tier: str,
                  counters: ExchangeCounters, tally: DeviceTally, payload: bool = True) -> Delivery:
-        """Send each row to the members `member_of` names. `payload`: count the rows as the tier's payload
-        (and metadata) here; False where the source ranks count them themselves (tier 2, exchange.py).
-        Wire bytes are always counted by the sender."""
+        """Send each row to the members `member_of` names. x: [N, x_bytes] the rows as encoded by
+        `fmt.dispatch` (what travels); the delivery holds them decoded and as they came. `payload`:
+        count the rows as the tier's payload (dispatch and combine, each in its format, and metadata)
+        here; False where the source ranks count them themselves (tier 2, exchange.py). Wire bytes are
+        always counted by the sender."""
         raise NotImplementedError
 
     def combine(self, values, delivery: Delivery, group, tier: str, counters: ExchangeCounters) -> torch.Tensor:
@@ -163,20 +183,21 @@ class ExactTransport(Transport):
         pairs = len(row)
         counters.collectives += 1 + sparse_all_to_all(packed, buf, sent, received, group)
         if payload:
-            _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.meta_bytes)
+            _count_payload(counters, tier, pairs * fmt.x_bytes, pairs * fmt.combine.nbytes, pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + pairs * fmt.row_bytes + 8 * (size - 1))
-        rx, rslots, rw = fmt.unpack(buf)
-        return Delivery(rx, rslots, rw, _ExactRoute(row, sent, received, x.shape[0]), fmt)
+        return fmt.delivery(buf, _ExactRoute(row, sent, received, x.shape[0]))
 
     def combine(self, values, delivery, group, tier, counters):
         route: _ExactRoute = delivery.route
-        back = values.new_empty((sum(route.sent), values.shape[1]))
-        counters.collectives += sparse_all_to_all(values.contiguous(), back, route.received, route.sent, group)
+        payload = delivery.format.combine
+        send = payload.encode(values)
+        back = send.new_empty((sum(route.sent), payload.nbytes))
+        counters.collectives += sparse_all_to_all(send, back, route.received, route.sent, group)
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
-                + values.shape[0] * values.shape[1] * values.element_size())
+                + send.shape[0] * payload.nbytes)
         out = values.new_zeros((route.rows, values.shape[1]))
-        return out.index_add_(0, route.row, back)
+        return out.index_add_(0, route.row, payload.decode(back))
 
 
 @dataclass
@@ -219,32 +240,34 @@ class FixedTransport(Transport):
         if payload:
             pairs = hit.sum()
             tally.add(f"{tier}_bytes", pairs * fmt.x_bytes)
+            tally.add(f"{tier}_combine_bytes", pairs * fmt.combine.nbytes)
             tally.add("metadata_bytes", pairs * fmt.meta_bytes)
         setattr(counters, f"wire_{tier}_dispatch", getattr(counters, f"wire_{tier}_dispatch")
                 + (size - 1) * capacity * fmt.row_bytes)
-        rx, rslots, rw = fmt.unpack(buf)
-        return Delivery(rx, rslots, rw, _FixedRoute(where, hit, capacity, size), fmt)
+        return fmt.delivery(buf, _FixedRoute(where, hit, capacity, size))
 
     def combine(self, values, delivery, group, tier, counters):
         route: _FixedRoute = delivery.route
+        payload = delivery.format.combine
         H = values.shape[1]
-        values = values.contiguous()
+        send = payload.encode(values)
         back = torch.empty((route.size * (route.capacity + 1), H), dtype=values.dtype, device=values.device)
         blocks = back.view(route.size, route.capacity + 1, H)
         blocks[:, route.capacity].zero_()  # the trash row reads 0
-        received = torch.empty_like(values)
-        dist.all_to_all_single(received, values, group=group)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
         counters.collectives += 1
-        blocks[:, :route.capacity] = received.view(route.size, route.capacity, H)
+        blocks[:, :route.capacity] = payload.decode(received).view(route.size, route.capacity, H)
         setattr(counters, f"wire_{tier}_combine", getattr(counters, f"wire_{tier}_combine")
-                + (route.size - 1) * route.capacity * H * values.element_size())
+                + (route.size - 1) * route.capacity * payload.nbytes)
         return back[route.where].sum(dim=1)
 
 
-def _count_payload(counters: ExchangeCounters, tier: str, payload: int, metadata: int) -> None:
-    """Dispatch and combine carry the same rows: the source counts both when it sends."""
-    setattr(counters, f"{tier}_dispatch", getattr(counters, f"{tier}_dispatch") + payload)
-    setattr(counters, f"{tier}_combine", getattr(counters, f"{tier}_combine") + payload)
+def _count_payload(counters: ExchangeCounters, tier: str, dispatch: int, combine: int, metadata: int) -> None:
+    """Dispatch and combine carry the same rows (each in its own format): the source counts both when
+    it sends."""
+    setattr(counters, f"{tier}_dispatch", getattr(counters, f"{tier}_dispatch") + dispatch)
+    setattr(counters, f"{tier}_combine", getattr(counters, f"{tier}_combine") + combine)
     counters.metadata += metadata
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from locus.engine.model.config import ModelConfig
 from locus.engine.model.layers import SwiGLU
 from locus.kernels import fused_moe
-from locus.kernels.formats import QuantizedTensor
+from locus.kernels.formats import QuantizedTensor, quantize
 from locus.kernels.moe_quantized import check_expert_weights, quantize_experts
 from locus.routing.gate import TopK, route_llama4
 
@@ -73,13 +73,18 @@ class MoEBlock(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = Experts(config)
         self.shared_expert = SwiGLU(config.hidden_size, config.intermediate_size)
+        # The MX format the routed experts' input is rounded to, as an expert-parallel dispatch in that
+        # format delivers it (locus/engine/ep/payload.py), in one process: the reference for the EP
+        # parity tests and bench/quantized_quality.py's dispatch rows. None: the input as it is.
+        self.dispatch_format: str | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
         if self.experts.expert_ids is not None:
             raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
         topk = route_llama4(self.router(x), self.top_k)
+        dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
         routed = fused_moe(
-            x, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
+            dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
             weight_on_input=True, backend=self.moe_backend,
         )
         return self.shared_expert(x) + routed, topk

@@ -119,14 +119,17 @@ def _merge(parts: list[np.ndarray], step_ids: np.ndarray) -> np.ndarray:
     return np.concatenate([keys, rows[:, None]], axis=1)
 
 
-def write_chakra(prefix: str | Path, traffic: StepTraffic, topology: Topology, moe_layers, row_bytes: int,
-                 us_per_pair: float = 0.0) -> list[tuple[Path, int]]:
+def write_chakra(prefix: str | Path, traffic: StepTraffic, topology: Topology, moe_layers,
+                 row_bytes: int | tuple[int, int], us_per_pair: float = 0.0) -> list[tuple[Path, int]]:
     """Write `prefix.<rank>.et` for every rank; returns (path, nodes) per file.
 
-    row_bytes: bytes of one row in one direction (hidden_size x dtype_bytes); moe_layers names the
+    row_bytes: bytes of one row in one direction (hidden_size x dtype_bytes), or (dispatch, combine)
+    where the two travel in different formats (formats.payload_row_bytes); moe_layers names the
     trace's MoE layers (node names use them); us_per_pair > 0 adds the expert COMP nodes.
     """
     R, S, L = topology.ranks, traffic.steps, len(moe_layers)
+    if isinstance(row_bytes, int):
+        row_bytes = (row_bytes, row_bytes)
     if not us_per_pair >= 0 or not np.isfinite(us_per_pair):
         raise LocusError(f"the Chakra compute model needs a non-negative time per pair, got {us_per_pair}")
     _check_tags(S, L, R)
@@ -186,8 +189,8 @@ class _RankRows:
         return self._at(self.received, key)
 
 
-def _rank_nodes(rank: int, traffic: StepTraffic, topology: Topology, layer_ids: list[int], row_bytes: int,
-                us_per_pair: float) -> Iterator[pb.Node]:
+def _rank_nodes(rank: int, traffic: StepTraffic, topology: Topology, layer_ids: list[int],
+                row_bytes: tuple[int, int], us_per_pair: float) -> Iterator[pb.Node]:
     """Rank `rank`'s nodes in file order, ids from 0; each phase depends on the previous non-empty one."""
     R, L = topology.ranks, len(layer_ids)
     tier1, tier2 = _RankRows(traffic.tier1, rank, L), _RankRows(traffic.tier2, rank, L)
@@ -210,10 +213,11 @@ def _rank_nodes(rank: int, traffic: StepTraffic, topology: Topology, layer_ids: 
                     nodes = _compute_nodes(name, int(traffic.loads[step, layer, rank]), us_per_pair)
                 else:
                     sends, recvs = comm[phase]
+                    size = row_bytes[0 if phase < 2 else 1]  # dispatch phases, then combine
                     tag_base = (key * len(PHASES) + phase) * R
-                    nodes = [_comm_node(pb.COMM_SEND_NODE, f"{name}_{PHASES[phase]}", src, dst, rows * row_bytes,
+                    nodes = [_comm_node(pb.COMM_SEND_NODE, f"{name}_{PHASES[phase]}", src, dst, rows * size,
                                         (tag_base + src) * R + dst) for src, dst, rows in sends]
-                    nodes += [_comm_node(pb.COMM_RECV_NODE, f"{name}_{PHASES[phase]}", src, dst, rows * row_bytes,
+                    nodes += [_comm_node(pb.COMM_RECV_NODE, f"{name}_{PHASES[phase]}", src, dst, rows * size,
                                          (tag_base + src) * R + dst) for src, dst, rows in recvs]
                 if not nodes:
                     continue

@@ -8,7 +8,9 @@ Shape legend: T rows (tokens) in a chunk, L MoE layers, K top-k, R ranks, N node
 
 Definitions (a "pair" is one (token, layer, k) with an expert id other than -1):
   inter-node, deduplicated: per (token, layer), the number of distinct nodes other than the token's own
-      among its destinations; times `2 * hidden * dtype_bytes` (dispatch there, combine back);
+      among its destinations; times the bytes of one row there and back (`bytes_per_send`:
+      `2 * hidden * dtype_bytes` in the model's dtype; a dispatch or combine format counts its packed
+      row instead, kernels/formats.py payload_row_bytes, as the serving exchange does);
   inter-node, not deduplicated: pairs whose destination is on another node;
   intra-node, deduplicated: the tier-2 payload of the two-tier dispatch (docs/design.md, "Expert-parallel
       serving"): per (token, layer), the number of distinct destination ranks whose local index
@@ -37,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from locus.errors import LocusError
+from locus.kernels.formats import payload_row_bytes
 from locus.routing.dispatch_rule import DispatchTable, destinations, table_keys
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
@@ -70,7 +73,7 @@ class TrafficTotals:
     inter_node_sends: int  # sum over (token, layer) of distinct remote nodes
     intra_node_sends: int  # sum over (token, layer) of distinct tier-2 destination ranks (own node and proxied)
     intra_node_pairs: int  # pairs carried by tier-2 sends
-    bytes_per_send: int  # 2 * hidden * dtype_bytes
+    bytes_per_send: int  # one row dispatched and combined: 2 * hidden * dtype_bytes in the model's dtype
     layer_loads: np.ndarray  # [L, R] pairs computed per rank
     rank_tokens: np.ndarray  # [R]
     step_expert_imbalance_sum: float  # over steps of the mean over layers
@@ -130,16 +133,20 @@ class TrafficMeter:
 
     def __init__(self, table: DispatchTable, topology: Topology, hidden_size: int, dtype_bytes: int,
                  batch_tokens: int, links: LinkModel = LinkModel(), pair_sink: PairSink | None = None,
-                 epoch_tables: dict[int, DispatchTable] | None = None):
+                 epoch_tables: dict[int, DispatchTable] | None = None, dispatch_format: str = "model",
+                 combine_format: str = "model"):
         """epoch_tables: one table per placement epoch (same topology); `add` then routes each row by
-        the table of its epoch (a trace recorded across a live re-plan)."""
+        the table of its epoch (a trace recorded across a live re-plan). dispatch_format / combine_format:
+        what a row travels in each way (formats.PAYLOAD_FORMATS; --ep-dispatch-format of the server)."""
         if batch_tokens < 1:
             raise LocusError(f"batch_tokens must be at least 1, got {batch_tokens}")
         self.table, self.batch_tokens, self.links = table, int(batch_tokens), links
         self.epoch_tables = epoch_tables
         self.epoch_sums: dict[int, np.ndarray] = {}  # epoch -> [tokens, inter sends, intra sends]
         self.pair_sink = pair_sink  # optional: per-(sender, receiver) rows, see PairChunk
-        self.bytes_per_send = 2 * int(hidden_size) * int(dtype_bytes)
+        self.dispatch_bytes = payload_row_bytes(int(hidden_size), dispatch_format, int(dtype_bytes))
+        self.combine_bytes = payload_row_bytes(int(hidden_size), combine_format, int(dtype_bytes))
+        self.bytes_per_send = self.dispatch_bytes + self.combine_bytes
         R, L, G = topology.ranks, table.num_layers, topology.gpus_per_node
         self.R, self.L, self.G = R, L, G
         rank = np.arange(R + 1)

@@ -50,13 +50,16 @@ class ReplayReport:
     migrated_kv_bytes: int = 0  # inter-node bytes of that KV cache: not in the dispatch figures above
     migrated_kv_bytes_per_token: float = 0.0
     dispatch: str = "position"  # the dispatch rule routed by (dispatch_rule.RULES)
+    dispatch_format: str = "model"  # what a dispatched row travels in (formats.PAYLOAD_FORMATS)
+    combine_format: str = "model"  # what a combined row travels back in
     # a trace recorded across live re-plans, replayed by its epochs' plans: per epoch, its tokens and bytes
     epochs: list[dict] | None = None
 
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
                     step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0,
-                    dispatch: str = "position") -> "ReplayReport":
+                    dispatch: str = "position", dispatch_format: str = "model",
+                    combine_format: str = "model") -> "ReplayReport":
         layer_imb = max_over_mean(t.layer_loads.astype(np.float64), np.nan)  # [L] over ranks
         known = ~np.isnan(layer_imb)
         u = t.bytes_per_send
@@ -66,6 +69,8 @@ class ReplayReport:
         return cls(
             model=model,
             dispatch=dispatch,
+            dispatch_format=dispatch_format,
+            combine_format=combine_format,
             planner=planner,
             topology=f"{topology.nodes}x{topology.gpus_per_node}",
             slots_per_gpu=topology.slots_per_gpu,
@@ -116,6 +121,8 @@ class ReplayReport:
             ("plan", f"{self.planner} on {self.topology}, {self.slots_per_gpu} slots/GPU"),
             ("assignment", self.assignment),
             ("dispatch rule", self.dispatch),
+            *([("payload formats (dispatch / combine)", f"{self.dispatch_format} / {self.combine_format}")]
+              if (self.dispatch_format, self.combine_format) != ("model", "model") else []),
             ("requests", f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens, {self.steps} steps of {self.batch_tokens}, {self.step_order} order)"),
             ("routings", f"{self.routings:,}"),
             ("inter-node bytes (node-dedup)", f"{self.inter_node_bytes / gib:,.3f} GiB ({self.inter_node_bytes_per_token:,.0f} B/token)"),

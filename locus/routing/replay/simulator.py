@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from locus.errors import LocusError
+from locus.kernels.formats import PAYLOAD_FORMATS
 from locus.routing.replay.assignment import Assignment
 from locus.routing.dispatch_rule import build_dispatch_table
 from locus.routing.plan.placement import PlacementPlan, validate
@@ -112,14 +113,20 @@ def rank_step_order(offsets: np.ndarray, assignment: Assignment, num_ranks: int,
 
 def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignment, batch_tokens: int = 4096,
            links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace",
-           pair_sink: PairSink | None = None, epoch_plans: dict[int, PlacementPlan] | None = None) -> ReplayReport:
+           pair_sink: PairSink | None = None, epoch_plans: dict[int, PlacementPlan] | None = None,
+           dispatch_format: str = "model", combine_format: str = "model") -> ReplayReport:
     """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's.
 
     pair_sink, if given, receives every chunk's per-(step, layer, sender, receiver) rows (metrics.PairChunk;
     replay/chakra.py's PairTraffic collects them for Chakra traces); without one nothing extra is computed.
     epoch_plans: a plan per placement epoch (a trace recorded across live re-plans carries each row's
     epoch, `reader.epochs`): every row is routed by its epoch's plan; `plan` is then the first epoch's.
+    dispatch_format / combine_format: what the rows travel in (a server's --ep-dispatch-format /
+    --ep-combine-format; formats.PAYLOAD_FORMATS): the bytes of a row each way.
     """
+    for what, fmt in (("dispatch", dispatch_format), ("combine", combine_format)):
+        if fmt not in PAYLOAD_FORMATS:
+            raise LocusError(f"{what} format {fmt!r}: choose one of {', '.join(PAYLOAD_FORMATS)}")
     meta = reader.meta
     validate(plan, num_experts=meta.num_experts, moe_layers=meta.moe_layers)
     if plan.topology != topology:
@@ -158,7 +165,7 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
                 raise LocusError(f"the plan of epoch {epoch} is laid out for {p.topology}, not {topology}")
             epoch_tables[int(epoch)] = build_dispatch_table(plan_in_trace_order(p, meta.moe_layers))
     meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links, pair_sink,
-                         epoch_tables)
+                         epoch_tables, dispatch_format, combine_format)
     rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
     order = None
     if step_order == "ranks":
@@ -192,4 +199,6 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         migrations=assignment.migrations,
         migrated_kv_bytes=assignment.migrated_kv_bytes,
         dispatch=table.rule,
+        dispatch_format=dispatch_format,
+        combine_format=combine_format,
     )

@@ -132,6 +132,28 @@ def test_sent_bytes_match_the_replay_and_the_reference(tmp_path, order, batch_to
     assert decoded[0][0].attr[-1].int32_val == report.steps  # "steps" in the metadata
 
 
+def test_dispatch_and_combine_in_their_own_formats(tmp_path):
+    """An MXFP8 dispatch (hidden 4: 4 + 1 bytes a row) and a combine in the model's dtype (8): the
+    dispatch phases' messages and the combine phases' take their own row sizes, and sum to the replay's."""
+    reader, _ = make_trace(tmp_path / "trace")
+    pairs = PairTraffic()
+    report = replay(reader, plan(), TOPOLOGY, Assignment("hand", 0, np.array([0, 3, 1, 2, 2, 0, 1, 3, 0])),
+                    batch_tokens=8, pair_sink=pairs, dispatch_format="mxfp8")
+    files = write_chakra(tmp_path / "et" / "toy", pairs.finish(), TOPOLOGY, LAYERS, (5, ROW_BYTES))
+    sizes, totals = {"dispatch": set(), "combine": set()}, Counter()
+    for path, _ in files:
+        for node in read_chakra(path)[1]:
+            if node.type == pb.COMM_SEND_NODE:
+                a = attrs(node)
+                phase = decode_tag(a["comm_tag"])[2]
+                rows_bytes = 5 if phase < 2 else ROW_BYTES
+                assert a["comm_size"] % rows_bytes == 0
+                sizes["dispatch" if phase < 2 else "combine"].add(rows_bytes)
+                totals[1 if PHASES[phase].startswith("tier1") else 2] += a["comm_size"]
+    assert sizes == {"dispatch": {5}, "combine": {ROW_BYTES}}
+    assert (totals[1], totals[2]) == (report.inter_node_bytes, report.intra_node_bytes)
+
+
 def test_every_send_has_exactly_one_matching_receive(tmp_path):
     _, _, _, decoded = run(tmp_path)
     sends, recvs = {}, {}

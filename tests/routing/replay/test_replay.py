@@ -163,3 +163,20 @@ def test_request_ranges(spec, want):
 def test_bad_request_ranges(spec):
     with pytest.raises(LocusError, match="request range"):
         parse_request_range(spec, 10)
+
+
+@pytest.mark.parametrize("dispatch_format,combine_format,per_send", [
+    ("model", "model", 16), ("mxfp8", "model", 5 + 8), ("mxint8", "model", 5 + 8), ("mxfp8", "mxfp8", 5 + 5)])
+def test_payload_formats_set_the_bytes_of_each_send(tmp_path, dispatch_format, combine_format, per_send):
+    """A row of hidden 4 is 8 bytes in the trace's 2-byte dtype and 4 + 1 in an MX format (4 elements,
+    one E8M0 scale), whichever way it travels: the toy's 5 inter- and 6 intra-node sends cost that."""
+    reader = write_trace(tmp_path / "trace", META, [REQUEST_A, REQUEST_B])
+    report = replay(reader, toy_plan(), TOPOLOGY, Assignment("hand", 0, np.array([1, 2])), batch_tokens=2,
+                    links=LINKS, dispatch_format=dispatch_format, combine_format=combine_format)
+    assert (report.inter_node_bytes, report.intra_node_bytes) == (5 * per_send, 6 * per_send)
+    assert (report.inter_node_bytes_nodedup, report.intra_node_bytes_nodedup) == (8 * per_send, 8 * per_send)
+    assert (report.dispatch_format, report.combine_format) == (dispatch_format, combine_format)
+    if dispatch_format != "model":
+        assert f"{dispatch_format} / {combine_format}" in report.format_table()
+    with pytest.raises(LocusError, match="dispatch format 'fp8'"):
+        replay(reader, toy_plan(), TOPOLOGY, Assignment("hand", 0, np.array([1, 2])), dispatch_format="fp8")
