@@ -116,3 +116,12 @@ def test_the_clis_offer_the_payload_formats():
     from locus.server import cli as server_cli
 
     assert server_cli.EP_PAYLOAD_FORMATS == routing_cli.PAYLOAD_FORMATS == PAYLOAD_FORMATS
+
+
+def test_serve_refuses_a_payload_format_without_expert_parallelism(capsys, monkeypatch):
+    from locus.cli import main
+
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--model", "tiny", "--ep-combine-format", "mxint8"]) == 2
+    assert "add --ep-ranks N" in capsys.readouterr().err
