@@ -6,7 +6,13 @@
 - `die-in-join=I@G`: the same, later: at the call that joins generation G's process group (torch's own
   rendezvous), every member having said it is ready;
 - `bad-refill=I@N`: in its N-th regroup, the rank whose identity is I fills one expert slot with
-  another expert's weights: a placement the ranks must not answer with.
+  another expert's weights: a placement the ranks must not answer with;
+- `die-moving-out=PATH` / `die-moving-in=PATH` (--ep-moves): in the first move between two ranks
+  other than 0, the source (out) / the target (in) kills itself as the request's KV rows are about to
+  go / come (the move's header and sampler state have crossed); it first creates PATH (exclusively:
+  one rank of the launch dies) and writes into it its identity and the move's peer.
+  `die-moving-out-to-0=PATH` / `die-moving-in-from-0=PATH`: the same in the first move whose other
+  end is rank 0.
 Run as `python -m tests.server.elastic_faults serve ...` (running_server's `module`); the ranks that
 `--ep-ranks` starts run the same wrapper."""
 
@@ -18,7 +24,7 @@ import sys
 import time
 
 from locus.cli import main
-from locus.engine.ep import elastic, replan
+from locus.engine.ep import elastic, migrate, replan
 
 FAULTS = "LOCUS_TEST_FAULTS"
 
@@ -80,6 +86,59 @@ def install() -> None:
             return read
 
         elastic.refill_experts = bad_refill
+    for key, side, peer_is_0 in (("die-moving-out", "out", False), ("die-moving-in", "in", False),
+                                 ("die-moving-out-to-0", "out", True), ("die-moving-in-from-0", "in", True)):
+        if key in faults:
+            _die_moving(side, peer_is_0, faults[key])
+
+
+def _die_moving(side: str, peer_is_0: bool, path: str) -> None:
+    """Kill this rank as the rows of its first move `side` whose peer is (`peer_is_0`) or is not rank 0
+    are about to go (out) or come (in): migrate.py sends and receives a header, the pickled state, then
+    the rows, the only floating-point tensor."""
+    if _identity() == 0:  # rank 0 is the server: its loss is not survivable
+        return
+    import torch.distributed as dist
+
+    method = "_send" if side == "out" else "_receive"
+    original, moving = getattr(migrate.RequestMover, method), []
+
+    def tracked(self, move, *args, **kwargs):
+        moving[:] = [move]
+        try:
+            return original(self, move, *args, **kwargs)
+        finally:
+            moving.clear()
+
+    class DyingDist:
+        """torch.distributed as migrate.py sees it, its rows' send or receive fatal."""
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def _maybe_die(self, tensor):
+            if not moving or (moving[0].peer == 0) != peer_is_0 or not tensor.is_floating_point():
+                return
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return  # another rank died already
+            os.write(fd, f"{_identity()} {moving[0].peer}".encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def send(self, tensor, *args, **kwargs):
+            if side == "out":
+                self._maybe_die(tensor)
+            return dist.send(tensor, *args, **kwargs)
+
+        def recv(self, tensor, *args, **kwargs):
+            if side == "in":
+                self._maybe_die(tensor)
+            return dist.recv(tensor, *args, **kwargs)
+
+    setattr(migrate.RequestMover, method, tracked)
+    migrate.dist = DyingDist()
 
 
 if __name__ == "__main__":

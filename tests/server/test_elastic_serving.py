@@ -337,3 +337,67 @@ def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch)
         finally:
             kill_all(pids)
     assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []
+
+
+# --- issue 46: a rank lost in the middle of moving a request after its prefill (--ep-moves) ----------------
+@pytest.fixture(scope="module")
+def moving_plan(tmp_path_factory):
+    """A 2x2 locality plan for `tiny` whose grouper moves a request whenever that saves any byte (margin
+    0) and a rank has room for it (attention cap 4: only the stream cap bounds a move). It puts `math`
+    on node 0 and `code` on node 1 only."""
+    from tests.server.test_expert_parallel_serving import locality_plan
+
+    path = locality_plan(tmp_path_factory.mktemp("moving-plan"), slots=3, requests=24, model_name="tiny")
+    plan = json.loads(path.read_text())
+    plan["grouping"]["move_margin"] = 0.0
+    plan["grouping"]["caps"]["attention"] = 4.0
+    assert plan["grouping"]["domain_nodes"]["math"][1] == 0 and plan["grouping"]["domain_nodes"]["code"][0] == 0
+    path.write_text(json.dumps(plan))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["die-moving-out", "die-moving-in", "die-moving-in-from-0"])
+def test_a_rank_lost_mid_move_loses_no_stream_and_no_token(fault, moving_plan, tmp_path, monkeypatch):
+    """Issue 46, acceptance 3: `--ep-elastic --ep-moves`, 12 greedy streams, 3 at a time, of `math` and
+    `code` prompts each tagged with the other domain: admitted to the wrong node by its tag, each
+    moves to the other once its prefill has run (sources and targets on both nodes). In the first
+    move between two ranks other than 0, the source (`die-moving-out`) or the target (`die-moving-in`)
+    is SIGKILLed (injected) once the move's header and sampler state have crossed, before its KV rows;
+    or the target of the first move out of rank 0 (`die-moving-in-from-0`). The survivors regroup, and
+    the moved request is resumed (source lost: on the target, from what rank 0 streamed; target lost:
+    on a survivor), not lost: every stream ends `done` with the single-process engine's text, no token
+    missing or repeated. With the target lost, the old code streamed tokens twice: those of the
+    source's report made before the regroup (`die-moving-in`), or, from rank 0, those rank 0 had
+    streamed itself, which the resumed request did not count as streamed (`die-moving-in-from-0`)."""
+    from tests.server.test_expert_parallel_serving import domain_prompt
+
+    domains = [("math", "code"), ("code", "math")] * 6  # (the prompt's, its tag)
+    prompts = [domain_prompt(family, 500 + i) for i, (family, _) in enumerate(domains)]
+    tokens = [12 + 4 * (i % 3) for i in range(len(prompts))]
+    want = greedy_texts(prompts, tokens)
+    died = tmp_path / "died"
+    monkeypatch.setenv("LOCUS_TEST_FAULTS", f"{fault}={died}")
+    pids = []
+    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--plan", str(moving_plan),
+                        "--ep-moves", "--ep-elastic", "--ep-timeout", "20", module="tests.server.elastic_faults",
+                        timeout=300) as proc:
+        base = proc.base_url
+        ranks = {rank_of(pid): pid for pid in children_of(proc.pid)}
+        pids = list(ranks.values())
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(sse_stream, [base] * len(prompts), prompts, tokens, [None] * len(prompts),
+                                    [tag for _, tag in domains]))
+            assert died.exists(), f"{fault}: no such move happened"
+            identity, peer = (int(x) for x in died.read_text().split())
+            stats = httpx.get(f"{base}/ep/stats").json()
+            assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}, got
+            assert [r["lost_ranks"] for r in stats["recoveries"]] == [[identity]] and stats["ranks"] == 3
+            assert not alive(ranks[identity]) and (peer == 0) == fault.endswith("-0")
+            assert peer == 0 or alive(ranks[peer])
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            kill_all(pids)
+    assert not any(alive(pid) for pid in pids) and children_of(proc.pid) == []

@@ -105,6 +105,11 @@ class EPDriver:
         # Elastic EP: what each request needs to be re-admitted elsewhere if its rank dies
         self._params: dict[str, tuple[SamplingParams, str | None]] = {}
         self._delivered: dict[str, Resumed] = {}  # request id -> what it has streamed so far
+        # Requests a regroup resumed from what they had streamed (a lost rank's, or a move's whose
+        # target was lost). The survivors' reports read in the first iteration after it were made
+        # before it: a move's source may report tokens of such a request that it will run again where
+        # it resumes, so that iteration drops them (step)
+        self._resumed_in_regroup: set[str] = set()
         self._report_seq: dict[int, int] = {}  # rank identity -> number of the last report taken
         self._last_commands: dict[int, Commands] = {}
         self.recovering = False
@@ -186,6 +191,7 @@ class EPDriver:
         commands, self._pending = self._pending, {}
         self._last_commands = commands  # elastic EP: resent to survivors if this iteration fails
         it = self.worker.iterate(commands)
+        resumed, self._resumed_in_regroup = self._resumed_in_regroup, set()
         self.last_stepped = it.stepped
         now = time.monotonic()
         outputs = []  # the other ranks' (their previous step's) first: a request moved to rank 0 this
@@ -209,15 +215,19 @@ class EPDriver:
                 self.expert_load.add(*report.load)
             self._refused(report.errors)
             prefills += [(rank, p) for p in report.prefills]
-            moved += [(rank, m) for m in report.moved]
+            moved += [(rank, m) for m in report.moved if m[0] not in resumed]
             for packed in report.outputs:
                 request_id = packed[0]
-                if request_id not in self._owner:
-                    continue
+                if request_id not in self._owner or request_id in resumed:
+                    continue  # (resumed: made before the regroup that resumed it from what it had streamed)
                 out = unpack_output(packed, self._prompt[request_id], self._metrics[request_id], now)
                 if self.worker.elastic is not None:
                     self._note_delivered(out)
                 outputs.append(out)
+        if self.worker.elastic is not None:  # rank 0's own too: a request that moves away may be resumed
+            for out in it.outputs:
+                if out.request_id in self._owner:
+                    self._note_delivered(out)
         outputs += it.outputs
         for out in outputs:
             if out.finished:
@@ -386,6 +396,7 @@ class EPDriver:
                     resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))
                     self.command(mapping[target]).adds.insert(0, Add(m.request_id, self._prompt[m.request_id], params,
                                                                      domain, resumed, retry=True))
+                    self._resumed_in_regroup.add(m.request_id)
                 elif source in mapping:
                     self.command(mapping[source]).drops.append(m.request_id)
 
@@ -406,6 +417,7 @@ class EPDriver:
         self._owner[request_id] = rank
         resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))  # the add owns its copy
         self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, self._prompt[request_id], params, domain, resumed))
+        self._resumed_in_regroup.add(request_id)
         return True
 
     # --- what the re-planner asks of the driver -------------------------------------------------------
