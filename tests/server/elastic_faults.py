@@ -12,7 +12,10 @@
   go / come (the move's header and sampler state have crossed); it first creates PATH (exclusively:
   one rank of the launch dies) and writes into it its identity and the move's peer.
   `die-moving-out-to-0=PATH` / `die-moving-in-from-0=PATH`: the same in the first move whose other
-  end is rank 0.
+  end is rank 0;
+- `die-after-move=PATH` (--ep-moves): once a move between two ranks other than 0 has reached its
+  target, a third rank other than 0 kills itself at its next MoE layer (the iteration's step, which
+  the target has not finished): both ends survive a loss in the iteration that moved the request.
 Run as `python -m tests.server.elastic_faults serve ...` (running_server's `module`); the ranks that
 `--ep-ranks` starts run the same wrapper."""
 
@@ -90,6 +93,48 @@ def install() -> None:
                                  ("die-moving-out-to-0", "out", True), ("die-moving-in-from-0", "in", True)):
         if key in faults:
             _die_moving(side, peer_is_0, faults[key])
+    if "die-after-move" in faults:
+        _die_after_move(faults["die-after-move"])
+
+
+def _die_after_move(path: str) -> None:
+    from locus.engine.ep import layer
+
+    moved = path + ".moved"  # "source target": a move between them has reached the target
+    receive = migrate.RequestMover._receive
+
+    def receiving(self, move):
+        out = receive(self, move)
+        if move.peer != 0 and _identity() != 0 and move.request_id in self.worker.core.requests:
+            with open(moved + ".tmp", "w") as f:
+                f.write(f"{move.peer} {_identity()}")
+            if not os.path.exists(moved):
+                os.replace(moved + ".tmp", moved)
+        return out
+
+    migrate.RequestMover._receive = receiving
+    if _identity() == 0:
+        return
+
+    def check():
+        if not os.path.exists(moved) or _identity() in (int(x) for x in open(moved).read().split()):
+            return
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{_identity()} {open(moved).read()}".encode())
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    for name in ("route_and_exchange", "exchange_nothing"):
+        original = getattr(layer.ExpertParallelMoE, name)
+
+        def checked(self, *args, _original=original, **kwargs):
+            check()
+            return _original(self, *args, **kwargs)
+
+        setattr(layer.ExpertParallelMoE, name, checked)
 
 
 def _die_moving(side: str, peer_is_0: bool, path: str) -> None:

@@ -357,19 +357,23 @@ def moving_plan(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["die-moving-out", "die-moving-in", "die-moving-in-from-0"])
+@pytest.mark.parametrize("fault", ["die-moving-out", "die-moving-in", "die-moving-in-from-0", "die-after-move"])
 def test_a_rank_lost_mid_move_loses_no_stream_and_no_token(fault, moving_plan, tmp_path, monkeypatch):
     """Issue 46, acceptance 3: `--ep-elastic --ep-moves`, 12 greedy streams, 3 at a time, of `math` and
     `code` prompts each tagged with the other domain: admitted to the wrong node by its tag, each
     moves to the other once its prefill has run (sources and targets on both nodes). In the first
     move between two ranks other than 0, the source (`die-moving-out`) or the target (`die-moving-in`)
     is SIGKILLed (injected) once the move's header and sampler state have crossed, before its KV rows;
-    or the target of the first move out of rank 0 (`die-moving-in-from-0`). The survivors regroup, and
-    the moved request is resumed (source lost: on the target, from what rank 0 streamed; target lost:
-    on a survivor), not lost: every stream ends `done` with the single-process engine's text, no token
-    missing or repeated. With the target lost, the old code streamed tokens twice: those of the
+    or the target of the first move out of rank 0 (`die-moving-in-from-0`); or, once a move between two
+    ranks other than 0 has reached its target, a third rank, in the step of that iteration
+    (`die-after-move`). The survivors regroup, and the moved request is resumed (source lost: on the
+    target, from what rank 0 streamed; target lost: on a survivor; both alive: the move is sent again),
+    not lost: every stream ends `done` with the single-process engine's text, no token missing or
+    repeated. With the target lost, the old code streamed tokens twice: those of the
     source's report made before the regroup (`die-moving-in`), or, from rank 0, those rank 0 had
-    streamed itself, which the resumed request did not count as streamed (`die-moving-in-from-0`)."""
+    streamed itself, which the resumed request did not count as streamed (`die-moving-in-from-0`). With
+    both ends alive, the source had forgotten what it sent before the move was sent again, and the
+    request failed (`die-after-move`)."""
     from tests.server.test_expert_parallel_serving import domain_prompt
 
     domains = [("math", "code"), ("code", "math")] * 6  # (the prompt's, its tag)
@@ -390,12 +394,13 @@ def test_a_rank_lost_mid_move_loses_no_stream_and_no_token(fault, moving_plan, t
                 got = list(pool.map(sse_stream, [base] * len(prompts), prompts, tokens, [None] * len(prompts),
                                     [tag for _, tag in domains]))
             assert died.exists(), f"{fault}: no such move happened"
-            identity, peer = (int(x) for x in died.read_text().split())
+            identity, *ends = (int(x) for x in died.read_text().split())  # the dead rank, the move's survivors
             stats = httpx.get(f"{base}/ep/stats").json()
             assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}, got
             assert [r["lost_ranks"] for r in stats["recoveries"]] == [[identity]] and stats["ranks"] == 3
-            assert not alive(ranks[identity]) and (peer == 0) == fault.endswith("-0")
-            assert peer == 0 or alive(ranks[peer])
+            assert not alive(ranks[identity]) and identity not in ends
+            assert all(end == 0 or alive(ranks[end]) for end in ends)
+            assert fault == "die-after-move" or (ends[0] == 0) == fault.endswith("-0")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
         finally:

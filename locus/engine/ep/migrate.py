@@ -12,9 +12,10 @@ Blocking sends and receives in one global order cannot deadlock: the lowest-numb
 yet has both of its ranks ready for it. The source counts the rows' bytes as migration bytes,
 inter-node or intra-node by where the target is, apart from the dispatch bytes.
 
-Elastic EP: the source keeps what it sent until the next iteration's exchange succeeds (every rank
-then got past this one); a move resent after a regroup (`retry`) sends it again if the request has
-left the engine, and the target drops a copy of a request it already holds.
+Elastic EP: the source keeps what it sent until the next iteration whose exchange succeeds has run
+its moves (every rank then got past this one, and a move of a failed iteration is resent, `retry`, in
+the first iteration after the regroup); a resent move sends it again if the request has left the
+engine, and the target drops a copy of a request it already holds.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RequestMover:
         self.sent: dict[str, tuple[int, Migrant]] = {}  # request id -> (iteration, what was sent)
 
     def settle(self, iteration: int) -> None:
-        """Every rank got past the iterations before `iteration`: forget what they sent."""
+        """Every rank got past the iterations before `iteration`, and `iteration` ran its moves (a resent
+        one included): forget what the earlier ones sent."""
         self.sent = {k: v for k, v in self.sent.items() if v[0] >= iteration}
 
     def run(self, outs: list[Move], ins: list[Move], iteration: int) -> list[tuple[str, int]]:

@@ -142,7 +142,6 @@ class RankWorker:
         agreement, incoming = control.exchange(header, outgoing)
         if self._report:
             self._sent, self._report = self._report, b""
-        self.mover.settle(self._iterations)  # every rank got past the previous iteration
         it = Iteration(stop=agreement.stop, errors=errors)
         if self.rank == 0:
             it.reports = {r: decode_report(data) for r, data in incoming.items()}
@@ -157,6 +156,9 @@ class RankWorker:
             raise PlacementDisagreement(f"the ranks disagree on the expert placement ({problem}); no rank may answer")
         if mine is not None and (mine.moves_out or mine.moves_in):  # before the step: a moved request skips none
             self._moved_out += self.mover.run(mine.moves_out, mine.moves_in, self._iterations)
+        # after this iteration's moves: every rank got past the previous iteration, and a move it held
+        # that a regroup sent again (in the first iteration after it) has just been resent
+        self.mover.settle(self._iterations)
         for request_id in self._missed_aborts:  # an abort that arrived with the request's move in
             out = core.abort(request_id)
             if out is not None:
