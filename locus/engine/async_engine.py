@@ -83,7 +83,7 @@ class AsyncEngine:
                  burst_wait_s: float = 0.0):
         self.core = core
         # Expert parallelism (rank 0 of several): requests go to the driver, which assigns them to
-        # ranks, and each step is an iteration of every rank (locus/engine/ep/driver.py).
+        # ranks, and each step is an iteration of every rank (locus/engine/ep/ranks/driver.py).
         self.driver = driver
         self.max_waiting = max_waiting
         # An idle engine that gets a request first waits until none has arrived for this long (at

@@ -170,7 +170,7 @@ class DecodeGraphs:
         if B is None:
             raise ValueError(f"{n} sequences exceed the largest decode bucket ({self.max_batch})")
         # One step at a time: the buffers are shared (--ep-overlap's two lanes at once refuse decode
-        # graphs, ep/worker.py).
+        # graphs, ep/ranks/worker.py).
         self.inputs.stage(token_ids, positions, block_tables, B, sources)
         out = self._launch(self.inputs, B, fed, n)
         self.steps += 1

@@ -1,6 +1,6 @@
 """A running request taken out of one engine and put into another with its KV cache: how an
 expert-parallel server moves a request after its prefill (docs/planner.md, "Moving a request after
-prefill"). The engines' ranks carry the two halves over the wire (locus/engine/ep/worker.py).
+prefill"). The engines' ranks carry the two halves over the wire (locus/engine/ep/ranks/worker.py).
 
     take_out(core, request_id) -> Migrant       the source: the sequence leaves its scheduler (as a
                                                 preemption that keeps its KV rows), its blocks go back

@@ -28,10 +28,10 @@ from locus.engine.async_engine import AsyncEngine
 from locus.engine.outputs import RequestOutput
 from locus.engine.engine_core import EngineConfig, EngineCore
 from locus.engine.grammar_limits import CompilePools
-from locus.engine.ep.driver import EPDriver
-from locus.engine.ep.launch import EPSetup, rank_trace_path
-from locus.engine.ep.replan import ReplanSchedule, attach_replanner
-from locus.engine.ep.worker import build_worker
+from locus.engine.ep.ranks.driver import EPDriver
+from locus.engine.ep.ranks.launch import EPSetup, rank_trace_path
+from locus.engine.ep.rebalance.replan import ReplanSchedule, attach_replanner
+from locus.engine.ep.ranks.worker import build_worker
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.tokenizer import read_chat_template
 from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStorageError
@@ -402,7 +402,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/ep/replan")
     async def ep_replan(request: Request):
         """Re-plan the expert placement now (admin, --replan-api): the decision, and the move in progress."""
-        from locus.engine.ep.replan import ReplanAborted, ReplanBusy
+        from locus.engine.ep.rebalance.replan import ReplanAborted, ReplanBusy
 
         driver = state.ep_driver
         if driver is None or driver.replanner is None or not config.ep.replan_api:

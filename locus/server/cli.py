@@ -190,7 +190,7 @@ def grammar_limits_of(args: argparse.Namespace):
 
 def run_rank(args: argparse.Namespace, setup) -> int:
     """A rank other than 0: the same model and engine, no HTTP; iterate with rank 0 until it stops."""
-    from locus.engine.ep.worker import build_worker, report_failure
+    from locus.engine.ep.ranks.worker import build_worker, report_failure
     from locus.server.app import served_name
 
     log = logging.getLogger("locus.engine")
@@ -229,7 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from locus.engine.checkpoint.loader import default_serve_model
     from locus.engine.engine_core import parse_memory
-    from locus.engine.ep.launch import SPAWNED, setup_from, spawn_local_ranks
+    from locus.engine.ep.ranks.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import ServerConfig, create_app
 
     if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
@@ -255,7 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if setup is None and (args.replan_every or args.replan_api):
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and args.quantize_experts:
-        # TODO(ep): the ranks' loader (ep/launch.py load_rank) and the slot moves of re-planning and
+        # TODO(ep): the ranks' loader (ep/ranks/launch.py load_rank) and the slot moves of re-planning and
         # elastic recovery handle float expert tensors only; the loader itself quantizes a rank's slice
         raise LocusError("--quantize-experts does not run under expert parallelism yet (--ep-ranks, torchrun): "
                          "serve on one rank, or drop --quantize-experts")

@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from locus.engine.ep.counters import ExchangeCounters
-from locus.engine.ep.replan import ReplanDecision
+from locus.engine.ep.rebalance.replan import ReplanDecision
 from locus.engine.observers.trace_recorder import RecordingSummary
 
 

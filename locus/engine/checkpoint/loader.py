@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from locus.engine.model.config import ModelConfig, load_config
-from locus.engine.ep.slices import ExpertSlices
+from locus.engine.model.slices import ExpertSlices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.checkpoint.quantize import quantize_model_experts

@@ -14,7 +14,7 @@ import math
 import torch
 
 from locus.engine.model.config import ModelConfig, RopeConfig
-from locus.engine.ep.slices import ExpertSlices, keep_slices, moe_experts
+from locus.engine.model.slices import ExpertSlices, keep_slices, moe_experts
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.errors import LocusError

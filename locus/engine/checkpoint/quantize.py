@@ -2,7 +2,7 @@
 
 Quantized once, at load, from the weights the model holds then, layer by layer (one layer's float
 experts and its quantized copy at a time). An expert-parallel rank's model holds only its slots'
-experts (ep/slices.py), so each rank quantizes only its own. The attention, router, shared expert,
+experts (model/slices.py), so each rank quantizes only its own. The attention, router, shared expert,
 dense layers and embeddings stay in the compute dtype: the routed experts are most of the bytes a
 decode step reads, and where narrow weights pay (locus/kernels/moe_quantized.py, docs/formats.md).
 """

@@ -29,7 +29,7 @@ from locus.engine.checkpoint.quantize import expert_kernel_path
 from locus.engine.checkpoint.quantized import quantized_experts, quantized_linears, read_experts, read_fp8_linear, \
     read_quantization
 from locus.engine.model.config import load_config
-from locus.engine.ep.slices import ExpertSlices, keep_slices
+from locus.engine.model.slices import ExpertSlices, keep_slices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.errors import LocusError
 

@@ -25,7 +25,7 @@ from torch import nn
 from locus.engine.ep.groups import Groups
 from locus.engine.ep.placement import ExpertPlacement
 from locus.engine.ep.runtime import EPRuntime
-from locus.engine.ep.slices import slices_of
+from locus.engine.model.slices import slices_of
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.model.moe import MoEBlock
 from locus.kernels import fused_moe

@@ -33,7 +33,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
         # None: all E experts, row e = expert e. An expert-parallel rank holds only its slots' experts
-        # (locus/engine/ep/slices.py): row j = expert expert_ids[j].
+        # (locus/engine/model/slices.py): row j = expert expert_ids[j].
         self.expert_ids: list[int] | None = None
 
     @property

@@ -1,7 +1,7 @@
 """The grouper as an expert-parallel server runs it live: what `locus replay --assign grouper` replays.
 
 A live server's rank 0 admits each request when it arrives and releases its charge when it
-finishes (locus/engine/ep/driver.py), with the plan's grouper under the stream cap and the attention
+finishes (locus/engine/ep/ranks/driver.py), with the plan's grouper under the stream cap and the attention
 cap (grouper.py). Which rank a request gets depends on what is in flight at that moment, so the
 replay runs the same grouper through the same sequence of admissions and releases:
 

@@ -20,9 +20,9 @@ from locus.engine.generate import generate_tokens
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.sampling import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
-from locus.engine.ep.control import ControlPlane
+from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.groups import make_groups
-from locus.engine.ep.worker import RankWorker
+from locus.engine.ep.ranks.worker import RankWorker
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.test_expert_parallel import end_rank, run_until_done

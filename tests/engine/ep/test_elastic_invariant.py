@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from locus.engine.ep.control import DIGEST, FIXED_FIELDS, Agreement
-from locus.engine.ep.elastic import lost_peer, new_plan_of, plan_onto, ready_barrier, RegroupRestart, rendezvous_members
+from locus.engine.ep.ranks.control import DIGEST, FIXED_FIELDS, Agreement
+from locus.engine.ep.rebalance.elastic import lost_peer, new_plan_of, plan_onto, ready_barrier, RegroupRestart, rendezvous_members
 from locus.engine.ep.invariant import BROKEN, PlacementDisagreement, expert_fingerprint, wrong_slots
-from locus.engine.ep.move import PlacementMove
+from locus.engine.ep.rebalance.move import PlacementMove
 from locus.engine.ep.placement import ExpertPlacement
-from locus.engine.ep.rendezvous import RendezvousRefused, SignedStore
-from locus.engine.ep.replan import ReplanAborted, ReplanDecision, Replanner, ReplanSchedule
+from locus.engine.ep.ranks.rendezvous import RendezvousRefused, SignedStore
+from locus.engine.ep.rebalance.replan import ReplanAborted, ReplanDecision, Replanner, ReplanSchedule
 from locus.errors import LocusError
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
@@ -255,7 +255,7 @@ def test_replan_every_below_a_second_is_refused(value):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
 def test_ep_timeout_must_be_a_finite_positive_number(value):
-    from locus.engine.ep.launch import setup_from
+    from locus.engine.ep.ranks.launch import setup_from
 
     with pytest.raises(LocusError, match="--ep-timeout must be a positive number of seconds"):
         setup_from(4, 2, value, None)

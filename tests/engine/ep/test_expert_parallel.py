@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from locus.engine.ep.layer import ExpertParallelMoE, apply_expert_parallel
 from locus.engine.ep.payload import simulate_dispatch
 from locus.engine.model.forward_batch import ForwardBatch
-from locus.engine.ep.slices import expert_memory, slices_of
+from locus.engine.model.slices import expert_memory, slices_of
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.routing.planners.baselines import round_robin
 from locus.routing.dispatch_rule import build_dispatch_table, route
@@ -197,8 +197,8 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
     RankWorker iteration, control plane included); the model is built holding only this rank's
     experts, as a server's rank loads it."""
     from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.ep.control import ControlPlane
-    from locus.engine.ep.worker import RankWorker
+    from locus.engine.ep.ranks.control import ControlPlane
+    from locus.engine.ep.ranks.worker import RankWorker
     from locus.engine.sampling import SamplingParams
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from locus.engine.ep.launch import setup_from
+from locus.engine.ep.ranks.launch import setup_from
 from locus.errors import LocusError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are read from /proc")

@@ -23,12 +23,12 @@ WORLD = 4
 def rank_main(rank: int, port: int, out: str) -> None:
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
     from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.ep.control import ControlPlane
-    from locus.engine.ep.driver import EPDriver
+    from locus.engine.ep.ranks.control import ControlPlane
+    from locus.engine.ep.ranks.driver import EPDriver
     from locus.engine.ep.groups import make_groups
     from locus.engine.ep.layer import apply_expert_parallel
-    from locus.engine.ep.slices import slices_of
-    from locus.engine.ep.worker import RankWorker
+    from locus.engine.model.slices import slices_of
+    from locus.engine.ep.ranks.worker import RankWorker
     from locus.engine.sampling import SamplingParams
 
     torch.set_num_threads(1)

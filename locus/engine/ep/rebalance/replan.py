@@ -25,8 +25,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from locus.engine.ep.move import align, move_bytes
-from locus.engine.ep.window import WindowRows, write_window_trace
+from locus.engine.ep.rebalance.move import align, move_bytes
+from locus.engine.ep.rebalance.window import WindowRows, write_window_trace
 from locus.errors import LocusError
 from locus.traces.format import TraceMeta
 
@@ -175,7 +175,7 @@ class Replanner:
                     self._discard("the placement changed while the re-plan was being made")  # never sent
                     return
                 if decision is not None and decision.applied:
-                    from locus.engine.ep.messages import Replan
+                    from locus.engine.ep.ranks.messages import Replan
 
                     for rank in range(self.driver.world):
                         self.driver.command(rank).replan = Replan(target.to_dict(), self.rows_per_step,
@@ -321,7 +321,7 @@ class Replanner:
 
 def assignment_of(plan, reader, recorded):
     """The requests' ranks under `plan`: its grouper's choices, simulated over the window, when it has one."""
-    from locus.engine.ep.driver import serving_grouper
+    from locus.engine.ep.ranks.driver import serving_grouper
     from locus.routing.grouping.simulation import simulate_grouper
 
     grouper = serving_grouper(plan)

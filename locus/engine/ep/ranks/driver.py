@@ -28,8 +28,8 @@ import numpy as np
 
 from locus.engine.engine_core import EngineStats
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
-from locus.engine.ep.messages import Add, Commands, Move, unpack_output
-from locus.engine.ep.worker import RankWorker, failure_cause
+from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
+from locus.engine.ep.ranks.worker import RankWorker, failure_cause
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
 from locus.engine.sequence import RequestMetrics, Resumed
@@ -309,7 +309,7 @@ class EPDriver:
     def recoverable(self, exc: BaseException) -> bool:
         """Whether a regroup may survive `exc`: a lost or hung peer, never a fault of rank 0's own or a
         disagreement between the ranks (elastic.lost_peer)."""
-        from locus.engine.ep.elastic import lost_peer
+        from locus.engine.ep.rebalance.elastic import lost_peer
 
         return self.can_recover and lost_peer(exc)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from locus.engine.checkpoint import weights
-from locus.engine.ep.slices import expert_memory, moe_experts, slices_of
+from locus.engine.model.slices import expert_memory, moe_experts, slices_of
 from locus.engine.checkpoint.loader import config_of, load
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.checkpoint.weights import save_checkpoint

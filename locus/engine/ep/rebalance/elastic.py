@@ -44,7 +44,7 @@ from torch import nn
 
 from locus.engine.ep.groups import make_groups, set_timeout
 from locus.engine.ep.invariant import PlacementDisagreement
-from locus.engine.ep.rendezvous import RecoveryCancelled, RendezvousRefused, SignedStore
+from locus.engine.ep.ranks.rendezvous import RecoveryCancelled, RendezvousRefused, SignedStore
 from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict, validate
 from locus.routing.plan.topology import Topology
@@ -265,7 +265,7 @@ class ElasticOptions:
 def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int):
     """Reads given experts' weights from the model's source (checkpoint slices, or the preset's seed)."""
     from locus.engine.checkpoint.loader import load
-    from locus.engine.ep.slices import moe_experts
+    from locus.engine.model.slices import moe_experts
 
     def read(wanted: dict[int, list[int]]) -> dict[int, tuple]:
         slices = {layer: wanted.get(layer, []) for layer in loaded_layers()}
@@ -346,9 +346,9 @@ def regroup(worker) -> dict[int, int]:
 
 def _join_survivors(worker, timeout: timedelta, excluded: set[int]) -> None:
     """One attempt of regroup (generation `worker.generation`)."""
-    from locus.engine.ep.control import ControlPlane
+    from locus.engine.ep.ranks.control import ControlPlane
     from locus.engine.ep.placement import ExpertPlacement
-    from locus.engine.ep.slices import expert_memory
+    from locus.engine.model.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime
     generation, seconds = worker.generation, timeout.total_seconds()

@@ -5,7 +5,7 @@ Two ways in, one code path:
   WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets;
 - `locus serve --ep-ranks N [--gpus-per-node G]`: this process becomes rank 0 and starts ranks
   1..N-1 as child processes of the same command, with the same environment torchrun would give.
-Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep/worker.py).
+Rank 0 serves HTTP; the other ranks run the engine loop only (locus/engine/ep/ranks/worker.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from locus.engine.checkpoint.loader import LoadedModel, config_of, default_devic
 from locus.engine.ep.groups import make_groups, set_timeout
 from locus.engine.ep.invariant import share_fingerprints
 from locus.engine.ep.layer import apply_expert_parallel
-from locus.engine.ep.rendezvous import (SECRET_ENV, SignedStore, launch_secret, local_address_towards, loopback_listener,
+from locus.engine.ep.ranks.rendezvous import (SECRET_ENV, SignedStore, launch_secret, local_address_towards, loopback_listener,
                                         new_secret, open_store, pin_transport_interface, set_current)
 from locus.engine.ep.runtime import MODES, EPRuntime
-from locus.engine.ep.slices import expert_memory, slices_of
+from locus.engine.model.slices import expert_memory, slices_of
 from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
 from locus.kernels.formats import PAYLOAD_FORMATS
@@ -80,7 +80,7 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
                loop_nice: int = 19, dispatch_format: str = "model", combine_format: str = "model") -> EPSetup | None:
     """The setup the launcher's environment (torchrun, or our own spawn) or the flags describe;
     None for a single-process server."""
-    from locus.engine.ep.replan import ReplanSchedule
+    from locus.engine.ep.rebalance.replan import ReplanSchedule
 
     ReplanSchedule.parse(replan_every)  # a bad schedule fails here, before any process starts
     if replan_window < 1 or replan_layers_per_step < 1:
@@ -159,7 +159,7 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
         where = setup.plan_path or "the placement plan"
         raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
     if setup.elastic:  # refuse now what a loss would refuse later: survivors must be able to hold every expert
-        from locus.engine.ep.elastic import survivor_slots
+        from locus.engine.ep.rebalance.elastic import survivor_slots
 
         E = config.num_local_experts
         try:

@@ -25,7 +25,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from locus.engine.ep.messages import Move, decode, encode
+from locus.engine.ep.ranks.messages import Move, decode, encode
 from locus.engine.migration import Migrant, take_in, take_out
 
 log = logging.getLogger("locus.engine")

@@ -25,16 +25,16 @@ import numpy as np
 import torch.distributed as dist
 
 from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.ep.control import ControlPlane, Header
+from locus.engine.ep.ranks.control import ControlPlane, Header
 from locus.engine.ep.counters import StepTimes
 from locus.engine.ep.invariant import PlacementDisagreement
-from locus.engine.ep.launch import EPSetup, load_rank, rank_trace_path
-from locus.engine.ep.migrate import RequestMover, drop
+from locus.engine.ep.ranks.launch import EPSetup, load_rank, rank_trace_path
+from locus.engine.ep.ranks.migrate import RequestMover, drop
 from locus.engine.observers.prefill_signatures import PrefillSignatures
-from locus.engine.ep.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
-from locus.engine.ep.move import MoveStats, PlacementMove
+from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
+from locus.engine.ep.rebalance.move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
-from locus.engine.ep.window import RoutingWindow
+from locus.engine.ep.rebalance.window import RoutingWindow
 from locus.engine.outputs import CompletionOutput, RequestOutput
 from locus.engine.sequence import RequestMetrics
 from locus.errors import LocusError, forget_frames
@@ -289,7 +289,7 @@ class RankWorker:
     # --- elastic EP ------------------------------------------------------------------------------
     def regroup(self) -> dict[int, int]:
         """After a failed collective: regroup with the survivors (elastic.py); {old rank: new rank}."""
-        from locus.engine.ep.elastic import regroup
+        from locus.engine.ep.rebalance.elastic import regroup
 
         if self.elastic is None:
             raise LocusError("this rank is not elastic (--ep-elastic)")
@@ -308,7 +308,7 @@ class RankWorker:
                     break
                 continue
             except Exception as exc:  # a peer died or hung: elastic ranks regroup, the others leave
-                from locus.engine.ep.elastic import lost_peer
+                from locus.engine.ep.rebalance.elastic import lost_peer
 
                 if self.elastic is None or not lost_peer(exc):  # a fault of this rank's own: no regroup repairs it
                     raise
@@ -339,7 +339,7 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
     if setup.moves:
         worker.enable_moves()
     if setup.elastic:
-        from locus.engine.ep.elastic import ElasticOptions, expert_reader
+        from locus.engine.ep.rebalance.elastic import ElasticOptions, expert_reader
 
         worker.elastic = ElasticOptions(setup.rendezvous, dist.get_backend(),
                                         expert_reader(model, dtype, device, moe_backend, seed),
@@ -376,7 +376,7 @@ def report_failure(rank: int, exc: BaseException) -> None:
     """A rank whose step raised writes why into the rendezvous store before it leaves (its exit then
     closes its connections, so every peer's next collective with it fails at once); rank 0 reads it
     to say which rank failed and why. Best effort: the store may be gone too."""
-    from locus.engine.ep.rendezvous import current
+    from locus.engine.ep.ranks.rendezvous import current
 
     try:
         current().set(FAILURE_KEY, f"rank {rank} failed: {type(exc).__name__}: {exc}")
@@ -386,7 +386,7 @@ def report_failure(rank: int, exc: BaseException) -> None:
 
 def failure_cause() -> str | None:
     """What the failed rank wrote (report_failure), if any."""
-    from locus.engine.ep.rendezvous import current
+    from locus.engine.ep.ranks.rendezvous import current
 
     try:
         store = current()

@@ -15,14 +15,14 @@ import torch.multiprocessing as mp
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.ep.control import ControlPlane
-from locus.engine.ep.driver import EPDriver
+from locus.engine.ep.ranks.control import ControlPlane
+from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.groups import make_groups
 from locus.engine.ep.layer import apply_expert_parallel
-from locus.engine.ep.move import align, fills
-from locus.engine.ep.replan import ReplanSchedule, attach_replanner
-from locus.engine.ep.slices import slices_of
-from locus.engine.ep.worker import RankWorker
+from locus.engine.ep.rebalance.move import align, fills
+from locus.engine.ep.rebalance.replan import ReplanSchedule, attach_replanner
+from locus.engine.model.slices import slices_of
+from locus.engine.ep.ranks.worker import RankWorker
 from locus.engine.sampling import SamplingParams
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict
 from locus.routing.plan.topology import Topology
@@ -154,7 +154,7 @@ def test_replan_schedule_parses_seconds_and_steps():
 
 
 def test_plan_onto_survivors_keeps_held_experts_and_places_every_lost_one():
-    from locus.engine.ep.elastic import plan_onto, survivor_topology
+    from locus.engine.ep.rebalance.elastic import plan_onto, survivor_topology
     from locus.errors import LocusError
 
     plan = round_robin(8, (0, 1), Topology(2, 2, 2), model="toy")  # rank r holds experts r, r + 4
@@ -173,7 +173,7 @@ def test_plan_onto_survivors_keeps_held_experts_and_places_every_lost_one():
 def test_a_replan_leaving_an_expert_without_a_slot_is_refused_before_anything_moves():
     from dataclasses import replace
 
-    from locus.engine.ep.replan import check_target
+    from locus.engine.ep.rebalance.replan import check_target
     from locus.errors import LocusError
 
     current = round_robin(8, (0, 1), Topology(2, 2, 2), model="toy")

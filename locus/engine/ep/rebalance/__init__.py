@@ -1,0 +1,1 @@
+"""Changing the placement while serving: the routing window a live re-plan plans from, the re-plan itself, moving slots between ranks, and the re-plan onto survivors after a rank is lost (docs/design.md, "Expert-parallel serving")."""
