@@ -61,3 +61,19 @@ def test_routing_holds_no_process_group_code():
             if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
                 offenders.append(str(path.relative_to(ROOT.parent)))
     assert not offenders, f"process-group code under routing/: {offenders}"
+
+
+def test_checkpoint_does_not_import_expert_parallelism():
+    """The loader sits below expert parallelism: checkpoint/ builds a model (whole, or holding one rank's
+    expert slices, engine/model/slices.py) without knowing about ranks; engine/ep/ builds on it."""
+    offenders = []
+    for path in sorted((ROOT / "engine" / "checkpoint").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(name == "locus.engine.ep" or name.startswith("locus.engine.ep.") for name in names):
+                offenders.append(str(path.relative_to(ROOT.parent)))
+    assert not offenders, f"checkpoint/ imports engine/ep: {sorted(set(offenders))}"

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from locus.kernels.backends import run_fused_moe
+from locus.kernels.formats import QuantizedTensor
+
 
 @torch.library.custom_op("locus::fused_moe", mutates_args=())
 def fused_moe_op(
@@ -23,8 +26,6 @@ def fused_moe_op(
     expert_map: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    from locus.kernels import run_fused_moe
-
     return run_fused_moe(x, gate_up, down, topk_ids, topk_weights, weight_on_input, expert_map, backend)
 
 
@@ -50,9 +51,6 @@ def fused_moe_quantized_op(
     """`locus::fused_moe` with quantized expert weights (moe_quantized.py), passed as their tensors:
     an op's arguments are tensors and scalars. The logical shapes follow from x and the data:
     gate_up [E, H, 2I], down [E, I, H]."""
-    from locus.kernels import run_fused_moe
-    from locus.kernels.formats import QuantizedTensor
-
     E, H, two_i = gate_up_data.shape[0], x.shape[1], gate_up_data.shape[2]
     gate_up = QuantizedTensor(gate_up_data, gate_up_scale, weight_format, (E, H, two_i), 1)
     down = QuantizedTensor(down_data, down_scale, weight_format, (E, two_i // 2, H), 1)

@@ -3,6 +3,13 @@ and back with torch.distributed all-to-all, and one engine loop for every rank.
 
 The contract is docs/design.md, "Expert-parallel serving"; docs/expert_parallel.md has the detail.
 
+Three concerns, lowest first (none imports a higher one):
+    ep/           the data path: placement, layer, runtime, exchange, transport, groups, counters
+    ep/ranks/     the rank processes: launch, worker, rank 0's driver, the control plane, messages
+    ep/rebalance/ changing the placement while serving: window, replan, move, elastic
+Which experts a rank holds is the model's (locus/engine/model/slices.py), so the loaders below this
+package build a rank's model without importing it.
+
 Glossary (the same words as docs/design.md; older code here says "row" for the last three meanings):
     node        a machine, or a group of ranks that counts as one: node n holds ranks n*G .. n*G+G-1
     rank        one process, one GPU's worth of work; node-major, rank r on node r // G

@@ -66,6 +66,13 @@ def live_grouper(plan, model_config=None, moe_layers=None, moves: bool = False) 
     return Grouper(plan.topology, spec, cost, balance_streams=True, predictor=predictor, moves=moves)
 
 
+def serving_grouper(plan, model_config=None, moves: bool = False) -> Grouper | None:
+    """The grouper rank 0 admits requests with under `plan`: `live_grouper`'s when the plan has a
+    grouping; None when it has none (balanced admission). It moves requests after their prefill only
+    with `moves`."""
+    return live_grouper(plan, model_config, moves=moves) if plan.grouping else None
+
+
 @dataclass(frozen=True)
 class LiveRequests:
     """What the admission sees of the replayed requests, in trace order."""

@@ -35,18 +35,10 @@ from locus.engine.sampling import SamplingParams
 from locus.engine.sequence import RequestMetrics, Resumed
 from locus.errors import LocusError
 from locus.routing.grouping.grouper import Grouper
-from locus.routing.grouping.live import live_grouper
+from locus.routing.grouping.live import serving_grouper
 from locus.traces.admissions import AdmissionLog
 
 log = logging.getLogger("locus.engine")
-
-
-def serving_grouper(plan, model_config=None, moves: bool = False) -> Grouper | None:
-    """The grouper rank 0 admits requests with under `plan` (locus/routing/grouping/live.py, which the
-    replay runs too): the plan's own when it has a grouping, with the stream cap, and its prompt
-    predictor for untagged requests (checked against `model_config`); None when the plan has none
-    (balanced admission). It moves requests after their prefill only with `moves`."""
-    return live_grouper(plan, model_config, moves=moves) if plan.grouping else None
 
 
 class SummedExpertLoad:

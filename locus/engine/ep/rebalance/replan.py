@@ -321,7 +321,7 @@ class Replanner:
 
 def assignment_of(plan, reader, recorded):
     """The requests' ranks under `plan`: its grouper's choices, simulated over the window, when it has one."""
-    from locus.engine.ep.ranks.driver import serving_grouper
+    from locus.routing.grouping.live import serving_grouper
     from locus.routing.grouping.simulation import simulate_grouper
 
     grouper = serving_grouper(plan)
