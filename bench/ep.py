@@ -114,13 +114,11 @@ def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES
 def record_planning_trace(model: str, path: Path, requests: int, output_len: int,
                           families: tuple[str, ...] = tuple(FAMILIES), text: DomainText | None = None) -> None:
     """One process, no expert parallelism: the routing the planners plan from."""
-    from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.checkpoint.loader import load
+    from locus.engine.build import build_engine
     from locus.engine.sampling import SamplingParams
 
-    loaded = load(model, moe_backend="torch")
-    core = EngineCore(loaded.model, loaded.tokenizer, EngineConfig())
-    core.start_recording(path, Path(model).name)
+    built = build_engine(model, moe_backend="torch", record_trace=str(path), model_name=Path(model).name)
+    core, loaded = built.core, built.loaded
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     items = text.take(requests, 0, planning=True) if text is not None else workload(requests, 10_000, families)
     for i, (family, prompt) in enumerate(items):

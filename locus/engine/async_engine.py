@@ -1,6 +1,7 @@
-"""The engine for the server: one background thread runs EngineCore; asyncio callers stream results.
+"""The engine for the server: one background thread runs an engine backend; asyncio callers stream results.
 
-The asyncio loop never runs a forward pass. Callers post commands (add, abort) to a queue; the
+The backend (backend.py) is this process's `EngineCore`, or rank 0's driver of an expert-parallel
+server; the loop is the same for both. The asyncio loop never runs a forward pass. Callers post commands (add, abort) to a queue; the
 engine thread applies them between steps, runs `step()`, and hands each request's outputs to that
 request's sink with `call_soon_threadsafe`. A caller that stops listening (client gone, task
 cancelled) aborts its request, which frees its KV blocks at the next step boundary.
@@ -27,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from locus.engine.backend import EngineBackend, LocalBackend
 from locus.engine.engine_core import EngineCore, EngineStats
 from locus.engine.outputs import RequestOutput, merge_outputs
 from locus.engine.sampling import SamplingParams
@@ -77,14 +79,14 @@ class _Call:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_waiting: int | None = None,
+    def __init__(self, backend: EngineBackend | EngineCore, max_waiting: int | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None, driver=None,
+                 on_finished: Callable[[RequestOutput], None] | None = None,
                  burst_wait_s: float = 0.0):
-        self.core = core
-        # Expert parallelism (rank 0 of several): requests go to the driver, which assigns them to
-        # ranks, and each step is an iteration of every rank (locus/engine/ep/ranks/driver.py).
-        self.driver = driver
+        # an EngineCore is served as this process's engine; rank 0 of an expert-parallel server
+        # passes its driver (build.py's build_engine makes either)
+        self.backend = LocalBackend(backend) if isinstance(backend, EngineCore) else backend
+        self.core = self.backend.core
         self.max_waiting = max_waiting
         # An idle engine that gets a request first waits until none has arrived for this long (at
         # most BURST_WAIT_CAP times as long), so that a burst is prefilled in one step (0: no wait).
@@ -101,7 +103,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[_Sink, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
-        self._stats = core.stats()
+        self._stats = self.backend.stats()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
         self._admitting = True
@@ -116,8 +118,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping.set()
-        if self.driver is not None:  # a regroup under way (elastic EP) gives up rather than hold the exit
-            self.driver.stopping.set()
+        self.backend.interrupt()  # a regroup under way (elastic EP) gives up rather than hold the exit
         self._wake.set()
         self._thread.join(timeout)
 
@@ -187,8 +188,7 @@ class AsyncEngine:
         requests at its next step boundary. Under elastic EP a regroup under way gives up."""
         for request_id in list(self._sinks):
             self._deliver(request_id, error)
-        if self.driver is not None:
-            self.driver.stopping.set()
+        self.backend.interrupt()
         self._commands.put(_FailAll(error))
         self._wake.set()
 
@@ -212,91 +212,67 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.driver is not None:
-            return self._drive_ranks()
-        try:
-            idle = True
-            while not self._stopping.is_set():
-                self._apply_commands()
-                if not self.core.has_unfinished():
-                    idle = True
-                    # a step still in flight (overlapped) holds only rows of ended requests: let it go
-                    self._deliver_step(self.core.drain())
-                    self._publish_stats(0)
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                if idle and self.burst_wait_s > 0:
-                    self._gather_burst()
-                idle = False
-                outputs = self.core.step()
-                self._publish_stats(0)
-                self._deliver_step(outputs)
-        except BaseException as exc:  # not pinned on one request: the engine is dead
-            self._die(exc)
-            return
-        # on shutdown, whoever is still waiting gets an aborted final output
-        for request_id in list(self.core.requests):
-            out = self.core.abort(request_id)
-            if out is not None:
-                self._deliver(request_id, out)
-
-    def _gather_burst(self) -> None:
-        """The first step after an idle spell waits for the rest of a burst of arrivals: until no
-        request has come for `burst_wait_s`, or BURST_WAIT_CAP x that in all. Without the wait, a
-        burst of N requests onto an idle engine is prefilled as 1, then N - 1 one step later, and
-        that lone first step runs while the event loop is still taking the others in (measured on
-        2 cores, 32 requests at once: prefill steps of 1 + 20 + 11 requests, 230 ms against 150 ms
-        for one step of 32). Costs a lone request at most `burst_wait_s` of TTFT. Like the queue
-        delay of a dynamic batcher (Triton's max_queue_delay), but only when nothing is running."""
-        deadline = time.monotonic() + BURST_WAIT_CAP * self.burst_wait_s
-        while not self._stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._wake.clear()
-            if not self._wake.wait(min(self.burst_wait_s, left)):
-                return  # quiet: the burst is in
-            self._apply_commands()
-
-    def _drive_ranks(self) -> None:
-        """The loop of rank 0 of an expert-parallel server: every iteration is one of all ranks.
-        While nobody has work it blocks on the command queue, iterating only for a heartbeat well
-        inside --ep-timeout (the other ranks wait for it in a collective). A failed iteration ends
-        the server, unless it is elastic and the survivors regroup (--ep-elastic)."""
-        driver = self.driver
+        """Apply the queued commands, step, hand the outputs over, wait as long as the backend
+        allows (an idle engine: until a command comes; rank 0 of several: a heartbeat inside
+        --ep-timeout, since the other ranks wait for it in a collective). A failed step ends the
+        engine, unless the backend survives it (elastic EP: the survivors regroup)."""
+        backend = self.backend
+        idle = True
         while True:
             try:
                 while not self._stopping.is_set():
-                    adds = self._apply_commands(publish=False)
-                    outputs = driver.step()
+                    adds = self._apply_commands()
+                    if idle and self.burst_wait_s > 0 and backend.has_unfinished():
+                        adds += self._gather_burst()
+                    outputs = backend.step()
                     self._deliver_refused()
-                    self._publish_stats(adds)  # the added requests are in the ranks' counts now
+                    self._publish_stats(adds)  # the added requests are in the backend's counts now
                     self._deliver_step(outputs)
-                    wait = driver.wait_s()
+                    idle = not backend.has_unfinished()
+                    wait = backend.wait_s()
                     if wait > 0:
                         self._wake.wait(wait)
                         self._wake.clear()
-                driver.stop()
+                # on shutdown, whoever is still waiting gets an aborted final output
+                for out in backend.close():
+                    self._deliver(out.request_id, out)
                 return
-            except BaseException as exc:  # a rank died, a collective timed out, or a step failed
+            except BaseException as exc:  # not pinned on one request (a rank died, a collective timed out)
                 failure = exc
-                if not (isinstance(exc, Exception) and not self._stopping.is_set() and driver.recoverable(exc)):
-                    self._die(driver.explain(exc))
+                if not (isinstance(exc, Exception) and not self._stopping.is_set() and backend.recoverable(exc)):
+                    self._die(backend.explain(exc))
                     return
                 log.error("a collective failed (%s); regrouping with the surviving ranks", exc)
                 forget_frames(exc)
             # outside the handler, so that the failure's frames (holding the old groups) are gone
-            if not driver.recover(failure):
-                self._die(driver.explain(failure))
+            if not backend.recover(failure):
+                self._die(backend.explain(failure))
                 return
             self._deliver_refused()  # requests that could not be resumed
 
+    def _gather_burst(self) -> int:
+        """The first step after an idle spell waits for the rest of a burst of arrivals: until no
+        request has come for `burst_wait_s`, or BURST_WAIT_CAP x that in all. Without the wait, a
+        burst of N requests onto an idle engine is prefilled as 1, then N - 1 one step later, and
+        that lone first step runs while the event loop is still taking the others in (docs/serving.md
+        has the measurement). Costs a lone request at most `burst_wait_s` of TTFT. Like the queue
+        delay of a dynamic batcher (Triton's max_queue_delay), but only when nothing is running.
+        Returns the adds it applied."""
+        adds = 0
+        deadline = time.monotonic() + BURST_WAIT_CAP * self.burst_wait_s
+        while not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()
+            if not self._wake.wait(min(self.burst_wait_s, left)):
+                break  # quiet: the burst is in
+            adds += self._apply_commands()
+        return adds
+
     def _deliver_refused(self) -> None:
-        driver = self.driver
-        for request_id, message in driver.errors:
+        for request_id, message in self.backend.take_refused():
             self._deliver(request_id, LocusError(message))
-        driver.errors.clear()
 
     def _die(self, exc: BaseException) -> None:
         self._error = exc
@@ -316,11 +292,13 @@ class AsyncEngine:
 
     def _publish_stats(self, applied_adds: int) -> None:
         with self._admission:
-            self._stats = self.driver.total_stats() if self.driver is not None else self.core.stats()
+            self._stats = self.backend.stats()
             self._unapplied_adds -= applied_adds
 
-    def _apply_commands(self, publish: bool = True) -> int:
-        driver = self.driver
+    def _apply_commands(self) -> int:
+        """Apply the queued commands; the number of adds among them (counted as admitted but not
+        applied until the next stats snapshot)."""
+        backend = self.backend
         adds = 0
         while True:
             try:
@@ -329,30 +307,22 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add):
                 adds += 1
-                if driver is not None:  # validated at admission; the driver picks the rank
-                    driver.add(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
-                    continue
-                try:
-                    self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
+                try:  # validated at admission; under expert parallelism the driver picks the rank
+                    backend.add(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
                 except LocusError as exc:
                     self._deliver(cmd.request_id, exc)
             elif isinstance(cmd, _Abort):
-                if driver is not None:  # its rank aborts it; the aborted output comes back
-                    driver.abort(cmd.request_id)
-                    continue
-                out = self.core.abort(cmd.request_id)
+                out = backend.abort(cmd.request_id)  # None: its rank aborts it, the output comes back
                 if out is not None:
                     self._note_finished(out)
                     self._deliver(cmd.request_id, out)
             elif isinstance(cmd, _FailAll):
                 for request_id in list(self._sinks):
                     self._deliver(request_id, cmd.error)
-                if driver is not None:
-                    for request_id in driver.requests():
-                        driver.abort(request_id)
-                    continue
-                for request_id in list(self.core.requests):
-                    self._note_finished(self.core.abort(request_id))
+                for request_id in backend.requests():
+                    out = backend.abort(request_id)
+                    if out is not None:
+                        self._note_finished(out)
             elif isinstance(cmd, _Call):
                 # a call sees the engine between whole steps: the step in flight (overlapped) finishes first
                 self._deliver_step(self.core.drain())
@@ -361,8 +331,6 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     result, error = None, exc
                 cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, error)
-        if adds and publish:  # the added requests are in the engine's own counts from now on
-            self._publish_stats(adds)
         return adds
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:

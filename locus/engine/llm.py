@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from locus.engine.build import build_engine
 from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.checkpoint.loader import load
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
@@ -19,9 +19,10 @@ class LLM:
                  moe_backend: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
                  quantize_experts: str | None = None):
         """quantize_experts: hold the routed experts in fp8, mxfp8 or mxfp4 (docs/formats.md)."""
-        loaded = load(model, dtype, device, moe_backend, seed, quantize_experts=quantize_experts)
-        self.name, self.random_weights = loaded.name, loaded.random_weights
-        self.engine = EngineCore(loaded.model, loaded.tokenizer, engine_config)
+        built = build_engine(model, dtype=dtype, device=device, moe_backend=moe_backend, seed=seed,
+                             engine_config=engine_config, quantize_experts=quantize_experts)
+        self.name, self.random_weights = built.loaded.name, built.loaded.random_weights
+        self.engine = built.core
         self._ids = itertools.count()
 
     @classmethod

@@ -18,22 +18,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from locus.engine.async_engine import AsyncEngine
+from locus.engine.build import build_engine
 from locus.engine.outputs import RequestOutput
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.engine_core import EngineConfig
 from locus.engine.grammar_limits import CompilePools
 from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.ranks.launch import EPSetup, rank_trace_path
-from locus.engine.ep.rebalance.replan import ReplanSchedule, attach_replanner
-from locus.engine.ep.ranks.worker import build_worker
-from locus.engine.checkpoint.loader import load
-from locus.engine.checkpoint.tokenizer import read_chat_template
+from locus.engine.ep.ranks.stats import ep_stats_of
 from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStorageError
 from locus.engine.sampling import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
@@ -158,35 +156,17 @@ class ServerState:
             c = self.config
             if c.trace_api:  # the one place /traces/start writes into: there from the start
                 Path(c.trace_dir).mkdir(parents=True, exist_ok=True)
-            grouping, driver = None, None
-            if c.ep is not None:  # the plan places the experts over the ranks; this rank loads only its own
-                worker, loaded = build_worker(c.ep, c.model, c.engine, dtype=c.dtype, device=c.device,
-                                              moe_backend=c.moe_backend, seed=c.seed, record_trace=c.record_trace,
-                                              model_name=self.model_name)
-                core = worker.core
-                driver = EPDriver(worker)
-                if c.ep.replanning:
-                    driver.replanner = attach_replanner(driver, ReplanSchedule.parse(c.ep.replan_every),
-                                                        c.ep.replan_layers_per_step, self.model_name)
-                log.info("expert parallelism over %d ranks (%s exchange%s); requests assigned %s", driver.world,
-                         c.ep.mode, ", two overlapped micro-batches" if c.ep.overlap else "", driver.assignment)
-                self.ep_driver = driver
-            else:
-                loaded = load(c.model, c.dtype, c.device, c.moe_backend, c.seed, quantize_experts=c.quantize_experts)
-                engine_config = c.engine
-                if c.plan:
-                    grouping = load_plan_grouping(c.plan, loaded.model.config)
-                    engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
-                core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
-                if c.record_trace:
-                    core.start_recording(c.record_trace, self.model_name)
-            if c.chat_template is not None:
-                loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
-            if grouping is not None:  # the grouper learns each request's expert signature from its prefill
-                core.routing.subscribe(grouping.observe)
-            engine = AsyncEngine(core, max_waiting=c.max_waiting, on_dead=self._engine_died, driver=driver,
-                                 burst_wait_s=c.burst_wait_ms / 1000.0)
-            self.metrics = ServerMetrics(engine, self.model_name)
+            # under expert parallelism the plan places the experts over the ranks; this rank loads only its own
+            built = build_engine(c.model, dtype=c.dtype, device=c.device, moe_backend=c.moe_backend, seed=c.seed,
+                                 engine_config=c.engine, quantize_experts=c.quantize_experts, plan=c.plan, ep=c.ep,
+                                 record_trace=c.record_trace, model_name=self.model_name,
+                                 chat_template=c.chat_template, burst_wait_s=c.burst_wait_ms / 1000.0)
+            core, loaded = built.core, built.loaded
+            if isinstance(built.backend, EPDriver):
+                self.ep_driver = built.backend
+            engine = AsyncEngine(built.backend, max_waiting=c.max_waiting, on_dead=self._engine_died,
+                                 burst_wait_s=built.burst_wait_s)
+            self.metrics = ServerMetrics(engine, self.model_name, self.ep_driver)
             engine.on_finished = self.metrics.observe_output
             engine.start()
             self.engine = engine
@@ -262,21 +242,6 @@ def reject_lone_surrogates(body) -> None:
         raise InvalidParameter(path, f"{path} contains a lone UTF-16 surrogate, which is not valid Unicode text")
 
 
-def load_plan_grouping(path: str, model_config):
-    """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
-    from locus.engine.observers.plan_grouping import PlanGrouping
-    from locus.routing.plan.placement import PlanError, load_plan, validate
-
-    plan = load_plan(path)
-    try:
-        validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
-    except PlanError as exc:
-        raise PlanError(f"{path}: {exc}") from None
-    if not plan.grouping:
-        raise LocusError(f"{path}: the plan has no grouping section (make it with --planner locality)")
-    return PlanGrouping.from_plan(plan, model_config.moe_layers, model_config=model_config)
-
-
 def health_of(state: ServerState):
     """GET /health: 200 `ok`; 200 `degraded` (expert parallelism serving on fewer ranks than it started
     with, after a lost rank); 503 `loading`; 503 `recovering` (the survivors of a lost rank are
@@ -299,45 +264,6 @@ def health_of(state: ServerState):
         return {"status": "degraded", "detail": f"serving on {driver.world} of {state.config.ep.world} expert-parallel "
                                                 f"ranks; lost: {lost}"}
     return {"status": "ok"}
-
-
-def ep_stats_of(driver: EPDriver) -> dict:
-    """GET /ep/stats: the exchange counters summed over ranks under replay's field names, and each
-    rank's counters, step times and expert memory."""
-    per_rank = []
-    for rank, (c, times) in enumerate(zip(driver.counters, driver.times)):
-        per_rank.append({"rank": rank, **asdict(c), "tokens": driver.rank_tokens(rank),
-                         "inter_node": c.inter_node, "intra_node": c.intra_node, "wire": c.wire,
-                         "expert_bytes": driver.expert_bytes[rank], "steps": times.steps, "step_s": times.step_s,
-                         "compute_s": times.compute_s, "exchange_s": times.exchange_s, "control_s": times.control_s})
-    runtime = driver.runtime
-    topo = runtime.placement.plan.topology
-    return {"ranks": len(per_rank), "assignment": driver.assignment, "exchange": runtime.mode,
-            "overlap": runtime.overlap, "epoch": runtime.placement.epoch,
-            "topology": {"nodes": topo.nodes, "gpus_per_node": topo.gpus_per_node, "slots_per_gpu": topo.slots_per_gpu},
-            "inter_node_bytes": sum(r["inter_node"] for r in per_rank),
-            "intra_node_bytes": sum(r["intra_node"] for r in per_rank),
-            "wire_bytes": sum(r["wire"] for r in per_rank),
-            "tokens": sum(r["tokens"] for r in per_rank),
-            # requests moved after their prefill (--ep-moves): the KV cache sent, inter-node (the replay's
-            # migrated_kv_bytes) and intra-node, apart from the dispatch bytes above
-            "migrations": sum(c.migrations for c in driver.counters),
-            "migrated_kv_bytes": sum(c.migration_inter_node for c in driver.counters),
-            "migrated_kv_bytes_intra_node": sum(c.migration_intra_node for c in driver.counters),
-            "per_rank": per_rank,
-            "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver), "recoveries": driver.recoveries,
-            "retired": {"inter_node_bytes": driver.retired.inter_node, "intra_node_bytes": driver.retired.intra_node}}
-
-
-def replan_stats_of(driver: EPDriver) -> dict | None:
-    """The re-planner's state, its decisions so far, and what the placement moves sent (summed over ranks)."""
-    planner = driver.replanner
-    if planner is None:
-        return None
-    moves = [m for m in driver.move_stats if m is not None]
-    moved = {k: sum(getattr(m, k) for m in moves) for k in ("experts", "local", "intra_node_bytes", "inter_node_bytes")}
-    return {"state": planner.state, "schedule": asdict(planner.schedule),
-            "decisions": [d.to_dict() for d in planner.decisions], "moved": moved}
 
 
 def create_app(config: ServerConfig) -> FastAPI:

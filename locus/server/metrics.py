@@ -16,8 +16,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 class EngineCollector:
     """Reads the engine's snapshot on every scrape, so gauges are never stale."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, ep_driver=None):
         self.engine, self.model_name = engine, model_name
+        self.ep_driver = ep_driver  # rank 0's EPDriver under expert parallelism: its exchange counters too
 
     def collect(self):
         s = self.engine.stats()
@@ -45,7 +46,7 @@ class EngineCollector:
         yield counter("locus_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("locus_prefix_cache_hits", "Prompt blocks reused from the prefix cache.", s.prefix_cache_hits)
         # under expert parallelism, every rank's load (each rank counts the tokens it routes)
-        load = self.engine.driver.expert_load if self.engine.driver is not None else self.engine.core.expert_load
+        load = self.engine.backend.expert_load
         if load is not None:
             c = CounterMetricFamily("locus_expert_tokens", "(token, slot) pairs routed to each expert, per MoE layer.",
                                     labels=["model_name", "layer", "expert"])
@@ -54,8 +55,8 @@ class EngineCollector:
                     c.add_metric([self.model_name, str(layer), str(expert)], n)
             yield c
         yield from recording_metrics(self.engine.core, self.model_name)
-        if self.engine.driver is not None:
-            yield from ep_metrics(self.engine.driver, self.model_name)
+        if self.ep_driver is not None:
+            yield from ep_metrics(self.ep_driver, self.model_name)
 
 
 RECORDING_STATES = ("idle", "recording", "stopped", "failed")
@@ -134,9 +135,9 @@ def ep_metrics(driver, model_name: str):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, ep_driver=None):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(engine, model_name, ep_driver))
         h = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("locus_time_to_first_token_seconds", "Time to first token.", **h)
         self.itl = Histogram("locus_inter_token_latency_seconds", "Time between consecutive output tokens.", **h)

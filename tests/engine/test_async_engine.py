@@ -170,8 +170,9 @@ def test_an_idle_engine_prefills_a_burst_in_one_step_and_a_trickle_by_the_cap(ti
 
 
 class BusyDriver:
-    """An expert-parallel driver whose iteration does not return: rank 0 inside an elastic regroup that
-    waits for a hung rank. It returns once the server tells it to give up (`stopping`)."""
+    """An expert-parallel driver (an engine backend, locus/engine/backend.py) whose iteration does not
+    return: rank 0 inside an elastic regroup that waits for a hung rank. It returns once the server
+    tells it to give up (`interrupt` sets `stopping`)."""
 
     def __init__(self, core):
         self.core, self.errors, self.added = core, [], []
@@ -191,16 +192,28 @@ class BusyDriver:
         self.stopping.wait(30)
         return []
 
-    def total_stats(self):
+    def stats(self):
         return self.core.stats()
+
+    def has_unfinished(self):
+        return bool(self.added)
 
     def wait_s(self):
         return 0.01
 
-    def stop(self):
-        pass
+    def take_refused(self):
+        return []
+
+    def interrupt(self):
+        self.stopping.set()
+
+    def close(self):
+        return []
 
     def recoverable(self, exc):
+        return False
+
+    def recover(self, exc):
         return False
 
     def explain(self, exc):
@@ -217,7 +230,7 @@ def test_fail_all_reaches_every_stream_while_the_engine_thread_is_busy(tiny, tok
     driver = BusyDriver(core)
 
     async def scenario():
-        engine = AsyncEngine(core, driver=driver)
+        engine = AsyncEngine(driver)
         engine.start()
         stream = engine.add([1, 2, 3], SamplingParams(max_tokens=4))
         assert await asyncio.to_thread(driver.entered.wait, 10)

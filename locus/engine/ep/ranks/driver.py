@@ -1,5 +1,6 @@
-"""Rank 0's side of an expert-parallel server: AsyncEngine hands it adds and aborts, and calls `step`
-from its thread; each step is one lockstep iteration of every rank (worker.py).
+"""Rank 0's side of an expert-parallel server, an engine backend (locus/engine/backend.py): AsyncEngine
+hands it adds and aborts, and calls `step` from its thread; each step is one lockstep iteration of
+every rank (worker.py).
 
 Requests are assigned to a rank at admission and stay there (their KV cache lives there):
 - `balanced` (no plan, or a plan without a grouping): the rank with the fewest tokens in flight
@@ -82,7 +83,7 @@ class EPDriver:
         self._metrics: dict[str, RequestMetrics] = {}
         self._in_flight = [0] * self.world  # tokens charged to each rank
         self._charge: dict[str, int] = {}
-        self.stats: list[EngineStats | None] = [None] * self.world
+        self.rank_stats: list[EngineStats | None] = [None] * self.world
         self.counters: list[ExchangeCounters] = [ExchangeCounters() for _ in range(self.world)]
         self.times: list[StepTimes] = [StepTimes() for _ in range(self.world)]
         self.expert_bytes: list[int] = [0] * self.world
@@ -189,12 +190,12 @@ class EPDriver:
         outputs = []  # the other ranks' (their previous step's) first: a request moved to rank 0 this
         # iteration has its source's last tokens in a report and its next ones in rank 0's own outputs
         prefills, moved = [(0, p) for p in it.prefills], [(0, m) for m in it.moved]
-        self.stats[0], self.times[0] = self.core.stats(), self.worker.times
+        self.rank_stats[0], self.times[0] = self.core.stats(), self.worker.times
         self.counters[0] = self.runtime.counters()
         self.epoch_counters[0], self.move_stats[0] = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
         for rank, report in sorted(it.reports.items()):
-            self.stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
+            self.rank_stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
             self.epoch_counters[rank], self.move_stats[rank] = report.epochs, report.move
             self.expert_bytes[rank] = report.expert_bytes
             identity = self.worker.members[rank]
@@ -327,7 +328,7 @@ class EPDriver:
             self.retired.add(self.counters[r])
         self.world = len(mapping)
         order = sorted(mapping, key=mapping.get)  # old ranks, in new rank order
-        self.stats = [self.stats[r] for r in order]
+        self.rank_stats = [self.rank_stats[r] for r in order]
         self.counters = [self.counters[r] for r in order]
         self.times = [self.times[r] for r in order]
         self.expert_bytes = [self.expert_bytes[r] for r in order]
@@ -444,6 +445,20 @@ class EPDriver:
                         "tokens": sum(c.token_layers for c in parts) // layers})
         return out
 
+    def close(self) -> list[RequestOutput]:
+        """The server stops: every rank leaves its loop (their requests end with them)."""
+        self.stop()
+        return []
+
+    def interrupt(self) -> None:
+        """A regroup under way gives up (the server stops, or every request fails)."""
+        self.stopping.set()
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """(request id, why) of the adds a rank refused, and of the requests a lost rank took with it."""
+        refused, self.errors = self.errors, []
+        return refused
+
     def stop(self) -> None:
         """Tell every other rank to leave its loop (the stop flag of a last iteration), and wait until
         each has finished its own shutdown work (writing its part of a recorded trace)."""
@@ -456,9 +471,9 @@ class EPDriver:
         """Tokens `rank` ran through the MoE layers (its exchange counts each token once per layer)."""
         return self.counters[rank].token_layers // max(1, len(self.runtime.layers))
 
-    def total_stats(self) -> EngineStats:
+    def stats(self) -> EngineStats:
         """Counters summed over ranks (a rank not heard from yet counts as empty)."""
-        known = [s for s in self.stats if s is not None] or [self.core.stats()]
+        known = [s for s in self.rank_stats if s is not None] or [self.core.stats()]
         fields = EngineStats.__dataclass_fields__
         summed = {name: sum(getattr(s, name) for s in known) for name in fields}
         summed["kv_usage"] = 1.0 - summed["num_free_blocks"] / max(1, summed["num_blocks"])
