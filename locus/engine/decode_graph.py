@@ -115,8 +115,8 @@ class DecodeGraphs:
             # and dynamo's default limit is 8. Past the limit dynamo would silently run eagerly: fail instead.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64, 2 * len(self.buckets))
             torch._dynamo.config.fail_on_recompile_limit_hit = True
-            # CPU: a C++ wrapper calls the kernels (0.13-0.23 ms a step less than inductor's Python one,
-            # `small`, 32 sequences); not frozen (docs/engine.md). CUDA: the default mode, and this
+            # CPU: a C++ wrapper calls the kernels (less host time a step than inductor's Python one,
+            # docs/engine.md); not frozen (docs/engine.md). CUDA: the default mode, and this
             # runner captures the compiled forward itself (inductor's own CUDA graphs, "reduce-overhead",
             # refuse a forward that writes the KV pool, an input it mutates).
             options = {} if device.type == "cuda" else {"options": {"cpp_wrapper": True}}
@@ -151,8 +151,8 @@ class DecodeGraphs:
         # weight once at full width on CPU (bench/profile_decode.py times both).
         logits_vb = self.model.lm_head.weight @ out.hidden.T  # [V, B]
         logits = logits_vb.T
-        # The greedy token in the graph: on CPU a C sweep over the [V, B] logits (argmax_cpu.c, 0.1 ms at
-        # V = 32000, B = 32, where inductor's reduction takes 0.3 ms); elsewhere a reduction. The logits
+        # The greedy token in the graph: on CPU a C sweep over the [V, B] logits (argmax_cpu.c, a third
+        # of inductor's reduction's time: docs/engine.md); elsewhere a reduction. The logits
         # leave the graph as they are: a greedy batch never reads them.
         argmax = argmax_cpu.vocab_argmax(logits_vb) if self._c_argmax else logits.argmax(-1)
         if not self.moe_layers:

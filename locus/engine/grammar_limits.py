@@ -1,7 +1,7 @@
-"""What an output constraint may cost, and where it is compiled (issue 30, findings 2 and 3).
+"""What an output constraint may cost, and where it is compiled.
 
-Compiling a grammar is CPU and memory proportional to the spec, and some specs explode (a 1 MB
-schema ran past 90 s and 6 GB; 1,000 levels of nesting past 150 s). So, before xgrammar sees it:
+Compiling a grammar is CPU and memory proportional to the spec, and some specs explode
+(docs/serving.md, "Grammar budgets", has the measured cases). So, before xgrammar sees it:
 - the spec's size is bounded (`max_bytes`), and a JSON schema's nesting (`max_depth`), a choice list's
   length (`max_choices`); the keywords xgrammar would silently ignore are refused by name;
 - compiling runs in a small dedicated pool, off the event loop and off the engine's step: one thread

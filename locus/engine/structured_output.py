@@ -168,7 +168,8 @@ def tokenizer_info(tokenizer: Any, vocab_size: int):
 
 @dataclass(frozen=True)
 class JsonGuard:
-    """Two holes in xgrammar's JSON string rule, closed by masking (issue 30, finding 6):
+    """Two holes in xgrammar's JSON string rule, closed by masking (docs/serving.md, "Structured outputs
+    and what is refused"):
     - raw bytes below 0x20 (under maxLength/minLength the rule lets them into strings; compact JSON never
       needs one outside a string either): those tokens are forbidden always;
     - UTF-16 surrogates encoded as UTF-8 (ED A0..BF ..): the rule accepts them, Python's UTF-8 does not,

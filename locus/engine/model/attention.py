@@ -121,8 +121,8 @@ class Attention(nn.Module):
         mask = batch.memo[key]
         dtype = q.dtype
         if dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
-            # CPU SDPA in half precision is several times slower than in float32 (measured 0.7 vs
-            # 0.1 ms per decode layer) and the float32 softmax is what GPU kernels do anyway.
+            # CPU SDPA in half precision is several times slower than in float32 (docs/engine.md,
+            # "float32 SDPA for bf16/fp16 on CPU"), and the float32 softmax is what GPU kernels do anyway.
             q_pad, keys, values = q_pad.float(), keys.float(), values.float()
         if q_pad.shape[1] == 1 and q.device.type == "cpu":
             o = attend_one_query(q_pad[:, 0], keys, values, mask[:, 0, 0], self.head_dim ** -0.5)  # [B, Hq, D]

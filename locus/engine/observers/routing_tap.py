@@ -1,8 +1,8 @@
 """The step's expert routing, produced once and handed to every subscriber.
 
 Who needs the routing of a micro-batch: the expert-load counters behind /metrics, the trace
-recorder, the plan's grouper (a request's expert signature from its prefill). Each used to copy the
-step's top-k tensors to the host on its own. Here the runner's per-layer top-k is packed on the device
+recorder, the plan's grouper (a request's expert signature from its prefill). Rather than each
+copying the step's top-k tensors to the host, the runner's per-layer top-k is packed on the device
 (`pack`) and comes back with the step's one readback (host_transfer.Readback), and each subscriber
 reads the same host arrays (`publish`). The model records routing at all only while someone is
 subscribed.

@@ -73,8 +73,8 @@ class NodeCostModel:
         out = np.empty((counts.shape[0], N), dtype=np.float64)
         for a in range(0, counts.shape[0], BATCH):
             p = np.ascontiguousarray(self.distribution(counts[a : a + BATCH]).transpose(1, 0, 2))  # [L, B, E]
-            # einsum's own loops, not BLAS: on a shared 2-core machine multi-threaded BLAS on these small
-            # products can be 10x slower than single-threaded code when the other core is busy.
+            # einsum's own loops, not BLAS: multi-threaded BLAS on these small products is many times
+            # slower when another core is busy (docs/planner.md has the measurement).
             m = np.einsum("lbe,lek->lbk", p, self.route)  # [L, B, N * N]
             sends = (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)  # [B, N * N]
             out[a : a + BATCH] = sends.reshape(-1, N, N).sum(-1) * self.bytes_per_send
