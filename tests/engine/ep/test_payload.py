@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from locus.engine.ep.launch import setup_from
+from locus.engine.ep.ranks.launch import setup_from
 from locus.engine.ep.payload import Payload, simulate_dispatch
 from locus.engine.ep.transport import RowFormat
 from locus.engine.checkpoint.presets import build_preset

@@ -62,7 +62,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     core.dump_recording()
     driver.stop()
     torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests, "counters": driver.counters,
-                "admissions": driver.admissions.records, "free": [s.num_free_blocks == s.num_blocks for s in driver.stats]},
+                "admissions": driver.admissions.records, "free": [s.num_free_blocks == s.num_blocks for s in driver.rank_stats]},
                f"{out}/rank0.pt")
     end_rank()
 
