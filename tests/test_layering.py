@@ -47,33 +47,31 @@ def test_no_layer_imports_a_higher_one():
     assert not violations, "\n".join(violations)
 
 
-def test_routing_holds_no_process_group_code():
-    """routing/ decides and costs where tokens go; moving them (torch.distributed) is the engine's
-    expert-parallel runtime (locus/engine/ep/)."""
+def files_importing(folder: Path, module: str) -> list[str]:
+    """The files under `folder` that import `module` or anything inside it (at any depth of the file)."""
     offenders = []
-    for path in sorted((ROOT / "routing").rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(name == "torch.distributed" or name.startswith("torch.distributed.") for name in names):
+            if any(name == module or name.startswith(module + ".") for name in names):
                 offenders.append(str(path.relative_to(ROOT.parent)))
+                break
+    return offenders
+
+
+def test_routing_holds_no_process_group_code():
+    """routing/ decides and costs where tokens go; moving them (torch.distributed) is the engine's
+    expert-parallel runtime (locus/engine/ep/)."""
+    offenders = files_importing(ROOT / "routing", "torch.distributed")
     assert not offenders, f"process-group code under routing/: {offenders}"
 
 
 def test_checkpoint_does_not_import_expert_parallelism():
     """The loader sits below expert parallelism: checkpoint/ builds a model (whole, or holding one rank's
     expert slices, engine/model/slices.py) without knowing about ranks; engine/ep/ builds on it."""
-    offenders = []
-    for path in sorted((ROOT / "engine" / "checkpoint").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(name == "locus.engine.ep" or name.startswith("locus.engine.ep.") for name in names):
-                offenders.append(str(path.relative_to(ROOT.parent)))
-    assert not offenders, f"checkpoint/ imports engine/ep: {sorted(set(offenders))}"
+    offenders = files_importing(ROOT / "engine" / "checkpoint", "locus.engine.ep")
+    assert not offenders, f"checkpoint/ imports engine/ep: {offenders}"
