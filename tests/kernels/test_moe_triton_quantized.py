@@ -24,7 +24,7 @@ from moe_problems import (
     requires_gpu,
 )
 
-import locus.kernels as kernels
+import locus.kernels.backends as backends
 from locus.kernels import fused_moe, moe_dot_forms, moe_gemm, moe_triton
 from locus.kernels.moe_configs import MoeConfig
 from locus.kernels.moe_dot_forms import choose_dot
@@ -176,7 +176,7 @@ def test_fused_moe_no_longer_sends_narrow_weights_to_the_reference(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the triton backend ran the torch reference")
 
-    monkeypatch.setattr(kernels, "fused_moe_quantized_reference", refuse)
+    monkeypatch.setattr(backends, "fused_moe_quantized_reference", refuse)  # where run_fused_moe looks it up
     x, gate_up, down, ids, w = problem(3, 2, 8, 64, 32, "mxfp4", torch.float32)
     out = fused_moe(x, gate_up, down, ids, w, backend="triton")
     check(out, fused_moe_quantized_reference(x, gate_up, down, ids, w), torch.float32)
