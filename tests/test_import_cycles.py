@@ -1,7 +1,8 @@
 """No import cycle inside locus/ (issue 42): every `import` of a locus module, at module level or
 inside a function, is an edge of one graph, and that graph has no cycle. A function-level import
 does not break a cycle, it only hides it: the two modules still cannot be understood, or moved,
-one without the other."""
+one without the other. Imports under `if TYPE_CHECKING:` are annotations only (never executed) and
+are not edges."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     else module a.b; relative imports are resolved against the module's package."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in executed_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -46,6 +47,18 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
             if target and target != name and target.startswith("locus"):
                 found.add(target)
     return found
+
+
+def executed_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (their `else` branch is kept)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,6 +86,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if cycle:
                 return cycle
     return None
+
+
+def test_type_checking_imports_are_not_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n")
+    names = {a.name for node in executed_nodes(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert names == {"b", "c"}
 
 
 def test_find_cycle_finds_one():
