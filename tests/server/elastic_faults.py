@@ -27,7 +27,8 @@ import sys
 import time
 
 from locus.cli import main
-from locus.engine.ep import elastic, migrate, replan
+from locus.engine.ep.ranks import migrate
+from locus.engine.ep.rebalance import elastic, replan
 
 FAULTS = "LOCUS_TEST_FAULTS"
 
