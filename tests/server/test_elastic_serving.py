@@ -42,6 +42,20 @@ def wait_for_recoveries(base: str, count: int, timeout: float = 60) -> dict:
         time.sleep(0.1)
 
 
+def streams_through_a_kill(base: str, pid: int, recovery_timeout: float = 60) -> tuple[list, dict, float]:
+    """Stream every prompt, SIGKILL `pid` once all have started, wait for the first recovery:
+    the streams' results, /ep/stats after it, and the seconds from the kill to the recovery."""
+    started = [threading.Event() for _ in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [pool.submit(sse_stream, base, p, TOKENS, started[i]) for i, p in enumerate(PROMPTS)]
+        assert all(event.wait(60) for event in started), "a stream did not start"
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        stats = wait_for_recoveries(base, 1, timeout=recovery_timeout)
+        regrouped = time.monotonic() - killed
+        return [s.result() for s in streams], stats, regrouped
+
+
 def test_two_lost_ranks_lose_no_stream_and_no_token():
     want = [o.outputs[0].text for o in LLM("tiny").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS,
                                                                                      ignore_eos=True))]
@@ -264,15 +278,7 @@ def test_a_second_loss_inside_the_regroup_restarts_it_and_sigterm_during_a_regro
         pids = list(ranks.values())
         try:
             assert listening_addresses([proc.pid, *pids]) == {"127.0.0.1"}
-            started = [threading.Event() for _ in PROMPTS]
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                streams = [pool.submit(sse_stream, base, p, TOKENS, started[i]) for i, p in enumerate(PROMPTS)]
-                assert all(event.wait(60) for event in started), "a stream did not start"
-                killed = time.monotonic()
-                os.kill(ranks[2], signal.SIGKILL)
-                stats = wait_for_recoveries(base, 1)
-                regrouped = time.monotonic() - killed
-                got = [s.result() for s in streams]
+            got, stats, regrouped = streams_through_a_kill(base, ranks[2])
             assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
             assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
             assert regrouped < 8, f"the regroup took {regrouped:.1f} s (--ep-timeout 8)"
@@ -315,15 +321,7 @@ def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch)
         ranks = {rank_of(pid): pid for pid in children_of(proc.pid)}
         pids = list(ranks.values())
         try:
-            started = [threading.Event() for _ in PROMPTS]
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                streams = [pool.submit(sse_stream, base, p, TOKENS, started[i]) for i, p in enumerate(PROMPTS)]
-                assert all(event.wait(60) for event in started), "a stream did not start"
-                killed = time.monotonic()
-                os.kill(ranks[2], signal.SIGKILL)
-                stats = wait_for_recoveries(base, 1, timeout=90)
-                regrouped = time.monotonic() - killed
-                got = [s.result() for s in streams]
+            got, stats, regrouped = streams_through_a_kill(base, ranks[2], recovery_timeout=90)
             assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
             assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
             from locus.engine.ep.rebalance.elastic import JOIN_TIMEOUT_S

@@ -19,7 +19,7 @@ from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
 from locus.traces.prompt_families import FAMILIES
 from tests.server.server_process import running_server
-from tests.server.test_expert_parallel_serving import domain_prompt, record_planning_trace
+from tests.server.test_expert_parallel_serving import domain_prompt, locality_plan
 
 
 @pytest.mark.slow
@@ -28,12 +28,7 @@ def test_the_replayed_grouper_assigns_what_the_live_server_did(tmp_path):
     from locus.routing.plan.placement import load_plan
     from locus.traces.reader import TraceReader
 
-    record_planning_trace(tmp_path / "planning", requests=30)
-    plan_path = tmp_path / "plan.json"
-    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
-                              "--slots", "6", "--planner", "locality", "-o", str(plan_path)],
-                             capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr
+    plan_path = locality_plan(tmp_path, slots=6, requests=30)
     assert spec_of(load_plan(plan_path)).predictor is not None  # learned from the planning trace's token ids
 
     families = list(FAMILIES)

@@ -20,19 +20,14 @@ from locus.engine.llm import LLM
 from locus.engine.sampling import SamplingParams
 from locus.traces.prompt_families import FAMILIES
 from tests.server.server_process import running_server
-from tests.server.test_expert_parallel_serving import domain_prompt, record_planning_trace
+from tests.server.test_expert_parallel_serving import domain_prompt, locality_plan
 
 
 @pytest.mark.slow
 def test_moves_after_prefill_keep_tokens_and_the_replay_counts_their_bytes(tmp_path):
     from locus.traces.reader import TraceReader
 
-    record_planning_trace(tmp_path / "planning", requests=24)
-    plan_path = tmp_path / "plan.json"
-    planned = subprocess.run([sys.executable, "-m", "locus.cli", "plan", str(tmp_path / "planning"), "--topology", "2x2",
-                              "--slots", "6", "--planner", "locality", "-o", str(plan_path)],
-                             capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr
+    plan_path = locality_plan(tmp_path, slots=6, requests=24)
     plan = json.loads(plan_path.read_text())
     plan["grouping"]["move_margin"] = 0.0
     plan_path.write_text(json.dumps(plan))
