@@ -11,8 +11,7 @@ import threading
 
 from locus.engine.cli import add_model_args
 from locus.errors import LocusError
-
-EP_PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")  # locus.kernels.formats.PAYLOAD_FORMATS (not imported: no torch at parse time)
+from locus.routing.cli import PAYLOAD_FORMATS as EP_PAYLOAD_FORMATS  # the replay's copy: no torch at parse time
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
