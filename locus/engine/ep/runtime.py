@@ -1,6 +1,7 @@
 """What every expert-parallel layer of one model shares, and how a step's forwards run in lockstep.
 
-`EPRuntime` holds the placement (read by the layers at call time, swapped as one object), one
+`EPRuntime` holds the placement's state (placement_state.py: the placement the layers read at call
+time, swapped as one object; its epoch; a move in flight; the counters of ended epochs), one
 exchange per lane, the positions of the forward each lane is running (the dispatch rule's tie-break),
 and the step's transport. It is also the engine's `Lockstep`: every rank runs the same number of
 forwards in every step that any rank has work (`forwards_per_step`, fixed by configuration, so no
@@ -28,6 +29,7 @@ from locus.engine.ep.exchange import TwoTierExchange
 from locus.engine.ep.groups import Groups
 from locus.engine.ep.invariant import BROKEN, wrong_slots
 from locus.engine.ep.placement import ExpertPlacement
+from locus.engine.ep.placement_state import PlacementState
 from locus.engine.ep.transport import TRANSPORTS
 from locus.kernels.formats import PAYLOAD_FORMATS
 
@@ -45,7 +47,8 @@ class EPRuntime:
         for what, fmt in (("dispatch", dispatch_format), ("combine", combine_format)):
             if fmt not in PAYLOAD_FORMATS:
                 raise ValueError(f"unknown {what} format {fmt!r}; choose one of {', '.join(PAYLOAD_FORMATS)}")
-        self.groups, self.placement, self.mode = groups, placement, mode
+        self.groups, self.mode = groups, mode
+        self.state = PlacementState(placement)  # the only writer of the placement, its epoch, a move
         self.loop_nice = groups.loop_nice  # kept for the groups of a regroup (elastic.py)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.dispatch_format, self.combine_format = dispatch_format, combine_format  # payload.py
@@ -55,8 +58,6 @@ class EPRuntime:
         self.capacity = 0  # the step's largest token count on any rank (the fixed transport's block size)
         self.times = StepTimes()
         self.memory = None  # what this rank's expert weights take (set at start-up)
-        self.closed_epochs: dict[int, ExchangeCounters] = {}  # counters of the placements before this one
-        self.move = None  # a PlacementMove in progress (move.py), advanced by the worker before each step
         self.fingerprints = None  # [L, E] every expert's reference fingerprint (invariant.py), set at start-up
         self.weights_ok = True  # every slot holds its expert's weights (checked after each placement change)
         self._local = threading.local()
@@ -112,6 +113,25 @@ class EPRuntime:
         for layer in self.layers:
             layer.exchange_nothing()
 
+    @property
+    def placement(self) -> ExpertPlacement:
+        """The placement the layers read now (a new object at every epoch)."""
+        return self.state.current
+
+    @property
+    def move(self):
+        """A placement move in flight (rebalance/move.py), advanced by the worker before each step."""
+        return self.state.move
+
+    def advance_move(self):
+        """Switch the next MoE layers of a move in flight (every rank, in the same iteration, before its
+        header), then check that this rank's slots of them hold their experts. Returns the move (None:
+        none in flight)."""
+        move = self.state.advance_move(self)
+        if move is not None:
+            self.check_weights(move.last_switched)
+        return move
+
     def placement_now(self):
         """The current placement's epoch and plan (what a trace recorder keeps per row)."""
         placement = self.placement
@@ -150,21 +170,20 @@ class EPRuntime:
                       "change; this rank will not step", self.groups.rank if self.groups else -1, wrong[:8])
             self.weights_ok = False
 
-    def switch(self, placement: ExpertPlacement) -> None:
-        """Make `placement` (a new epoch) the one the layers read from the next forward on; what the
-        exchanges counted so far belongs to the epoch that ends."""
-        self.closed_epochs[self.placement.epoch] = ExchangeCounters.total(
-            [self.closed_epochs.get(self.placement.epoch, ExchangeCounters()), self._lanes_total()])
+    def take_lane_counters(self) -> ExchangeCounters:
+        """What the lanes counted since the last call (the epoch that ends), their counters reset."""
+        total = self._lanes_total()
         for lane in self.lanes:
             lane.counters = ExchangeCounters()
-        self.placement = placement
+        return total
 
-    def regroup(self, groups: Groups, placement: ExpertPlacement, device: torch.device | str = "cpu") -> None:
-        """After a lost rank: the survivors' process groups (new lanes) and placement (a new epoch)."""
-        self.switch(placement)
+    def regroup(self, groups: Groups, plan, rank: int, epoch: int, device: torch.device | str = "cpu") -> None:
+        """After a lost rank: the survivors' process groups (new lanes), and their plan with this rank's
+        number in it under `epoch` (the placement state's new epoch; a move under way died with the old
+        group)."""
+        self.state.regroup(plan, rank, epoch, self.take_lane_counters())
         self.groups = groups
         self.lanes = self._lanes(groups, device)
-        self.move = None  # a move under way died with the old group
 
     def _lanes(self, groups: Groups, device: torch.device | str) -> list[TwoTierExchange]:
         return [TwoTierExchange(groups, lane, self.transports["exact"], device, self.dispatch_format, self.combine_format)
@@ -176,14 +195,11 @@ class EPRuntime:
 
     def counters(self) -> ExchangeCounters:
         """Every lane's counters over every epoch, summed (device-side counts read now)."""
-        return ExchangeCounters.total([*self.closed_epochs.values(), self._lanes_total()])
+        return ExchangeCounters.total([self.state.closed_total(), self._lanes_total()])
 
     def counters_by_epoch(self) -> dict[int, ExchangeCounters]:
         """The counters of each placement epoch this rank ran."""
-        out = dict(self.closed_epochs)
-        out[self.placement.epoch] = ExchangeCounters.total([out.get(self.placement.epoch, ExchangeCounters()),
-                                                           self._lanes_total()])
-        return out
+        return self.state.counters_by_epoch(self._lanes_total())
 
     def close(self) -> None:
         if self._pool is not None:

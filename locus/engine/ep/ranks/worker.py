@@ -201,28 +201,22 @@ class RankWorker:
         return self.window.rows()
 
     def _advance_move(self) -> None:
-        move = self.runtime.move
-        if move is None:
-            return
-        move.advance(self.runtime)
-        self.last_move, self._moved = move.stats, True
-        if move.finished:
-            self.runtime.move = None
+        move = self.runtime.advance_move()
+        if move is not None:
+            self.last_move, self._moved = move.stats, True
 
     def _apply(self, commands: Commands, errors: list[tuple[str, str]]) -> list[RequestOutput]:
         outputs = []
         if commands.send_window:
             self._send_window = True
         if commands.replan is not None:
-            if self.runtime.move is not None:  # rank 0 never sends one during a move: a bug if it does
-                raise RuntimeError("a re-plan arrived while a placement move was still in progress")
             if commands.replan.base != self.runtime.placement.digest:
                 # made for a placement this rank no longer holds (every rank holds the same one and so
                 # refuses alike); rank 0's re-planner discards such decisions before sending them
                 log.error("rank %d: refused a re-plan made for another placement (the ranks regrouped since)", self.rank)
             else:
                 target = plan_from_dict(commands.replan.plan)
-                self.runtime.move = PlacementMove(target, commands.replan.rows_per_step)
+                self.runtime.state.begin_move(PlacementMove(target, commands.replan.rows_per_step))
         for request_id in commands.drops:  # before the adds: a dropped request may be resumed here
             drop(self.core, request_id)
             self._parked.pop(request_id, None)

@@ -347,7 +347,6 @@ def regroup(worker) -> dict[int, int]:
 def _join_survivors(worker, timeout: timedelta, excluded: set[int]) -> None:
     """One attempt of regroup (generation `worker.generation`)."""
     from locus.engine.ep.ranks.control import ControlPlane
-    from locus.engine.ep.placement import ExpertPlacement
     from locus.engine.model.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime
@@ -370,7 +369,7 @@ def _join_survivors(worker, timeout: timedelta, excluded: set[int]) -> None:
     set_timeout(groups, timeout)
     read = refill_experts(runtime, plan, new_rank, opts.read_experts)
     device = current.start.device
-    runtime.regroup(groups, ExpertPlacement.build(plan, new_rank, top_epoch + 1, device), device)
+    runtime.regroup(groups, plan, new_rank, top_epoch + 1, device)
     runtime.check_weights()
     if runtime.memory is not None:
         runtime.memory = expert_memory(worker.core.model)

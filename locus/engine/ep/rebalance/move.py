@@ -134,15 +134,15 @@ class PlacementMove:
     rows_per_step: int = 1
     done_rows: int = 0
     stats: MoveStats = field(default_factory=MoveStats)
+    last_switched: range = range(0)  # the rows the last advance switched (the runtime checks their weights)
 
     @property
     def finished(self) -> bool:
         return self.done_rows >= len(self.target.moe_layers)
 
-    def advance(self, runtime) -> None:
-        """Switch the next rows (every rank calls this in the same iteration)."""
-        from locus.engine.ep.placement import ExpertPlacement
-
+    def advance(self, runtime) -> PlacementPlan:
+        """Fill the slots of the next rows (every rank calls this in the same iteration, through the
+        placement state, which switches to the plan returned: a new epoch)."""
         stop = min(self.done_rows + self.rows_per_step, len(self.target.moe_layers))
         current = runtime.placement
         plan = current.plan
@@ -157,10 +157,9 @@ class PlacementMove:
                                  grouping=self.target.grouping, provenance=dict(self.target.provenance),
                                  dispatch=self.target.dispatch)
             self.stats.layers += 1
-        rows = range(self.done_rows, stop)
+        self.last_switched = range(self.done_rows, stop)
         self.done_rows = stop
-        runtime.switch(ExpertPlacement.build(plan, current.rank, current.epoch + 1, current.start.device))
-        runtime.check_weights(rows)
+        return plan
 
     def _fill_row(self, runtime, plan: PlacementPlan, row: int) -> None:
         """Every changed slot of `row` gets its weights; one all_to_all over the control group."""
