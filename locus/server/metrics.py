@@ -93,7 +93,7 @@ def ep_metrics(driver, model_name: str):
     """Expert parallelism: exchange bytes summed over ranks by tier and direction (docs/design.md's
     definitions, as GET /ep/stats and `locus replay`), and per rank its tokens, expert load and step
     time split, as of the last iteration every rank reported."""
-    counters, times = driver.counters, driver.times
+    counters, times = [r.counters for r in driver.ranks], [r.times for r in driver.ranks]
     b = CounterMetricFamily("locus_ep_bytes", "Expert-parallel payload bytes sent, summed over ranks.",
                             labels=["model_name", "tier", "direction"])
     for tier in ("inter_node", "intra_node"):

@@ -58,11 +58,11 @@ def rank_main(rank: int, port: int, out: str) -> None:
             logprobs.setdefault(output.request_id, []).extend(top_logprobs(lp) for lp in c.delta_logprobs)
             if not output.finished and output.request_id not in moved:  # its prefill has run: move it once
                 moved.add(output.request_id)
-                driver.move(output.request_id, (driver._owner[output.request_id] + 1) % WORLD)
+                driver.move(output.request_id, (driver.rank_of(output.request_id) + 1) % WORLD)
     core.dump_recording()
     driver.stop()
-    torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests, "counters": driver.counters,
-                "admissions": driver.admissions.records, "free": [s.num_free_blocks == s.num_blocks for s in driver.rank_stats]},
+    torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests, "counters": [r.counters for r in driver.ranks],
+                "admissions": driver.admissions.records, "free": [s.num_free_blocks == s.num_blocks for s in (r.stats for r in driver.ranks)]},
                f"{out}/rank0.pt")
     end_rank()
 

@@ -14,8 +14,12 @@ Requests are assigned to a rank at admission and stay there (their KV cache live
   costs fewer inter-node bytes (when that saves more than its KV cache costs to send): a MoveOut to
   the source and a MoveIn to the target in one iteration (migrate.py; docs/planner.md).
 
-Per rank, rank 0 keeps what the last report said: engine counters, exchange counters, step times,
-expert memory; and the expert load of every rank, summed (what /metrics shows).
+Per rank, rank 0 keeps one record (`RankRecord`): what its last report said (engine counters,
+exchange counters in all and per epoch, step times, expert memory, its placement move) and the
+tokens charged to it; per unfinished request one record (`AdmittedRequest`): its rank (a moving
+request's is its target's), charge, prompt, parameters, the grouper that admitted it and what it has
+streamed. The expert load of every rank is kept summed (what /metrics shows). The grouper that admits
+is derived from the placement state (placement_state.py): the plan whose grouping admits requests.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -31,6 +35,7 @@ from locus.engine.engine_core import EngineStats
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
 from locus.engine.ep.ranks.worker import RankWorker, failure_cause
+from locus.engine.ep.rebalance.move import MoveStats
 from locus.engine.outputs import RequestOutput
 from locus.engine.sampling import SamplingParams
 from locus.engine.sequence import RequestMetrics, Resumed
@@ -64,46 +69,60 @@ class SummedExpertLoad:
         return {layer: totals[i].tolist() for i, layer in enumerate(self.moe_layers)}
 
 
+@dataclass
+class RankRecord:
+    """What rank 0 knows of one rank: its last report, and the tokens its unfinished requests are charged.
+    A regroup renumbers the records with their ranks."""
+
+    stats: EngineStats | None = None  # None: not heard from yet
+    counters: ExchangeCounters = field(default_factory=ExchangeCounters)
+    times: StepTimes = field(default_factory=StepTimes)
+    expert_bytes: int = 0
+    epochs: dict[int, ExchangeCounters] = field(default_factory=dict)  # counters per placement epoch
+    move: MoveStats | None = None  # what its placement moves filled so far
+    in_flight: int = 0  # tokens charged to it
+    report_seq: int = 0  # number of the last report taken (a report resent after a regroup has an old one)
+
+
+@dataclass
+class AdmittedRequest:
+    """Rank 0's record of an unfinished request: where it runs and what resuming it elsewhere takes."""
+
+    rank: int | None  # while it moves after its prefill: the target's; None: lost with its rank, not yet re-admitted
+    charge: int  # tokens charged to its rank (charge_of)
+    prompt: list[int]
+    params: SamplingParams
+    domain: str | None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    grouper: Grouper | None = None  # the grouper that admitted it: told when it ends, offered its prefill
+    delivered: Resumed = field(default_factory=lambda: Resumed([], []))  # elastic EP: what it streamed so far
+
+
 class EPDriver:
     def __init__(self, worker: RankWorker):
         self.worker = worker
         self.core, self.runtime = worker.core, worker.runtime
-        plan = self.runtime.placement.plan
         self.moves = worker.signatures is not None  # --ep-moves: the ranks report prefill signatures
-        self.grouper = serving_grouper(plan, self.core.model.config, self.moves)  # None: balanced
-        if self.moves and self.grouper is None:
+        self._grouper_plan, self._grouper = None, None  # the grouper built for the state's grouping plan
+        grouper = self.grouper  # built now: a plan whose predictor does not fit the model is refused at start-up
+        if self.moves and grouper is None:
             raise LocusError("--ep-moves: requests move where the plan's grouper says; the plan has no grouping "
                              "(make it with locus plan --planner locality)")
         self._move_number = 0
         self.moved_requests = 0  # moves commanded (the source may have had the request finish first)
-        self.world = worker.world
-        self._pending: dict[int, Commands] = {}
-        self._owner: dict[str, int] = {}  # request id -> rank, while unfinished
-        self._prompt: dict[str, list[int]] = {}
-        self._metrics: dict[str, RequestMetrics] = {}
-        self._in_flight = [0] * self.world  # tokens charged to each rank
-        self._charge: dict[str, int] = {}
-        self.rank_stats: list[EngineStats | None] = [None] * self.world
-        self.counters: list[ExchangeCounters] = [ExchangeCounters() for _ in range(self.world)]
-        self.times: list[StepTimes] = [StepTimes() for _ in range(self.world)]
-        self.expert_bytes: list[int] = [0] * self.world
-        self.expert_bytes[0] = worker.expert_bytes
+        self.ranks = [RankRecord() for _ in range(worker.world)]
+        self.ranks[0].expert_bytes = worker.expert_bytes
+        self._requests: dict[str, AdmittedRequest] = {}  # the unfinished ones
+        self._pending: dict[int, Commands] = {}  # rank -> commands of the next iteration
         self.expert_load = SummedExpertLoad(self.core.expert_load, self.world) if self.core.expert_load is not None else None
         self.errors: list[tuple[str, str]] = []  # refused adds, for AsyncEngine to deliver
         self.last_stepped = False  # the last iteration ran a step: the others have reports to send
-        self.epoch_counters: list[dict[int, ExchangeCounters]] = [{} for _ in range(self.world)]
-        self.move_stats: list = [None] * self.world
         self.replanner = None  # replan.Replanner, when live re-planning is on
-        self._grouper_of: dict[str, Grouper] = {}  # requests admitted under a grouper that a re-plan replaced
-        # Elastic EP: what each request needs to be re-admitted elsewhere if its rank dies
-        self._params: dict[str, tuple[SamplingParams, str | None]] = {}
-        self._delivered: dict[str, Resumed] = {}  # request id -> what it has streamed so far
         # Requests a regroup resumed from what they had streamed (a lost rank's, or a move's whose
         # target was lost). The survivors' reports read in the first iteration after it were made
         # before it: a move's source may report tokens of such a request that it will run again where
         # it resumes, so that iteration drops them (step)
         self._resumed_in_regroup: set[str] = set()
-        self._report_seq: dict[int, int] = {}  # rank identity -> number of the last report taken
         self._last_commands: dict[int, Commands] = {}
         self.recovering = False
         self.recoveries: list[dict] = []  # what each regrouping did
@@ -113,6 +132,21 @@ class EPDriver:
         self.retired = ExchangeCounters()  # what ranks lost since counted
         # Recording: the order of admissions and releases, which the replay's grouper runs through again
         self.admissions = AdmissionLog() if self.core.recorder is not None else None
+
+    @property
+    def world(self) -> int:
+        """The ranks serving now (fewer after a regroup)."""
+        return len(self.ranks)
+
+    @property
+    def grouper(self) -> Grouper | None:
+        """The grouper new requests are admitted with: the one of the placement state's grouping plan
+        (None: balanced). A re-plan's grouping replaces it; a regroup drops it."""
+        plan = self.runtime.state.grouping_plan
+        if plan is not self._grouper_plan:
+            self._grouper = serving_grouper(plan, self.core.model.config, self.moves) if plan is not None else None
+            self._grouper_plan = plan
+        return self._grouper
 
     @property
     def heartbeat_s(self) -> float:
@@ -128,7 +162,7 @@ class EPDriver:
 
     @property
     def assignment(self) -> str:
-        return "balanced" if self.grouper is None else "grouper"
+        return "balanced" if self.runtime.state.grouping_plan is None else "grouper"  # (any thread: builds nothing)
 
     def charge_of(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The tokens a request may run to: its prompt plus n times its output bound."""
@@ -139,39 +173,46 @@ class EPDriver:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> int:
         charge = self.charge_of(prompt_ids, params)
-        if self.grouper is not None:
-            rank = self.grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n,
-                                      prompt_ids=prompt_ids)
+        grouper = self.grouper
+        if grouper is not None:
+            rank = grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n,
+                                 prompt_ids=prompt_ids)
         else:
-            rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
-        self._owner[request_id], self._charge[request_id] = rank, charge
-        self._prompt[request_id] = list(prompt_ids)
-        self._metrics[request_id] = RequestMetrics()
-        self._params[request_id] = (params, domain)
-        self._in_flight[rank] += charge
+            rank = self._least_loaded()
+        self._requests[request_id] = AdmittedRequest(rank, charge, list(prompt_ids), params, domain, grouper=grouper)
+        self.ranks[rank].in_flight += charge
         if self.admissions is not None:
             self.admissions.admit(request_id, charge)
         self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
         return rank
 
     def abort(self, request_id: str) -> None:
-        rank = self._owner.get(request_id)
-        if rank is not None:
-            self._pending.setdefault(rank, Commands()).aborts.append(request_id)
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._pending.setdefault(request.rank, Commands()).aborts.append(request_id)
 
     def requests(self) -> list[str]:
         """The unfinished requests, on any rank."""
-        return list(self._owner)
+        return list(self._requests)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank an unfinished request runs on (a moving one's target); None when it is not unfinished."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.rank
 
     def has_unfinished(self) -> bool:
-        return bool(self._owner) or bool(self._pending) or self.last_stepped
+        return bool(self._requests) or bool(self._pending) or self.last_stepped
+
+    def _least_loaded(self) -> int:
+        """Balanced admission: the rank with the fewest tokens in flight, ties to the lowest."""
+        return min(range(self.world), key=lambda r: (self.ranks[r].in_flight, r))
 
     def wait_s(self) -> float:
         """How long rank 0's loop may wait before the next iteration: none while anything runs or a
         placement moves, a little while a re-plan is being computed, else a heartbeat."""
         if self.last_stepped or self._pending or self.runtime.move is not None:
             return 0.0
-        if self._owner:  # requests in flight, but no rank stepped (a rank compiling a grammar, say): poll
+        if self._requests:  # requests in flight, but no rank stepped (a rank compiling a grammar, say): poll
             return 0.005
         if self.replanner is not None and self.replanner.state != "idle":
             return 0.02
@@ -190,18 +231,17 @@ class EPDriver:
         outputs = []  # the other ranks' (their previous step's) first: a request moved to rank 0 this
         # iteration has its source's last tokens in a report and its next ones in rank 0's own outputs
         prefills, moved = [(0, p) for p in it.prefills], [(0, m) for m in it.moved]
-        self.rank_stats[0], self.times[0] = self.core.stats(), self.worker.times
-        self.counters[0] = self.runtime.counters()
-        self.epoch_counters[0], self.move_stats[0] = self.runtime.counters_by_epoch(), self.worker.last_move
+        own = self.ranks[0]
+        own.stats, own.times, own.counters = self.core.stats(), self.worker.times, self.runtime.counters()
+        own.epochs, own.move = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
         for rank, report in sorted(it.reports.items()):
-            self.rank_stats[rank], self.counters[rank], self.times[rank] = report.stats, report.counters, report.times
-            self.epoch_counters[rank], self.move_stats[rank] = report.epochs, report.move
-            self.expert_bytes[rank] = report.expert_bytes
-            identity = self.worker.members[rank]
-            if report.seq <= self._report_seq.get(identity, 0):
+            record = self.ranks[rank]
+            record.stats, record.counters, record.times = report.stats, report.counters, report.times
+            record.epochs, record.move, record.expert_bytes = report.epochs, report.move, report.expert_bytes
+            if report.seq <= record.report_seq:
                 continue  # resent after a regroup, and it had arrived: its outputs are out already
-            self._report_seq[identity] = report.seq
+            record.report_seq = report.seq
             if report.window is not None and self.replanner is not None:
                 self.replanner.take_window(rank, report.window)
             if report.load is not None and self.expert_load is not None:
@@ -210,17 +250,18 @@ class EPDriver:
             prefills += [(rank, p) for p in report.prefills]
             moved += [(rank, m) for m in report.moved if m[0] not in resumed]
             for packed in report.outputs:
-                request_id = packed[0]
-                if request_id not in self._owner or request_id in resumed:
+                request = self._requests.get(packed[0])
+                if request is None or packed[0] in resumed:
                     continue  # (resumed: made before the regroup that resumed it from what it had streamed)
-                out = unpack_output(packed, self._prompt[request_id], self._metrics[request_id], now)
+                out = unpack_output(packed, request.prompt, request.metrics, now)
                 if self.worker.elastic is not None:
-                    self._note_delivered(out)
+                    note_delivered(request, out)
                 outputs.append(out)
         if self.worker.elastic is not None:  # rank 0's own too: a request that moves away may be resumed
             for out in it.outputs:
-                if out.request_id in self._owner:
-                    self._note_delivered(out)
+                request = self._requests.get(out.request_id)
+                if request is not None:
+                    note_delivered(request, out)
         outputs += it.outputs
         for out in outputs:
             if out.finished:
@@ -237,10 +278,10 @@ class EPDriver:
     def _observe(self, request_id: str, index, count) -> None:
         """A request's prefill has run: offer its signature to the grouper that admitted it, and move it
         where that grouper says (the replay offers it at the same point of the admission log)."""
-        if request_id not in self._owner:
+        request = self._requests.get(request_id)
+        if request is None:
             return
-        grouper = self._grouper_of.get(request_id, self.grouper)
-        params, _ = self._params[request_id]
+        grouper, params = request.grouper, request.params
         if grouper is None or request_id not in grouper.live or params.n != 1 or params.structured is not None:
             return  # (a request with n > 1 or a grammar never moves)
         if self.admissions is not None:
@@ -248,7 +289,7 @@ class EPDriver:
         signature = self.worker.signatures.dense(index, count) if self.worker.signatures is not None else None
         if signature is None:
             return
-        remaining = min(max(self._charge[request_id] - len(self._prompt[request_id]), 0),
+        remaining = min(max(request.charge - len(request.prompt), 0),
                         grouper.spec.expected_decode_tokens)
         target = grouper.observe_prefill(request_id, signature=signature, remaining_tokens=remaining)
         if target is not None:
@@ -258,21 +299,20 @@ class EPDriver:
         """Move a running request to rank `target` in the next iteration: its KV cache and sampler
         state go from its rank to `target` before that iteration's step (migrate.py). The grouper's
         books are the caller's (observe_prefill has moved it there already)."""
-        source = self._owner.get(request_id)
-        if source is None or source == target:
+        request = self._requests.get(request_id)
+        if request is None or request.rank == target:
             return
-        params, _ = self._params[request_id]
+        source, params = request.rank, request.params
         if params.n != 1 or params.structured is not None:
             raise LocusError(f"request {request_id!r} cannot move: it has n > 1 or an output grammar")
         self._move_number += 1
         number = self._move_number
         self._pending.setdefault(source, Commands()).moves_out.append(Move(request_id, target, number))
         self._pending.setdefault(target, Commands()).moves_in.append(
-            Move(request_id, source, number, tokens=self._charge[request_id]))
-        self._owner[request_id] = target
-        charge = self._charge[request_id]
-        self._in_flight[source] -= charge
-        self._in_flight[target] += charge
+            Move(request_id, source, number, tokens=request.charge))
+        request.rank = target
+        self.ranks[source].in_flight -= request.charge
+        self.ranks[target].in_flight += request.charge
         self.moved_requests += 1
         if self.admissions is not None:
             self.admissions.moved(request_id, source, target)
@@ -283,18 +323,11 @@ class EPDriver:
             if self.admissions is not None:
                 self.admissions.moved_tokens(request_id, tokens)
             return
-        if request_id in self._owner:  # neither finished nor aborted there: it cannot be anywhere
+        if request_id in self._requests:  # neither finished nor aborted there: it cannot be anywhere
             log.error("request %s was not on its rank when it was to move", request_id)
             self._refused([(request_id, "the request was lost while moving between expert-parallel ranks")])
 
     # --- elastic EP: a lost rank ----------------------------------------------------------------------
-    def _note_delivered(self, out: RequestOutput) -> None:
-        """Keep what a request has streamed: if its rank dies, a survivor resumes it from there."""
-        c = out.outputs[0]
-        seen = self._delivered.setdefault(out.request_id, Resumed([], []))
-        seen.token_ids += c.delta_token_ids
-        seen.logprobs += c.delta_logprobs or []
-
     @property
     def can_recover(self) -> bool:
         return self.worker.elastic is not None
@@ -325,17 +358,13 @@ class EPDriver:
             self.recovering = False
         lost = [r for r in range(old_world) if r not in mapping]
         for r in lost:
-            self.retired.add(self.counters[r])
-        self.world = len(mapping)
-        order = sorted(mapping, key=mapping.get)  # old ranks, in new rank order
-        self.rank_stats = [self.rank_stats[r] for r in order]
-        self.counters = [self.counters[r] for r in order]
-        self.times = [self.times[r] for r in order]
-        self.expert_bytes = [self.expert_bytes[r] for r in order]
-        self.epoch_counters = [self.epoch_counters[r] for r in order]
-        self.move_stats = [self.move_stats[r] for r in order]
-        self.expert_bytes[0] = self.worker.expert_bytes
-        self.grouper, self._grouper_of = None, {}  # the survivors' plan has no grouping: balanced from now on
+            self.retired.add(self.ranks[r].counters)
+        self.ranks = [self.ranks[r] for r in sorted(mapping, key=mapping.get)]  # old ranks, in new rank order
+        self.ranks[0].expert_bytes = self.worker.expert_bytes
+        # the survivors' plan has no grouping (the placement state regrouped): balanced from now on, and
+        # no grouper of the old plan is told about requests any more
+        for request in self._requests.values():
+            request.grouper = None
         # A re-plan was made for the old membership: the re-planner discards it, and no command of it
         # (a window request, a move) reaches the survivors, queued or resent.
         if self.replanner is not None:
@@ -345,22 +374,28 @@ class EPDriver:
         for r, c in self._last_commands.items():  # the failed iteration's: a survivor may not have them
             if r != 0 and r in mapping:
                 resend = self._pending.setdefault(mapping[r], Commands())
-                resend.adds[:0] = [replace(a, retry=True) for a in c.adds if self._owner.get(a.request_id) == r]
+                resend.adds[:0] = [replace(a, retry=True) for a in c.adds if self.rank_of(a.request_id) == r]
                 resend.aborts[:0] = c.aborts
         self._resume_moves(mapping)
         self._last_commands = {}
+        # the survivors' requests keep their rank (renumbered) and charge it; then each lost rank's
+        # request goes to the least-loaded survivor, counted in the survivors' numbering
+        lost_requests = []
+        for r in self.ranks:
+            r.in_flight = 0
+        for request_id, request in self._requests.items():
+            if request.rank in mapping:
+                request.rank = mapping[request.rank]
+                self.ranks[request.rank].in_flight += request.charge
+            else:
+                request.rank = None  # charged to no survivor until re-admitted
+                lost_requests.append(request_id)
         readmitted, failed = 0, 0
-        for request_id, rank in list(self._owner.items()):
-            if rank in mapping:
-                self._owner[request_id] = mapping[rank]
-                continue
+        for request_id in lost_requests:
             if self._readmit(request_id):
                 readmitted += 1
             else:
                 failed += 1
-        self._in_flight = [0] * self.world
-        for request_id, rank in self._owner.items():
-            self._in_flight[rank] += self._charge.get(request_id, 0)
         record = {"lost_ranks": lost, "survivors": self.world, "readmitted": readmitted, "failed": failed,
                   "seconds": time.monotonic() - started, "epoch": self.runtime.placement.epoch,
                   "topology": str(self.runtime.placement.plan.topology)}
@@ -376,19 +411,15 @@ class EPDriver:
         forgets it (the loop after this resumes it on a survivor, as any lost rank's request)."""
         for source, c in self._last_commands.items():
             for m in c.moves_out:
-                target = m.peer
-                if self._owner.get(m.request_id) != target:
+                target, request = m.peer, self._requests.get(m.request_id)
+                if request is None or request.rank != target:
                     continue  # finished since
                 if source in mapping and target in mapping:
                     self.command(mapping[source]).moves_out.insert(0, replace(m, peer=mapping[target], retry=True))
                     self.command(mapping[target]).moves_in.insert(0, Move(m.request_id, mapping[source], m.number,
-                                                                          True, self._charge[m.request_id]))
+                                                                          True, request.charge))
                 elif target in mapping:
-                    params, domain = self._params[m.request_id]
-                    resumed = self._delivered.get(m.request_id, Resumed([], []))
-                    resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))
-                    self.command(mapping[target]).adds.insert(0, Add(m.request_id, self._prompt[m.request_id], params,
-                                                                     domain, resumed, retry=True))
+                    self.command(mapping[target]).adds.insert(0, resumed_add(m.request_id, request, retry=True))
                     self._resumed_in_regroup.add(m.request_id)
                 elif source in mapping:
                     self.command(mapping[source]).drops.append(m.request_id)
@@ -396,20 +427,19 @@ class EPDriver:
     def _readmit(self, request_id: str) -> bool:
         """Re-add a lost rank's request on a survivor with what it streamed (preemption by recompute,
         across ranks): the survivor recomputes prompt + streamed tokens and the stream goes on."""
-        params, domain = self._params[request_id]
+        request = self._requests[request_id]
+        params = request.params
         if params.n != 1:
             self.errors.append((request_id, f"its rank was lost and a request with n = {params.n} cannot be resumed"))
             self._release(request_id)
             return False
-        resumed = self._delivered.get(request_id, Resumed([], []))
-        if params.max_tokens is not None and len(resumed.token_ids) >= params.max_tokens:
+        if params.max_tokens is not None and len(request.delivered.token_ids) >= params.max_tokens:
             self.errors.append((request_id, "its rank was lost after its last token, before its final output"))
             self._release(request_id)
             return False
-        rank = min(range(self.world), key=lambda r: (self._in_flight[r], r))
-        self._owner[request_id] = rank
-        resumed = Resumed(list(resumed.token_ids), list(resumed.logprobs))  # the add owns its copy
-        self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, self._prompt[request_id], params, domain, resumed))
+        request.rank = self._least_loaded()
+        self.ranks[request.rank].in_flight += request.charge
+        self.command(request.rank).adds.append(resumed_add(request_id, request))
         self._resumed_in_regroup.add(request_id)
         return True
 
@@ -422,12 +452,10 @@ class EPDriver:
         return any(c.replan is not None for c in self._pending.values())
 
     def adopt_grouping(self, plan) -> None:
-        """New admissions follow the new plan's grouping; requests already admitted finish where they run."""
-        if self.grouper is None or not plan.grouping:
-            return
-        for request_id in self._owner:
-            self._grouper_of.setdefault(request_id, self.grouper)
-        self.grouper = serving_grouper(plan, self.core.model.config, self.moves)
+        """New admissions follow the new plan's grouping (the placement state's rule); requests already
+        admitted finish where they run, and the grouper that admitted them is told when they end."""
+        self.runtime.state.adopt_grouping(plan)
+        self.grouper  # built now, as at start-up
 
     def tokens_run(self) -> int:
         """Tokens every rank has run through the MoE layers so far."""
@@ -436,10 +464,10 @@ class EPDriver:
     def epoch_totals(self) -> list[dict]:
         """Per placement epoch, summed over ranks: bytes (docs/design.md's) and tokens."""
         layers = max(1, len(self.runtime.layers))
-        epochs = sorted({e for per_rank in self.epoch_counters for e in per_rank})
+        epochs = sorted({e for record in self.ranks for e in record.epochs})
         out = []
         for epoch in epochs:
-            parts = [per_rank[epoch] for per_rank in self.epoch_counters if epoch in per_rank]
+            parts = [record.epochs[epoch] for record in self.ranks if epoch in record.epochs]
             out.append({"epoch": epoch, "inter_node_bytes": sum(c.inter_node for c in parts),
                         "intra_node_bytes": sum(c.intra_node for c in parts),
                         "tokens": sum(c.token_layers for c in parts) // layers})
@@ -469,11 +497,11 @@ class EPDriver:
 
     def rank_tokens(self, rank: int) -> int:
         """Tokens `rank` ran through the MoE layers (its exchange counts each token once per layer)."""
-        return self.counters[rank].token_layers // max(1, len(self.runtime.layers))
+        return self.ranks[rank].counters.token_layers // max(1, len(self.runtime.layers))
 
     def stats(self) -> EngineStats:
         """Counters summed over ranks (a rank not heard from yet counts as empty)."""
-        known = [s for s in self.rank_stats if s is not None] or [self.core.stats()]
+        known = [r.stats for r in self.ranks if r.stats is not None] or [self.core.stats()]
         fields = EngineStats.__dataclass_fields__
         summed = {name: sum(getattr(s, name) for s in known) for name in fields}
         summed["kv_usage"] = 1.0 - summed["num_free_blocks"] / max(1, summed["num_blocks"])
@@ -485,15 +513,25 @@ class EPDriver:
             self.errors.append((request_id, message))
 
     def _release(self, request_id: str) -> None:
-        rank = self._owner.pop(request_id, None)
-        self._prompt.pop(request_id, None)
-        self._metrics.pop(request_id, None)
-        self._params.pop(request_id, None)
-        self._delivered.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
         if self.admissions is not None:
             self.admissions.release(request_id)
-        if rank is not None:
-            self._in_flight[rank] -= self._charge.pop(request_id, 0)
-            grouper = self._grouper_of.pop(request_id, self.grouper)
-            if grouper is not None:
-                grouper.finish(request_id)
+        if request is not None:
+            if request.rank is not None:
+                self.ranks[request.rank].in_flight -= request.charge
+            if request.grouper is not None:
+                request.grouper.finish(request_id)
+
+
+def note_delivered(request: AdmittedRequest, out: RequestOutput) -> None:
+    """Keep what a request has streamed: if its rank dies, a survivor resumes it from there."""
+    c = out.outputs[0]
+    request.delivered.token_ids += c.delta_token_ids
+    request.delivered.logprobs += c.delta_logprobs or []
+
+
+def resumed_add(request_id: str, request: AdmittedRequest, retry: bool = False) -> Add:
+    """The add that resumes `request` on a survivor from its prompt and what it streamed (preemption by
+    recompute, across ranks); the add owns its copy of what was streamed."""
+    resumed = Resumed(list(request.delivered.token_ids), list(request.delivered.logprobs))
+    return Add(request_id, request.prompt, request.params, request.domain, resumed, retry=retry)

@@ -11,10 +11,11 @@ from locus.engine.ep.ranks.driver import EPDriver
 
 def ep_stats_of(driver: EPDriver) -> dict:
     per_rank = []
-    for rank, (c, times) in enumerate(zip(driver.counters, driver.times)):
+    for rank, record in enumerate(driver.ranks):
+        c, times = record.counters, record.times
         per_rank.append({"rank": rank, **asdict(c), "tokens": driver.rank_tokens(rank),
                          "inter_node": c.inter_node, "intra_node": c.intra_node, "wire": c.wire,
-                         "expert_bytes": driver.expert_bytes[rank], "steps": times.steps, "step_s": times.step_s,
+                         "expert_bytes": record.expert_bytes, "steps": times.steps, "step_s": times.step_s,
                          "compute_s": times.compute_s, "exchange_s": times.exchange_s, "control_s": times.control_s})
     runtime = driver.runtime
     topo = runtime.placement.plan.topology
@@ -27,9 +28,9 @@ def ep_stats_of(driver: EPDriver) -> dict:
             "tokens": sum(r["tokens"] for r in per_rank),
             # requests moved after their prefill (--ep-moves): the KV cache sent, inter-node (the replay's
             # migrated_kv_bytes) and intra-node, apart from the dispatch bytes above
-            "migrations": sum(c.migrations for c in driver.counters),
-            "migrated_kv_bytes": sum(c.migration_inter_node for c in driver.counters),
-            "migrated_kv_bytes_intra_node": sum(c.migration_intra_node for c in driver.counters),
+            "migrations": sum(r.counters.migrations for r in driver.ranks),
+            "migrated_kv_bytes": sum(r.counters.migration_inter_node for r in driver.ranks),
+            "migrated_kv_bytes_intra_node": sum(r.counters.migration_intra_node for r in driver.ranks),
             "per_rank": per_rank,
             "epochs": driver.epoch_totals(), "replan": replan_stats_of(driver), "recoveries": driver.recoveries,
             "retired": {"inter_node_bytes": driver.retired.inter_node, "intra_node_bytes": driver.retired.intra_node}}
@@ -40,7 +41,7 @@ def replan_stats_of(driver: EPDriver) -> dict | None:
     planner = driver.replanner
     if planner is None:
         return None
-    moves = [m for m in driver.move_stats if m is not None]
+    moves = [r.move for r in driver.ranks if r.move is not None]
     moved = {k: sum(getattr(m, k) for m in moves) for k in ("experts", "local", "intra_node_bytes", "inter_node_bytes")}
     return {"state": planner.state, "schedule": asdict(planner.schedule),
             "decisions": [d.to_dict() for d in planner.decisions], "moved": moved}

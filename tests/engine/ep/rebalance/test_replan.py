@@ -83,7 +83,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         core.dump_recording()
         torch.save({"finals": finals, "decision": decision.to_dict(), "epoch_totals": epoch_totals,
                     "epochs_seen": epochs_seen, "final_plan": runtime.placement.plan.to_dict(),
-                    "moved": driver.move_stats}, f"{out}/rank0.pt")
+                    "moved": [r.move for r in driver.ranks]}, f"{out}/rank0.pt")
     finally:
         dist.destroy_process_group()
     end_rank()
