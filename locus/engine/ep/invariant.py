@@ -55,14 +55,14 @@ def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor) -> int:
     return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 
-def held_fingerprints(runtime, rows=None) -> dict[tuple[int, int], list[int]]:
-    """{(row, expert): fingerprints of each slot of this rank holding it}, for `rows` (default all)."""
+def held_fingerprints(runtime, moe_indices=None) -> dict[tuple[int, int], list[int]]:
+    """{(MoE index, expert): fingerprints of each slot of this rank holding it}, for `moe_indices` (default all)."""
     out: dict[tuple[int, int], list[int]] = {}
     local = runtime.placement.local_experts
-    for row in range(len(runtime.layers)) if rows is None else rows:
-        layer = runtime.layers[row]
-        for j, e in enumerate(local[row]):
-            out.setdefault((row, int(e)), []).append(expert_fingerprint(layer.gate_up_proj[j], layer.down_proj[j]))
+    for moe_index in range(len(runtime.layers)) if moe_indices is None else moe_indices:
+        layer = runtime.layers[moe_index]
+        for j, e in enumerate(local[moe_index]):
+            out.setdefault((moe_index, int(e)), []).append(expert_fingerprint(layer.gate_up_proj[j], layer.down_proj[j]))
     return out
 
 
@@ -71,10 +71,10 @@ def share_fingerprints(runtime, group, num_experts: int) -> np.ndarray:
     on `group`). Raises PlacementDisagreement when two holders of an expert hold different weights."""
     L = len(runtime.layers)
     mine = torch.zeros((L, num_experts), dtype=torch.int64)
-    for (row, e), prints in held_fingerprints(runtime).items():
+    for (moe_index, e), prints in held_fingerprints(runtime).items():
         if len(set(prints)) > 1:
-            raise PlacementDisagreement(f"this rank holds expert {e} of MoE row {row} twice, with different weights")
-        mine[row, e] = prints[0]
+            raise PlacementDisagreement(f"this rank holds expert {e} of MoE index {moe_index} twice, with different weights")
+        mine[moe_index, e] = prints[0]
     world = dist.get_world_size(group)
     gathered = torch.empty((world * L * num_experts,), dtype=torch.int64)
     dist.all_gather_single(gathered, mine.reshape(-1), group=group)
@@ -82,15 +82,15 @@ def share_fingerprints(runtime, group, num_experts: int) -> np.ndarray:
     reference = table.max(axis=0)
     differs = (table != 0) & (table != reference[None])
     if differs.any():
-        r, row, e = (int(v) for v in np.argwhere(differs)[0])
-        raise PlacementDisagreement(f"rank {r} holds other weights for expert {e} of MoE row {row} than another holder")
+        r, moe_index, e = (int(v) for v in np.argwhere(differs)[0])
+        raise PlacementDisagreement(f"rank {r} holds other weights for expert {e} of MoE index {moe_index} than another holder")
     return reference
 
 
-def wrong_slots(runtime, rows=None) -> list[tuple[int, int]]:
-    """(row, expert) of this rank's slots whose weights are not the reference's, over `rows` (default all)."""
+def wrong_slots(runtime, moe_indices=None) -> list[tuple[int, int]]:
+    """(MoE index, expert) of this rank's slots whose weights are not the reference's, over `moe_indices` (default all)."""
     reference = runtime.fingerprints
     if reference is None:
         return []
-    return [(row, e) for (row, e), prints in held_fingerprints(runtime, rows).items()
-            if any(p != reference[row, e] for p in prints)]
+    return [(moe_index, e) for (moe_index, e), prints in held_fingerprints(runtime, moe_indices).items()
+            if any(p != reference[moe_index, e] for p in prints)]

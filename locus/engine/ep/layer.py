@@ -34,21 +34,21 @@ from locus.routing.plan.placement import PlacementPlan, validate
 
 
 class ExpertParallelMoE(nn.Module):
-    def __init__(self, block: MoEBlock, row: int, slot_experts: list[int], runtime: EPRuntime):
+    def __init__(self, block: MoEBlock, moe_index: int, slot_experts: list[int], runtime: EPRuntime):
         super().__init__()
         self.top_k, self.moe_backend = block.top_k, block.moe_backend
         self.router, self.shared_expert = block.router, block.shared_expert
         experts = block.experts
         if experts.expert_ids is not None:  # loaded as this rank's slice (slices.py): take it as is
             if list(experts.expert_ids) != list(slot_experts):
-                raise ValueError(f"MoE row {row}: the model holds experts {experts.expert_ids}, "
+                raise ValueError(f"MoE index {moe_index}: the model holds experts {experts.expert_ids}, "
                                  f"the plan gives this rank {slot_experts}")
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         else:  # a whole model: keep the local slots' experts, in slot order; the full tensors are dropped
             index = torch.tensor(slot_experts, dtype=torch.long)
             self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
             self.down_proj = nn.Parameter(experts.down_proj.detach()[index].clone(), requires_grad=False)
-        self.row = row  # this layer's row of the placement (its index in moe_layers)
+        self.moe_index = moe_index  # this layer's MoE index: its position in moe_layers, the placement's first axis
         self.runtime = runtime
         self.handle = next(_handles)  # how the compiled graph's opaque op finds this layer
         _LAYERS[self.handle] = self
@@ -60,7 +60,7 @@ class ExpertParallelMoE(nn.Module):
             raise RuntimeError("the EP runtime must hold the batch's token positions before the forward")
         if torch.compiler.is_compiling() or self.runtime.padded:
             # compiled: the exchange is host work and collectives, one opaque op; padded (a decode
-            # graph's batch): the op also keeps padding rows out of the exchange
+            # graph's batch): the op also keeps padding tokens out of the exchange
             routed = ep_routed_experts(x, topk.ids, topk.weights, positions, self.handle)
         else:
             routed = self.route_and_exchange(x, topk.ids, topk.weights, positions)
@@ -71,7 +71,7 @@ class ExpertParallelMoE(nn.Module):
         """The dispatch rule, then dispatch -> local experts -> combine: the routed output [T, H]."""
         runtime = self.runtime
         placement = runtime.placement
-        slots = placement.route(self.row, ids, positions)
+        slots = placement.route(self.moe_index, ids, positions)
         return runtime.lane().run(x, slots, weights.to(x.dtype), placement.slots_per_gpu, self._compute,
                                   runtime.capacity)
 
@@ -97,7 +97,7 @@ _handles = itertools.count()
 @torch.library.custom_op("locus::ep_routed_experts", mutates_args=())
 def ep_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                       handle: int) -> torch.Tensor:
-    """The routed output of layer `handle` inside a compiled decode graph (decode_graph.py). Rows at
+    """The routed output of layer `handle` inside a compiled decode graph (decode_graph.py). Tokens at
     position -1 are the graph's padding: they are not sent anywhere (so the exchange's bytes stay
     those of the real tokens) and their routed output is zero."""
     layer = _LAYERS[handle]
@@ -128,11 +128,11 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
                          f"{groups.nodes}x{groups.gpus_per_node}")
     placement = ExpertPlacement.build(plan, groups.rank, epoch, model.device)
     runtime = EPRuntime(groups, placement, mode, max_tokens_per_rank, model.device, dispatch_format, combine_format)
-    row_of = {int(layer): row for row, layer in enumerate(plan.moe_layers)}
+    moe_index_of = {int(layer): i for i, layer in enumerate(plan.moe_layers)}
     slices = slices_of(plan, groups.rank)  # what the loaders kept, if they sliced
-    for layer in sorted(row_of):  # forward order, which idle() follows
+    for layer in sorted(moe_index_of):  # forward order, which idle() follows
         decoder = model.model.layers[layer]
-        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, row_of[layer], slices[layer], runtime)
+        decoder.feed_forward = ExpertParallelMoE(decoder.feed_forward, moe_index_of[layer], slices[layer], runtime)
         runtime.layers.append(decoder.feed_forward)
 
     def take_positions(module, args, kwargs):  # the dispatch rule's tie-break needs them

@@ -32,8 +32,8 @@ class ExpertPlacement:
     table: DispatchTable
     rank: int
     epoch: int
-    local_experts: tuple[tuple[int, ...], ...]  # per MoE row: the expert of each of this rank's slots
-    start: torch.Tensor  # [L, E + 1] int64: this rank's row of the table (column 0 = no expert)
+    local_experts: tuple[tuple[int, ...], ...]  # per MoE index: the expert of each of this rank's slots
+    start: torch.Tensor  # [L, E + 1] int64: this rank's part of the table (column 0 = no expert)
     count: torch.Tensor  # [L, E + 1] int64
     replica_slots: torch.Tensor  # [L * R * S] int64: physical slot of every replica entry
     digest: int = 0  # what every rank's control header carries: equal on every rank (invariant.py)
@@ -42,7 +42,7 @@ class ExpertPlacement:
     def build(cls, plan: PlacementPlan, rank: int, epoch: int = 0, device: str | torch.device = "cpu",
               rule: str | None = None) -> "ExpertPlacement":
         table = build_dispatch_table(plan, rule)
-        local = tuple(tuple(int(e) for e in plan.slots[row][rank]) for row in range(len(plan.moe_layers)))
+        local = tuple(tuple(int(e) for e in plan.slots[moe_index][rank]) for moe_index in range(len(plan.moe_layers)))
         as_tensor = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         return cls(plan, table, rank, epoch, local, as_tensor(table.start[:, rank]), as_tensor(table.count[:, rank]),
                    as_tensor(table.replica_slots), placement_digest(plan, epoch))
@@ -56,14 +56,14 @@ class ExpertPlacement:
         """True where the node-aware set cover decides some tokens: route() then runs on the host."""
         return self.table.flexible is not None
 
-    def route(self, row: int, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def route(self, moe_index: int, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Physical slot of every (token, k): ids [T, K] expert ids (-1 = none), positions [T] each
         token's position in its request -> [T, K] int64 slots, -1 where the id is -1."""
         if self.host_rule:
             keys = table_keys(self.table, ids.cpu().numpy().astype(np.int32)[:, None, :],
-                              np.full(ids.shape[0], self.rank), [row])
+                              np.full(ids.shape[0], self.rank), [moe_index])
             slots = destination_slots(self.table, keys, positions.cpu().numpy())[:, 0, :]
             return torch.from_numpy(slots.astype(np.int64)).to(ids.device)
         column = ids.long() + 1  # [T, K]
-        entry = self.start[row][column] + positions.long()[:, None] % self.count[row][column]
+        entry = self.start[moe_index][column] + positions.long()[:, None] % self.count[moe_index][column]
         return torch.where(ids >= 0, self.replica_slots[entry], -1)

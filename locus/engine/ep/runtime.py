@@ -133,7 +133,7 @@ class EPRuntime:
         return move
 
     def placement_now(self):
-        """The current placement's epoch and plan (what a trace recorder keeps per row)."""
+        """The current placement's epoch and plan (what a trace recorder keeps per trace token)."""
         placement = self.placement
         return placement.epoch, placement.plan
 
@@ -151,7 +151,7 @@ class EPRuntime:
 
     @property
     def padded(self) -> bool:
-        """Whether the lane's forward is a padded decode batch (rows at position -1 are padding)."""
+        """Whether the lane's forward is a padded decode batch (tokens at position -1 are padding)."""
         return getattr(self._local, "padded", False)
 
     @padded.setter
@@ -162,11 +162,12 @@ class EPRuntime:
         """What this rank's control header says it will step under (invariant.py)."""
         return self.placement.digest if self.weights_ok else BROKEN
 
-    def check_weights(self, rows=None) -> None:
-        """After a placement change: do this rank's slots of `rows` (default all) hold their experts?"""
-        wrong = wrong_slots(self, rows)
+    def check_weights(self, moe_indices=None) -> None:
+        """After a placement change: do this rank's slots of the MoE layers at `moe_indices` (default all)
+        hold their experts?"""
+        wrong = wrong_slots(self, moe_indices)
         if wrong:
-            log.error("rank %d: slots of (MoE row, expert) %s do not hold their expert's weights after a placement "
+            log.error("rank %d: slots of (MoE index, expert) %s do not hold their expert's weights after a placement "
                       "change; this rank will not step", self.groups.rank if self.groups else -1, wrong[:8])
             self.weights_ok = False
 

@@ -146,7 +146,7 @@ class FakeDriver:
     def __init__(self):
         self.world, self.commands, self.tokens = 4, {}, 100
         self.runtime = SimpleNamespace(placement=ExpertPlacement.build(plan_2x2(), 0), move=None)
-        self.worker = SimpleNamespace(window_rows=lambda: "window of rank 0")
+        self.worker = SimpleNamespace(window_tokens=lambda: "window of rank 0")
 
     def command(self, rank):
         return self.commands.setdefault(rank, SimpleNamespace(send_window=False, replan=None))

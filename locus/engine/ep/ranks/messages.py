@@ -1,7 +1,7 @@
 """What travels on the control plane, and its compact encoding.
 
 Commands go from rank 0 to one rank: the requests assigned to it, the aborts of its requests, and the
-moves of requests after their prefill (a request's KV rows then go from rank to rank directly).
+moves of requests after their prefill (a request's KV cache then goes from rank to rank directly).
 A report goes from a rank to rank 0 after its step: for every request it touched only what is new
 (delta text and ids, finish reason; the whole output once, when it finishes), the adds it refused,
 its counters, and its expert-load increments. Prompt ids and timings are not sent back: rank 0 keeps
@@ -35,17 +35,17 @@ class Add:
 
 @dataclass
 class Replan:
-    """Move to `plan` (a placement plan as a JSON object, aligned to the current one), `rows_per_step`
+    """Move to `plan` (a placement plan as a JSON object, aligned to the current one), `layers_per_step`
     MoE layers an iteration, starting in the iteration this command arrives (every rank alike)."""
 
     plan: dict
-    rows_per_step: int
+    layers_per_step: int
     base: int = 0  # the digest of the placement it was made from and aligned to (invariant.py)
 
 
 @dataclass
 class Move:
-    """One side of a request's move after its prefill (docs/planner.md): the source sends its KV rows
+    """One side of a request's move after its prefill (docs/planner.md): the source sends its KV cache
     and sampler state to `peer`, the target receives them from `peer`, in the iteration the command
     arrives, before the step. `number`: rank 0's count of moves, the order every rank runs its moves in."""
 
@@ -85,7 +85,7 @@ class Report:
     expert_bytes: int
     load: tuple[np.ndarray, np.ndarray] | None  # expert-load increments: flat [layer * E + expert] index, count
     epochs: dict[int, ExchangeCounters] = field(default_factory=dict)  # counters of each placement epoch
-    window: object | None = None  # window.WindowRows, when rank 0 asked for it
+    window: object | None = None  # window.WindowTokens, when rank 0 asked for it
     move: object | None = None  # move.MoveStats of the last or current placement move
     seq: int = 0  # the sender's report number: a report resent after a regroup is recognised (elastic EP)
     prefills: list = field(default_factory=list)  # (request id, flat index, count): prefill signatures completed

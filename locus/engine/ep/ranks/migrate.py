@@ -5,11 +5,11 @@ Rank 0 sends the source `Move` in `moves_out` and the target the same move in `m
 iteration; after that iteration's control exchange, before the step, every rank runs its moves in
 move-number order, each one point to point between its two ranks:
     header  int64 [2]: the pickled state's length, the KV positions that follow (0, 0: not here)
-    state   uint8: the pickled Migrant without its rows (control group, gloo)
-    rows    [layers, 2, T, Hkv, D] in the cache's dtype, on the cache's device (over the default group
+    state   uint8: the pickled Migrant without its KV cache (control group, gloo)
+    kv      [layers, 2, T, Hkv, D] in the cache's dtype, on the cache's device (over the default group
             when that is NCCL and the cache on a GPU, else the control group)
 Blocking sends and receives in one global order cannot deadlock: the lowest-numbered move not done
-yet has both of its ranks ready for it. The source counts the rows' bytes as migration bytes,
+yet has both of its ranks ready for it. The source counts the KV bytes as migration bytes,
 inter-node or intra-node by where the target is, apart from the dispatch bytes.
 
 Elastic EP: the source keeps what it sent until the next iteration whose exchange succeeds has run
@@ -109,7 +109,7 @@ class RequestMover:
         take_in(core, migrant)
 
     def _kv_group(self, kv: torch.Tensor):
-        """The default group when it is NCCL and the rows are on a GPU, else the control group (gloo)."""
+        """The default group when it is NCCL and the KV cache is on a GPU, else the control group (gloo)."""
         if kv.is_cuda and dist.get_backend() == "nccl":
             return None
         return self.worker.control.group

@@ -189,16 +189,16 @@ class RankWorker:
                moved_out: list | None = None) -> Report:
         window = None
         if self._send_window:
-            window, self._send_window = self.window_rows(), False
+            window, self._send_window = self.window_tokens(), False
         self._report_seq += 1
         return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
                       self.times, self.expert_bytes, self._load_increment(), self.runtime.counters_by_epoch(),
                       window, self.last_move, self._report_seq, prefills or [], moved_out or [])
 
-    def window_rows(self):
+    def window_tokens(self):
         if self.window is None:
             raise LocusError("live re-planning is off on this rank (no routing window)")
-        return self.window.rows()
+        return self.window.tokens()
 
     def _advance_move(self) -> None:
         move = self.runtime.advance_move()
@@ -216,7 +216,7 @@ class RankWorker:
                 log.error("rank %d: refused a re-plan made for another placement (the ranks regrouped since)", self.rank)
             else:
                 target = plan_from_dict(commands.replan.plan)
-                self.runtime.state.begin_move(PlacementMove(target, commands.replan.rows_per_step))
+                self.runtime.state.begin_move(PlacementMove(target, commands.replan.layers_per_step))
         for request_id in commands.drops:  # before the adds: a dropped request may be resumed here
             drop(self.core, request_id)
             self._parked.pop(request_id, None)

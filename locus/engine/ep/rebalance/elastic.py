@@ -89,8 +89,8 @@ def plan_onto(plan: PlacementPlan, survivors: list[int], max_slots: int) -> Plac
         raise LocusError(f"{exc}; the server cannot continue") from None
     topology = survivor_topology(plan.topology, survivors, slots_per)
     table = np.full((L, len(survivors), slots_per), -1, dtype=np.int64)
-    for row in range(L):
-        held = [list(plan.slots[row][r]) + [-1] * (slots_per - S) for r in survivors]
+    for moe_index in range(L):
+        held = [list(plan.slots[moe_index][r]) + [-1] * (slots_per - S) for r in survivors]
         count = Counter(e for slots in held for e in slots if e >= 0)
         missing = [e for e in range(E) if count[e] == 0]
         for e in missing:
@@ -105,7 +105,7 @@ def plan_onto(plan: PlacementPlan, survivors: list[int], max_slots: int) -> Plac
             held[i][j] = e
             count[e] += 1
         for i, slots in enumerate(held):  # a slot still free repeats the rank's first expert (a second copy)
-            table[row, i] = [x if x >= 0 else slots[0] for x in slots]
+            table[moe_index, i] = [x if x >= 0 else slots[0] for x in slots]
     new = PlacementPlan(plan.model, E, tuple(plan.moe_layers), topology, table, grouping=None,
                         provenance={**plan.provenance, "planner": plan.provenance.get("planner", "round_robin"),
                                     "survivors_of": [int(r) for r in survivors]},
@@ -210,18 +210,18 @@ def refill_experts(runtime, new_plan: PlacementPlan, new_rank: int, read_experts
     Returns how many expert slots were read from the source."""
     old_local = runtime.placement.local_experts
     wanted: dict[int, list[int]] = {}
-    rows = []
-    for row, layer in enumerate(runtime.layers):
-        new_ids = [int(e) for e in new_plan.slots[row][new_rank]]
-        have = {e: j for j, e in enumerate(old_local[row])}
+    per_layer = []
+    for moe_index, layer in enumerate(runtime.layers):
+        new_ids = [int(e) for e in new_plan.slots[moe_index][new_rank]]
+        have = {e: j for j, e in enumerate(old_local[moe_index])}
         missing = sorted({e for e in new_ids if e not in have})
         if missing:
-            wanted[int(new_plan.moe_layers[row])] = missing
-        rows.append((layer, new_ids, have, missing))
+            wanted[int(new_plan.moe_layers[moe_index])] = missing
+        per_layer.append((layer, new_ids, have, missing))
     fetched = read_experts(wanted) if wanted else {}
     read = 0
     with torch.no_grad():
-        for (layer, new_ids, have, missing), moe_layer in zip(rows, new_plan.moe_layers):
+        for (layer, new_ids, have, missing), moe_layer in zip(per_layer, new_plan.moe_layers):
             up, down = fetched.get(int(moe_layer), (None, None))
             ups, downs = [], []
             for e in new_ids:

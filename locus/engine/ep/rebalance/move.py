@@ -8,9 +8,9 @@ ranks are matched to the old ones to keep the most experts where they are (every
 to 6 ranks a node, greedy beyond), and within a rank an expert it already holds keeps its slot.
 
 Move. Every rank runs the same schedule (it received the same command in the same iteration): in each
-iteration, before the step, the next `rows_per_step` MoE layers switch. For a layer, every changed slot
+iteration, before the step, the next `layers_per_step` MoE layers switch. For a layer, every changed slot
 takes its expert's weights from a rank that holds it in the old placement (itself if it can, else a
-rank of its node, else the first holder), all of them in one all_to_all of exactly the needed rows
+rank of its node, else the first holder), all of them in one all_to_all of exactly the needed weights
 over the control group; each rank stages what it receives, then copies it into its existing
 parameters (so compiled graphs stay valid), and only then does the placement switch to the new
 layer's slots: a new epoch. Tokens never reach a slot before its weights are there, because the
@@ -40,15 +40,15 @@ def align(old: PlacementPlan, new: PlacementPlan) -> PlacementPlan:
         raise ValueError(f"a re-plan must keep the topology and layers: {old.topology} / {new.topology}")
     G, N = old.topology.gpus_per_node, old.topology.nodes
     slots = np.array(new.slots, copy=True)
-    for row in range(len(old.moe_layers)):
+    for moe_index in range(len(old.moe_layers)):
         for node in range(N):
             ranks = list(range(node * G, (node + 1) * G))
-            olds = [Counter(old.slots[row][r].tolist()) for r in ranks]
-            news = [Counter(new.slots[row][r].tolist()) for r in ranks]
+            olds = [Counter(old.slots[moe_index][r].tolist()) for r in ranks]
+            news = [Counter(new.slots[moe_index][r].tolist()) for r in ranks]
             match = _best_match(olds, news)  # match[i] = the new rank placed on old rank ranks[i]
-            placed = [new.slots[row][ranks[j]].tolist() for j in match]
+            placed = [new.slots[moe_index][ranks[j]].tolist() for j in match]
             for i, r in enumerate(ranks):
-                slots[row][r] = _keep_slots(old.slots[row][r].tolist(), placed[i])
+                slots[moe_index][r] = _keep_slots(old.slots[moe_index][r].tolist(), placed[i])
     aligned = PlacementPlan(new.model, new.num_experts, tuple(new.moe_layers), new.topology, slots,
                             grouping=new.grouping, provenance=dict(new.provenance), dispatch=new.dispatch)
     validate(aligned)
@@ -85,10 +85,11 @@ def _keep_slots(old: list[int], new: list[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class SlotFill:
-    """One changed slot: rank `rank`'s slot `slot` of MoE row `row` takes expert `expert` from `source`
-    (a rank holding it in the old placement) at `source_slot`."""
+    """One changed slot: rank `rank`'s slot `slot` of the MoE layer at `moe_index` (docs/design.md's MoE
+    index: its position in moe_layers) takes expert `expert` from `source` (a rank holding it in the old
+    placement) at `source_slot`."""
 
-    row: int
+    moe_index: int
     rank: int
     slot: int
     expert: int
@@ -96,22 +97,22 @@ class SlotFill:
     source_slot: int
 
 
-def fills(old: PlacementPlan, new: PlacementPlan, row: int) -> list[SlotFill]:
-    """The changed slots of one MoE row, and where each one's weights come from."""
+def fills(old: PlacementPlan, new: PlacementPlan, moe_index: int) -> list[SlotFill]:
+    """The changed slots of one MoE layer, and where each one's weights come from."""
     G = old.topology.gpus_per_node
     holders: dict[int, list[tuple[int, int]]] = {}
-    for r, held in enumerate(old.slots[row].tolist()):
+    for r, held in enumerate(old.slots[moe_index].tolist()):
         for j, e in enumerate(held):
             holders.setdefault(e, []).append((r, j))
     out = []
-    for r, (was, now) in enumerate(zip(old.slots[row].tolist(), new.slots[row].tolist())):
+    for r, (was, now) in enumerate(zip(old.slots[moe_index].tolist(), new.slots[moe_index].tolist())):
         for j, (a, b) in enumerate(zip(was, now)):
             if a == b:
                 continue
             found = holders[b]
             source = next((h for h in found if h[0] == r), None) or next(
                 (h for h in found if h[0] // G == r // G), None) or found[0]
-            out.append(SlotFill(row, r, j, b, *source))
+            out.append(SlotFill(moe_index, r, j, b, *source))
     return out
 
 
@@ -128,64 +129,65 @@ class MoveStats:
 
 @dataclass
 class PlacementMove:
-    """The move from the current placement to `target` (aligned), `rows_per_step` MoE rows an iteration."""
+    """The move from the current placement to `target` (aligned), `layers_per_step` MoE layers an iteration."""
 
     target: PlacementPlan
-    rows_per_step: int = 1
-    done_rows: int = 0
+    layers_per_step: int = 1
+    done_layers: int = 0  # MoE layers switched so far, in moe_layers order
     stats: MoveStats = field(default_factory=MoveStats)
-    last_switched: range = range(0)  # the rows the last advance switched (the runtime checks their weights)
+    last_switched: range = range(0)  # the MoE indices the last advance switched (the runtime checks their weights)
 
     @property
     def finished(self) -> bool:
-        return self.done_rows >= len(self.target.moe_layers)
+        return self.done_layers >= len(self.target.moe_layers)
 
     def advance(self, runtime) -> PlacementPlan:
-        """Fill the slots of the next rows (every rank calls this in the same iteration, through the
+        """Fill the slots of the next MoE layers (every rank calls this in the same iteration, through the
         placement state, which switches to the plan returned: a new epoch)."""
-        stop = min(self.done_rows + self.rows_per_step, len(self.target.moe_layers))
+        stop = min(self.done_layers + self.layers_per_step, len(self.target.moe_layers))
         current = runtime.placement
         plan = current.plan
         if plan.topology != self.target.topology or tuple(plan.moe_layers) != tuple(self.target.moe_layers):
             raise PlacementDisagreement(f"a move to {self.target.topology} cannot apply to the placement held, "
                                         f"{plan.topology}")  # before any weight is overwritten
-        for row in range(self.done_rows, stop):
-            self._fill_row(runtime, plan, row)
+        for moe_index in range(self.done_layers, stop):
+            self._fill_layer(runtime, plan, moe_index)
             slots = np.array(plan.slots, copy=True)
-            slots[row] = self.target.slots[row]
+            slots[moe_index] = self.target.slots[moe_index]
             plan = PlacementPlan(plan.model, plan.num_experts, tuple(plan.moe_layers), plan.topology, slots,
                                  grouping=self.target.grouping, provenance=dict(self.target.provenance),
                                  dispatch=self.target.dispatch)
             self.stats.layers += 1
-        self.last_switched = range(self.done_rows, stop)
-        self.done_rows = stop
+        self.last_switched = range(self.done_layers, stop)
+        self.done_layers = stop
         return plan
 
-    def _fill_row(self, runtime, plan: PlacementPlan, row: int) -> None:
-        """Every changed slot of `row` gets its weights; one all_to_all over the control group."""
+    def _fill_layer(self, runtime, plan: PlacementPlan, moe_index: int) -> None:
+        """Every changed slot of the MoE layer at `moe_index` gets its weights; one all_to_all over the
+        control group."""
         rank, world = runtime.groups.rank, runtime.groups.world
         G = plan.topology.gpus_per_node
-        layer = runtime.layers[row]
+        layer = runtime.layers[moe_index]
         params = (layer.gate_up_proj, layer.down_proj)
-        row_fills = fills(plan, self.target, row)
+        layer_fills = fills(plan, self.target, moe_index)
         per_expert = sum(p[0].numel() for p in params)  # elements of one expert's weights
         dtype, device = params[0].dtype, params[0].device
         # what this rank sends each other rank, in (destination, slot) order, and the local copies
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         staged: dict[int, torch.Tensor] = {}  # slot -> [per_expert] the weights it will hold
-        for f in row_fills:
+        for f in layer_fills:
             if f.source == rank:
                 flat = torch.cat([p[f.source_slot].reshape(-1) for p in params])
                 if f.rank == rank:
                     staged[f.slot] = flat.clone()
                 else:
                     sends[f.rank].append(flat)
-        incoming = [f for f in row_fills if f.rank == rank and f.source != rank]
+        incoming = [f for f in layer_fills if f.rank == rank and f.source != rank]
         send_counts = [len(s) * per_expert for s in sends]
         recv_counts = [0] * world
         for f in incoming:
             recv_counts[f.source] += per_expert
-        if any(f.source != f.rank for f in row_fills):  # someone sends: every rank takes part
+        if any(f.source != f.rank for f in layer_fills):  # someone sends: every rank takes part
             out = torch.cat([t for s in sends for t in s]) if any(sends) else torch.empty(0, dtype=dtype, device=device)
             buf = torch.empty(sum(recv_counts), dtype=dtype, device=device)
             item = buf.element_size()  # sent as bytes: any dtype crosses gloo alike
@@ -205,7 +207,7 @@ class PlacementMove:
                 p[slot].copy_(flat[at:at + n].view_as(p[slot]))
                 at += n
         nbytes = per_expert * torch.empty((), dtype=dtype).element_size()
-        for f in row_fills:
+        for f in layer_fills:
             if f.rank != rank:  # each rank counts the slots it filled: summed over ranks, every slot once
                 continue
             self.stats.experts += 1
@@ -221,8 +223,8 @@ def move_bytes(old: PlacementPlan, new: PlacementPlan, expert_bytes: int) -> tup
     """(slots to fill, intra-node bytes, inter-node bytes) of moving from `old` to `new` (aligned)."""
     G = old.topology.gpus_per_node
     count = intra = inter = 0
-    for row in range(len(old.moe_layers)):
-        for f in fills(old, new, row):
+    for moe_index in range(len(old.moe_layers)):
+        for f in fills(old, new, moe_index):
             count += 1
             if f.source != f.rank:
                 if f.source // G == f.rank // G:

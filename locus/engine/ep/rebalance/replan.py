@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from locus.engine.ep.rebalance.move import align, move_bytes
-from locus.engine.ep.rebalance.window import WindowRows, write_window_trace
+from locus.engine.ep.rebalance.window import WindowTokens, write_window_trace
 from locus.errors import LocusError
 from locus.traces.format import TraceMeta
 
@@ -101,16 +101,16 @@ class ReplanSchedule:
 class Replanner:
     """Owned by EPDriver (rank 0's engine thread); the HTTP thread only calls `request`."""
 
-    def __init__(self, driver, meta: TraceMeta, schedule: ReplanSchedule, rows_per_step: int = 1,
+    def __init__(self, driver, meta: TraceMeta, schedule: ReplanSchedule, layers_per_step: int = 1,
                  expert_bytes: int = 0):
         self.driver, self.meta, self.schedule = driver, meta, schedule
-        self.rows_per_step = rows_per_step
+        self.layers_per_step = layers_per_step
         self.expert_bytes = expert_bytes  # one expert's weights (gate_up + down), as the ranks hold them
         self.state = "idle"
         self._lock = threading.Lock()
         self._pending: list[Future] = []  # callers waiting for the decision
         self._force = False
-        self._windows: dict[int, WindowRows] = {}
+        self._windows: dict[int, WindowTokens] = {}
         self._planning: Future | None = None
         self._running: Future | None = None  # the last planning thread's result (a discarded one included)
         self._steps_since = 0
@@ -148,11 +148,11 @@ class Replanner:
                 self.state, self._force = "requested", False
             if self.state == "requested":
                 self.state = "collecting"
-                self._windows = {0: self.driver.worker.window_rows()}
+                self._windows = {0: self.driver.worker.window_tokens()}
                 for rank in range(1, self.driver.world):
                     self.driver.command(rank).send_window = True
 
-    def take_window(self, rank: int, window: WindowRows) -> None:
+    def take_window(self, rank: int, window: WindowTokens) -> None:
         with self._lock:
             if self.state != "collecting":
                 return
@@ -178,7 +178,7 @@ class Replanner:
                     from locus.engine.ep.ranks.messages import Replan
 
                     for rank in range(self.driver.world):
-                        self.driver.command(rank).replan = Replan(target.to_dict(), self.rows_per_step,
+                        self.driver.command(rank).replan = Replan(target.to_dict(), self.layers_per_step,
                                                                   self._planned_from)
                     decision.epoch = self.driver.runtime.placement.epoch + 1
                     self.driver.adopt_grouping(target)
@@ -257,19 +257,19 @@ class Replanner:
         if not decision.applied:
             self._reset_clock()
 
-    def _plan(self, windows: dict[int, WindowRows], current, force: bool, out: Future) -> None:
+    def _plan(self, windows: dict[int, WindowTokens], current, force: bool, out: Future) -> None:
         try:
             out.set_result(self._decide(windows, current, force))
         except BaseException as exc:  # noqa: BLE001
             out.set_exception(exc)
 
-    def _decide(self, windows: dict[int, WindowRows], current, force: bool):
+    def _decide(self, windows: dict[int, WindowTokens], current, force: bool):
         with tempfile.TemporaryDirectory(prefix="locus-replan-") as workdir:  # removed whatever happens
             if self._closed:
                 raise LocusError("the server is stopping")
             return self._decide_in(Path(workdir), windows, current, force)
 
-    def _decide_in(self, workdir: Path, windows: dict[int, WindowRows], current, force: bool):
+    def _decide_in(self, workdir: Path, windows: dict[int, WindowTokens], current, force: bool):
         from locus.routing.dispatch_rule import resolve_rule
         from locus.routing.planners.planner import PlanOptions, make_plan
         from locus.routing.replay.assignment import assign_recorded
@@ -343,7 +343,7 @@ def check_target(current, target) -> None:
         raise LocusError(f"re-plan refused, the placement stays: {exc}") from None
 
 
-def attach_replanner(driver, schedule: ReplanSchedule, rows_per_step: int = 1, model_name: str = "locus") -> Replanner:
+def attach_replanner(driver, schedule: ReplanSchedule, layers_per_step: int = 1, model_name: str = "locus") -> Replanner:
     """Give rank 0's driver a re-planner (the ranks must keep routing windows: build_worker's
     window_tokens). The windows are written as traces of this model; one expert's bytes price a move."""
     import torch
@@ -355,5 +355,5 @@ def attach_replanner(driver, schedule: ReplanSchedule, rows_per_step: int = 1, m
                      source="locus-replan-window")
     layer = driver.runtime.layers[0]
     expert_bytes = sum(p[0].numel() * p.element_size() for p in (layer.gate_up_proj, layer.down_proj))
-    driver.replanner = Replanner(driver, meta, schedule, rows_per_step, expert_bytes)
+    driver.replanner = Replanner(driver, meta, schedule, layers_per_step, expert_bytes)
     return driver.replanner

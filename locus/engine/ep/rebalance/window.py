@@ -2,8 +2,8 @@
 it ran (a routing-tap subscriber), with each token's request, domain and position.
 
 On a re-plan rank 0 asks every rank for its window (the next report carries it), joins them and
-writes them as a small locus-trace: one trace request per (rank, request) seen in the window, its rows
-in position order, `prompt_tokens` the rows that were prompt. That is what the plan's own planner
+writes them as a small locus-trace: one trace request per (rank, request) seen in the window, its trace
+tokens in position order, `prompt_tokens` those that were prompt. That is what the plan's own planner
 plans from, and what the replay that predicts the saving replays.
 
 Shape legend: W window tokens, L MoE layers, K experts per token.
@@ -22,8 +22,8 @@ from locus.traces.writer import TraceWriter
 
 
 @dataclass
-class WindowRows:
-    """A rank's window, oldest first (what a report carries)."""
+class WindowTokens:
+    """A rank's window, oldest first (what a report carries): W trace tokens."""
 
     request_ids: list[str]  # [W]
     domains: list[str]  # [W]
@@ -51,7 +51,7 @@ class RoutingWindow:
             seq = item.seq
             request = seq.request
             key = request.request_id if request.params.n == 1 else f"{request.request_id}#{seq.index}"
-            skip = max(0, hi - lo - self.capacity)  # only the last `capacity` rows can stay
+            skip = max(0, hi - lo - self.capacity)  # only the last `capacity` tokens can stay
             lo, n = lo + skip, hi - lo - skip
             slots = (self.written + np.arange(n)) % self.capacity
             positions = span.start + skip + np.arange(n)
@@ -63,15 +63,15 @@ class RoutingWindow:
                 self.domains[slot] = request.domain or ""
             self.written += n
 
-    def rows(self) -> WindowRows:
+    def tokens(self) -> WindowTokens:
         n = min(self.written, self.capacity)
         start = self.written % self.capacity if self.written > self.capacity else 0
         order = (start + np.arange(n)) % self.capacity
-        return WindowRows([self.request_ids[i] for i in order], [self.domains[i] for i in order],
+        return WindowTokens([self.request_ids[i] for i in order], [self.domains[i] for i in order],
                           self.positions[order].copy(), self.prompt[order].copy(), self.ids[order].copy())
 
 
-def write_window_trace(path: Path, meta: TraceMeta, windows: dict[int, WindowRows]) -> int:
+def write_window_trace(path: Path, meta: TraceMeta, windows: dict[int, WindowTokens]) -> int:
     """The windows of every rank as one trace (requests carry the rank they ran on); returns its tokens."""
     writer = TraceWriter(path, meta, overwrite=True)
     tokens = 0
@@ -81,12 +81,12 @@ def write_window_trace(path: Path, meta: TraceMeta, windows: dict[int, WindowRow
                 continue
             keys = np.array(window.request_ids)
             for request_id in dict.fromkeys(window.request_ids):  # first-seen order
-                rows = np.flatnonzero(keys == request_id)
-                rows = rows[np.argsort(window.positions[rows], kind="stable")]
-                prompt = int(window.prompt[rows].sum())
-                record = RequestRecord(f"{request_id}@{rank}", window.domains[rows[0]], prompt, len(rows), rank=rank)
-                writer.add_requests([record], window.ids[rows])
-                tokens += len(rows)
+                index = np.flatnonzero(keys == request_id)  # its window tokens
+                index = index[np.argsort(window.positions[index], kind="stable")]
+                prompt = int(window.prompt[index].sum())
+                record = RequestRecord(f"{request_id}@{rank}", window.domains[index[0]], prompt, len(index), rank=rank)
+                writer.add_requests([record], window.ids[index])
+                tokens += len(index)
         writer.close()
     except BaseException:
         writer.abort()

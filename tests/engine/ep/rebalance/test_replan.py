@@ -64,7 +64,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             torch.save({"epochs": runtime.counters_by_epoch()}, f"{out}/rank{rank}.pt")
             return
         driver = EPDriver(rank_worker)
-        replanner = attach_replanner(driver, ReplanSchedule(), rows_per_step=1, model_name="small")
+        replanner = attach_replanner(driver, ReplanSchedule(), layers_per_step=1, model_name="small")
         params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
         for i, prompt in enumerate(prompts()):
             driver.add(f"p{i}", prompt, params, None)
