@@ -190,7 +190,7 @@ def grammar_limits_of(args: argparse.Namespace):
 def run_rank(args: argparse.Namespace, setup) -> int:
     """A rank other than 0: the same model and engine, no HTTP; iterate with rank 0 until it stops."""
     from locus.engine.ep.ranks.worker import build_worker, report_failure
-    from locus.server.app import served_name
+    from locus.server.state import served_name
 
     log = logging.getLogger("locus.engine")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
@@ -229,7 +229,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from locus.engine.checkpoint.loader import default_serve_model
     from locus.engine.engine_core import parse_memory
     from locus.engine.ep.ranks.launch import SPAWNED, setup_from, spawn_local_ranks
-    from locus.server.app import ServerConfig, create_app
+    from locus.server.app import create_app
+    from locus.server.state import ServerConfig
 
     if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
         args.model = default_serve_model()

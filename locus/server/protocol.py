@@ -416,5 +416,5 @@ class TraceStartRequest(BaseModel):
     '-'; no path separators), default <model>-<time>."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    # the name's rule is checked by app.trace_path (its 400 says what a name may hold); the document shows it
+    # the name's rule is checked by routes/traces.py's trace_path (its 400 says what a name may hold); the document shows it
     path: str | None = Field(None, max_length=128, json_schema_extra={"pattern": r"^([A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$", "description": "a trace name inside --trace-dir; null or \"\" for <model>-<time>"})

@@ -9,7 +9,7 @@ import json
 from types import SimpleNamespace
 
 from locus.engine.ep.invariant import PlacementDisagreement
-from locus.server.app import health_of
+from locus.server.routes.health import health_of
 
 
 def state(*, healthy=True, error=None, recovering=False, world=4, members=(0, 1, 2, 3), load_error=None,
