@@ -119,7 +119,7 @@ class Streams:
     listener that takes every output: the hand-off's cost on the engine thread, with a live loop."""
 
     def __init__(self, core):
-        from locus.engine.async_engine import AsyncEngine, _Sink
+        from locus.engine.frontend.async_engine import AsyncEngine, _Sink
 
         self.engine = AsyncEngine(core)
         self.loop = asyncio.new_event_loop()
@@ -143,8 +143,8 @@ class Streams:
 
 
 def measure(model, tokenizer, B: int, args, device: torch.device) -> dict:
-    from locus.engine.engine_core import EngineConfig, EngineCore
-    from locus.engine.sampling_params import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig, EngineCore
+    from locus.engine.sampling.params import SamplingParams
     from offline import make_prompts
 
     warm = 4

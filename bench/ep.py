@@ -114,8 +114,8 @@ def workload(count: int, offset: int, families: tuple[str, ...] = tuple(FAMILIES
 def record_planning_trace(model: str, path: Path, requests: int, output_len: int,
                           families: tuple[str, ...] = tuple(FAMILIES), text: DomainText | None = None) -> None:
     """One process, no expert parallelism: the routing the planners plan from."""
-    from locus.engine.build import build_engine
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.frontend.build import build_engine
+    from locus.engine.sampling.sampler import SamplingParams
 
     built = build_engine(model, moe_backend="torch", record_trace=str(path), model_name=Path(model).name)
     core, loaded = built.core, built.loaded

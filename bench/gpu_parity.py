@@ -49,8 +49,8 @@ def last_logits(model, prompts: list[list[int]], backend: str) -> torch.Tensor:
 def graph_engine(model, tok, config):
     """The engine whose decode steps run through decode graphs: captured on CUDA (the default there);
     on CPU (the self-check) the same static-buffer runner, uncompiled."""
-    from locus.engine.decode_graph import DecodeGraphs
-    from locus.engine.llm import LLM
+    from locus.engine.runner.decode_graph import DecodeGraphs
+    from locus.engine.frontend.llm import LLM
 
     llm = LLM.from_model(model, tok, config)
     core = llm.engine
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from locus.engine.checkpoint.presets import build_preset
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
-    from locus.engine.engine_core import EngineConfig
-    from locus.engine.llm import LLM
-    from locus.engine.runner import Feed, ModelRunner
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.runner.model_runner import Feed, ModelRunner
+    from locus.engine.sampling.sampler import SamplingParams
 
     model = build_preset(args.model, seed=0, device=args.device, moe_backend="triton")
     tok = ByteTokenizer(ByteTokenizer.MIN_VOCAB)

@@ -26,8 +26,8 @@ from serve_lib.domain_text import domain_prompts  # noqa: E402
 
 
 def record(model: str, prompts: list[tuple[str, str]], out: Path, max_tokens: int, seed: int) -> dict:
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
     from locus.traces.reader import TraceReader
     from locus.traces.stats import compute_stats
 

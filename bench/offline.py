@@ -63,9 +63,9 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
 
 def run_locus(model_dir: Path, prompts, new_tokens: int, repeats: int, max_num_seqs: int, dtype: str,
               compile_decode: bool = False, moe_backend: str = "auto", device: str = "cpu"):
-    from locus.engine.engine_core import EngineConfig
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 

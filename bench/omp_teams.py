@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from locus.engine.llm import LLM
-    from locus.engine.sampling_params import SamplingParams
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.params import SamplingParams
 
     llm = LLM(args.model, seed=0)
     vocab = min(llm.engine.model.config.vocab_size, 32000)

@@ -124,7 +124,7 @@ def roofline_ms(nbytes: float, flops: float, bandwidth: float, peak: float) -> f
 
 
 def engine_config(mode: str, B: int, prompt_len: int):
-    from locus.engine.engine_core import EngineConfig
+    from locus.engine.core.engine_core import EngineConfig
 
     config = dict(max_num_seqs=max(B, 1), max_num_batched_tokens=max(4096, B * prompt_len), compile_buckets=(B,))
     return EngineConfig(**config, compile_decode=mode in ("compiled", "graph+compile"), enforce_eager=mode == "eager")
@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from locus.engine.checkpoint.loader import load
     from locus.engine.checkpoint.quantize import quantize_model_experts
-    from locus.engine.engine_core import EngineCore
-    from locus.engine.runner import ModelRunner
-    from locus.engine.sampling_params import SamplingParams
+    from locus.engine.core.engine_core import EngineCore
+    from locus.engine.runner.model_runner import ModelRunner
+    from locus.engine.sampling.params import SamplingParams
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

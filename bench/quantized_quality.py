@@ -37,8 +37,8 @@ import torch
 
 from locus.engine.checkpoint.loader import load, shipped_model
 from locus.engine.ep.payload import simulate_dispatch
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from locus.training.train import rows_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench/mini_heldout.py

@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     engine = p.add_argument_group("engine (for --compare-offline and --launch-model; match the server's)")
     engine.add_argument("--compare-offline", action="store_true",
-                        help="first run the same workload through locus.engine.llm.LLM in this process")
+                        help="first run the same workload through locus.engine.frontend.llm.LLM in this process")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--kv-cache-memory", default="1GiB")
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.request_rate <= 0:
         p.error("--request-rate must be positive (inf: all at once)")
     if args.compile_buckets is not None:
-        from locus.engine.decode_graph import parse_buckets
+        from locus.engine.runner.decode_graph import parse_buckets
 
         try:
             args.compile_buckets = tuple(parse_buckets(args.compile_buckets))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def rescan_ms(output: int, stop_length: int, budget_s: float = 2.0) -> float:
     """One token's cost (ms) of the re-scan once the output is `output` characters long."""
-    from locus.engine.detokenizer import find_stop, partial_stop_length
+    from locus.engine.core.detokenizer import find_stop, partial_stop_length
 
     stops = tuple(c * stop_length for c in "bcde")
     text, runs, start = "a" * output, 0, time.perf_counter()
@@ -35,8 +35,8 @@ def rescan_ms(output: int, stop_length: int, budget_s: float = 2.0) -> float:
 def streaming(output: int, stop_length: int) -> tuple[float, float]:
     """(ms a token averaged over the whole output, ms a token over its last 100 tokens)."""
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
-    from locus.engine.detokenizer import IncrementalDetokenizer, failure_table
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.detokenizer import IncrementalDetokenizer, failure_table
+    from locus.engine.sampling.sampler import SamplingParams
 
     failure_table.cache_clear()  # the tables' build counts
     tok = ByteTokenizer(512)

@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/trace_overhead.json")
     args = p.parse_args(argv)
 
-    from locus.engine.engine_core import EngineConfig
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
 
     llm = LLM(args.model, device="cpu", moe_backend="torch",
               engine_config=EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=4096))

@@ -1,4 +1,4 @@
-"""The offline side of bench/serve.py: the same workload through locus.engine.llm.LLM in this process."""
+"""The offline side of bench/serve.py: the same workload through locus.engine.frontend.llm.LLM in this process."""
 
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ def offline_widths(args: argparse.Namespace) -> list[int]:
 
 
 def run_offline(args: argparse.Namespace, prompts: list[str | list[int]], warmup: list[str | list[int]]) -> list[OfflineReport]:
-    """locus.engine.llm.LLM with the server's engine flags, once per width of offline_widths; a fresh
+    """locus.engine.frontend.llm.LLM with the server's engine flags, once per width of offline_widths; a fresh
     engine (KV pool, prefix cache) each time, the same weights. Times `generate` only."""
     import torch
 
-    from locus.engine.engine_core import EngineConfig, parse_memory
-    from locus.engine.llm import LLM
-    from locus.engine.sampling_params import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig, parse_memory
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -67,8 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import time
 
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import InvalidParameter, SamplingParams
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import InvalidParameter, SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

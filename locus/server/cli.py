@@ -132,7 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bucket_list(text: str) -> tuple[int, ...]:
-    from locus.engine.decode_graph import parse_buckets
+    from locus.engine.runner.decode_graph import parse_buckets
 
     try:
         return tuple(parse_buckets(text))
@@ -144,7 +144,7 @@ def cut_at_deadline(engine, graceful_timeout: float) -> None:
     """Shortly before uvicorn's drain deadline, end every request still running with an error, so
     that each open stream closes with an SSE error frame (and a whole response with a 503) instead
     of being cut mid-body by uvicorn's cancellation."""
-    from locus.engine.async_engine import ShuttingDownError
+    from locus.engine.frontend.async_engine import ShuttingDownError
 
     margin = min(1.0, graceful_timeout / 2)
     timer = threading.Timer(max(0.0, graceful_timeout - margin), engine.fail_all,
@@ -154,7 +154,7 @@ def cut_at_deadline(engine, graceful_timeout: float) -> None:
 
 
 def engine_config_of(args: argparse.Namespace):
-    from locus.engine.engine_core import EngineConfig, parse_memory
+    from locus.engine.core.engine_core import EngineConfig, parse_memory
 
     return EngineConfig(
         block_size=args.block_size, kv_cache_memory=parse_memory(args.kv_cache_memory), num_kv_blocks=args.num_kv_blocks,
@@ -166,7 +166,7 @@ def engine_config_of(args: argparse.Namespace):
 
 
 def request_limits_of(args: argparse.Namespace):
-    from locus.engine.engine_core import parse_memory
+    from locus.engine.core.engine_core import parse_memory
     from locus.server.protocol import RequestLimits
 
     body = parse_memory(args.max_request_body_bytes)
@@ -178,8 +178,8 @@ def request_limits_of(args: argparse.Namespace):
 
 
 def grammar_limits_of(args: argparse.Namespace):
-    from locus.engine.engine_core import parse_memory
-    from locus.engine.grammar_limits import GrammarLimits
+    from locus.engine.core.engine_core import parse_memory
+    from locus.engine.structured.limits import GrammarLimits
 
     if args.max_grammar_bytes < 1 or not args.max_grammar_compile_seconds > 0:
         raise LocusError("--max-grammar-bytes and --max-grammar-compile-seconds must be positive")
@@ -227,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from locus.engine.checkpoint.loader import default_serve_model
-    from locus.engine.engine_core import parse_memory
+    from locus.engine.core.engine_core import parse_memory
     from locus.engine.ep.ranks.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import create_app
     from locus.server.state import ServerConfig

@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from locus.engine.async_engine import EngineDeadError, QueueFullError
-from locus.engine.grammar_limits import GrammarBusy
-from locus.engine.sampling import InvalidParameter
+from locus.engine.frontend.async_engine import EngineDeadError, QueueFullError
+from locus.engine.structured.limits import GrammarBusy
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.errors import LocusError
 
 log = logging.getLogger("locus.server")

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from locus.engine.async_engine import RequestStream
+    from locus.engine.frontend.async_engine import RequestStream
 
 # A block of SSE text, and whether it is the last of the body.
 Block = tuple[str, bool]

@@ -6,9 +6,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from locus.engine.async_engine import AsyncEngine
-from locus.engine.outputs import RequestOutput
-from locus.engine.sequence import RequestMetrics
+from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.core.sequence import RequestMetrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 
-from locus.engine.sampling import InvalidParameter
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.engine.checkpoint.tokenizer import Tokenizer
 
 OFF_LOOP_CHARS = 32 * 1024  # texts above this many characters are tokenized in a worker thread

@@ -9,8 +9,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.sampling import InvalidParameter, TokenLogprob
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.sampling.sampler import InvalidParameter, TokenLogprob
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.server import scoring
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from locus.engine.sampling import TokenLogprob
+from locus.engine.sampling.sampler import TokenLogprob
 from locus.engine.checkpoint.tokenizer import ByteTokenizer, Tokenizer
 
 # (token id, its logprob, the alternatives best first); logprob and alternatives None for a prompt's first token

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from locus.engine.async_engine import AsyncEngine
-from locus.engine.build import build_engine
-from locus.engine.engine_core import EngineConfig
-from locus.engine.grammar_limits import CompilePools
+from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.frontend.build import build_engine
+from locus.engine.core.engine_core import EngineConfig
+from locus.engine.structured.limits import CompilePools
 from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.ranks.launch import EPSetup
-from locus.engine.sampling import InvalidParameter
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
 from locus.server.errors import APIError
 from locus.server.metrics import ServerMetrics

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from locus.engine.sampling import InvalidParameter
+from locus.engine.sampling.sampler import InvalidParameter
 
 
 ABSENT = (None,)

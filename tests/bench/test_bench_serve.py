@@ -213,7 +213,7 @@ def test_the_client_skips_decoding_only_chunks_that_carry_a_token_and_nothing_el
     from serve_lib.load import carries_token, plain_token_chunk
 
     from locus.engine.checkpoint.loader import load
-    from locus.engine.outputs import CompletionOutput, RequestOutput
+    from locus.engine.core.outputs import CompletionOutput, RequestOutput
     from locus.server import responses
 
     tok = load("tiny").tokenizer

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from locus.engine import async_engine
-from locus.engine.async_engine import AsyncEngine, _Sink
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.generate import generate_tokens
-from locus.engine.outputs import CompletionOutput, RequestOutput, merge_outputs
-from locus.engine.sampling import SamplingParams, TokenLogprob
-from locus.engine.sequence import RequestMetrics
+from locus.engine.frontend import async_engine
+from locus.engine.frontend.async_engine import AsyncEngine, _Sink
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.model.generate import generate_tokens
+from locus.engine.core.outputs import CompletionOutput, RequestOutput, merge_outputs
+from locus.engine.sampling.sampler import SamplingParams, TokenLogprob
+from locus.engine.core.sequence import RequestMetrics
 
 
 def step_output(tokens_so_far: list[int], new: list[int], finish: str | None = None) -> RequestOutput:
@@ -170,7 +170,7 @@ def test_an_idle_engine_prefills_a_burst_in_one_step_and_a_trickle_by_the_cap(ti
 
 
 class BusyDriver:
-    """An expert-parallel driver (an engine backend, locus/engine/backend.py) whose iteration does not
+    """An expert-parallel driver (an engine backend, locus/engine/core/backend.py) whose iteration does not
     return: rank 0 inside an elastic regroup that waits for a hung rank. It returns once the server
     tells it to give up (`interrupt` sets `stopping`)."""
 
@@ -224,7 +224,7 @@ def test_fail_all_reaches_every_stream_while_the_engine_thread_is_busy(tiny, tok
     """Issue 41, finding 4: SIGTERM during an elastic regroup cut the streams at --graceful-timeout with
     no error frame: the fail-all command waited for an engine thread that was inside the regroup. Now
     the error reaches each stream at once, and the regroup under way is told to give up."""
-    from locus.engine.async_engine import ShuttingDownError
+    from locus.engine.frontend.async_engine import ShuttingDownError
 
     core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
     driver = BusyDriver(core)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from locus.engine.decode_graph import default_buckets, parse_buckets
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.runner.decode_graph import default_buckets, parse_buckets
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from tests.engine.test_engine import random_prompts
 
 BUCKETS = (1, 4)

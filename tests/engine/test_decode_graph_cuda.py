@@ -9,9 +9,9 @@ import torch
 
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
-from locus.engine.decode_graph import DecodeGraphs
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.sampling import SamplingParams
+from locus.engine.runner.decode_graph import DecodeGraphs
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.sampling.sampler import SamplingParams
 from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
 from tests.engine.test_engine import random_prompts
 

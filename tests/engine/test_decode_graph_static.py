@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from locus.engine.checkpoint.presets import build_preset
-from locus.engine.decode_graph import DecodeGraphs
-from locus.engine.decode_inputs import DecodeInputs
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.sampling import SamplingParams
+from locus.engine.runner.decode_graph import DecodeGraphs
+from locus.engine.runner.decode_inputs import DecodeInputs
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.sampling.sampler import SamplingParams
 from locus.kernels import fused_moe
 from tests.engine.sync_guard import record_syncs
 from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion

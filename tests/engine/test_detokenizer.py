@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from locus.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer(512)

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from locus.engine.async_engine import AsyncEngine
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.generate import generate_tokens
-from locus.engine.llm import LLM
-from locus.engine.sampling import InvalidParameter, SamplingParams
+from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.model.generate import generate_tokens
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import InvalidParameter, SamplingParams
 
 
 def random_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -237,7 +237,7 @@ def test_a_request_resumed_from_streamed_output_continues_the_same_stream(tiny, 
     """What elastic EP does with a lost rank's request: another engine takes the streamed tokens as
     output already sent; the client's concatenated deltas, final ids, text and logprobs are unchanged,
     even when the cut falls inside a multi-byte character or a held-back stop string prefix."""
-    from locus.engine.sequence import Resumed
+    from locus.engine.core.sequence import Resumed
 
     prompt = random_prompts(1, 12, 12, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, stop=["\x7f\x7f"])

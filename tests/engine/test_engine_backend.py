@@ -1,4 +1,4 @@
-"""AsyncEngine drives any engine backend (locus/engine/backend.py) with one loop: a scripted backend
+"""AsyncEngine drives any engine backend (locus/engine/core/backend.py) with one loop: a scripted backend
 (no model) stands in for rank 0's driver of an expert-parallel server, whose adds are refused late,
 whose aborted outputs come back from a later step, and which may survive a failed step; and
 build_engine assembles the single-process engine that the server, LLM and the benches share."""
@@ -10,13 +10,13 @@ import threading
 
 import pytest
 
-from locus.engine.async_engine import AsyncEngine, EngineDeadError
-from locus.engine.backend import LocalBackend
-from locus.engine.build import build_engine
-from locus.engine.engine_core import EngineStats
-from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.sampling import SamplingParams
-from locus.engine.sequence import RequestMetrics
+from locus.engine.frontend.async_engine import AsyncEngine, EngineDeadError
+from locus.engine.core.backend import LocalBackend
+from locus.engine.frontend.build import build_engine
+from locus.engine.core.engine_core import EngineStats
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
+from locus.engine.core.sequence import RequestMetrics
 from locus.errors import LocusError
 
 

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from locus.engine.async_engine import AsyncEngine, EngineDeadError
-from locus.engine.engine_core import EngineConfig, EngineCore, RequestFailedError
-from locus.engine.generate import generate_tokens
-from locus.engine.llm import LLM
-from locus.engine.sampling import Sampler, SamplingParams
+from locus.engine.frontend.async_engine import AsyncEngine, EngineDeadError
+from locus.engine.core.engine_core import EngineConfig, EngineCore, RequestFailedError
+from locus.engine.model.generate import generate_tokens
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import Sampler, SamplingParams
 
 CURSED_SEED = 666  # a request parameter the (patched) sampler cannot handle
 

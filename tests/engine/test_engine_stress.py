@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.outputs import RequestOutput
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
 
 TRIALS = int(os.environ.get("LOCUS_STRESS_TRIALS", "6"))
 MAX_STEPS = 5_000  # far above what any trial needs: reaching it means the engine is wedged

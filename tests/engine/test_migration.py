@@ -1,5 +1,5 @@
 """A request taken out of one engine after its prefill and put into another with its KV cache and
-sampler state (locus/engine/migration.py, what an expert-parallel move does on each side) goes on
+sampler state (locus/engine/core/migration.py, what an expert-parallel move does on each side) goes on
 exactly as if it had stayed: the same greedy tokens, the same seeded samples, the same logprobs, the
 same stop, and the source's blocks all come back."""
 
@@ -10,10 +10,10 @@ import pickle
 import pytest
 import torch
 
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.migration import kv_bytes_per_token, take_in, take_out
-from locus.engine.sampling import SamplingParams
-from locus.engine.structured_output import StructuredOutput
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.core.migration import kv_bytes_per_token, take_in, take_out
+from locus.engine.sampling.sampler import SamplingParams
+from locus.engine.structured.grammar import StructuredOutput
 
 
 def step(core: EngineCore, outputs: dict) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from locus.engine.engine_core import EngineConfig
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.engine_core import EngineConfig
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.checkpoint.weights import load_model
 from tests.engine.model.hf_reference import hf_logits, make_hf_model, prompt_ids, save_hf_model
@@ -87,7 +87,7 @@ def test_a_request_that_only_scores_its_prompt_samples_nothing(pair, budget, mon
 def test_prompt_logprobs_come_with_the_first_output_and_the_last(pair):
     """A stream echoes the prompt at once: its logprobs are in the request's first output (and again in
     the last, which holds everything), not in the ones between."""
-    from locus.engine.engine_core import EngineCore
+    from locus.engine.core.engine_core import EngineCore
 
     _, ours = pair
     core = EngineCore(ours, ByteTokenizer(300), EngineConfig(block_size=8, num_kv_blocks=64))

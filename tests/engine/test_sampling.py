@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from locus.engine.sampling import (
+from locus.engine.sampling.sampler import (
     InvalidParameter,
     Sampler,
     SamplingParams,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from locus.engine.checkpoint.presets import build_preset
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.generate import generate_tokens
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
-from locus.engine.structured_output import StructuredOutput
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.model.generate import generate_tokens
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
+from locus.engine.structured.grammar import StructuredOutput
 from tests.engine.sync_guard import record_syncs
 from tests.engine.test_decode_graph import check_decode_steps, run_to_completion
 from tests.engine.test_decode_graph_static import engine_with_graphs, staggered
@@ -279,7 +279,7 @@ def test_a_decode_step_never_waits_for_the_device(tok, overlap, kinds):
 def test_the_guard_sees_a_read_back_during_a_launch(tiny, tok, monkeypatch):
     """The guard is not blind there: a sampler that waits for its own tokens (a readback read at once,
     as `Sampler.sample` does) is found."""
-    from locus.engine import sampling
+    from locus.engine.sampling import sampler as sampling
     from locus.engine.host_transfer import Readback
 
     core = engine_with_graphs(tiny, tok, (2,), num_kv_blocks=24, max_num_seqs=2)

@@ -11,7 +11,7 @@ from moe_problems import DEVICE
 
 import locus.kernels.moe_triton as moe_triton
 from locus.engine.model.forward_batch import ForwardBatch
-from locus.engine.generate import generate_tokens
+from locus.engine.model.generate import generate_tokens
 from locus.engine.checkpoint.loader import load
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 101, 120, 112, 101, 114, 116, 115, 33]  # BOS + bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from locus.cli import main
-from locus.engine import engine_core
+from locus.engine.core import engine_core
 
 FAULT = b"inject an engine fault"
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from tests.server.server_process import running_server
 from tests.server.test_expert_parallel_serving import alive, children_of
 

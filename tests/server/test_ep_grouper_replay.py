@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from locus.traces.prompt_families import FAMILIES
 from tests.server.server_process import running_server
 from tests.server.test_expert_parallel_serving import domain_prompt, locality_plan

@@ -8,8 +8,8 @@ import asyncio
 
 from fastapi import Request
 
-from locus.engine.async_engine import _Sink
-from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.frontend.async_engine import _Sink
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.server.event_stream import ListenedEventStream
 
 

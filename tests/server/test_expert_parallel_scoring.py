@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from tests.server.server_process import running_server
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from locus.traces.prompt_families import FAMILIES, family_prompt
 from tests.server.server_process import free_port, running_server
 
@@ -184,7 +184,7 @@ def domain_prompt(domain: str, i: int) -> str:
 def record_planning_trace(path: Path, families: tuple[str, ...] = tuple(FAMILIES), requests: int = 24,
                           model_name: str = "small") -> None:
     """A single-process engine on `model_name` (a preset) records the routing of a mixed-domain workload."""
-    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.core.engine_core import EngineConfig, EngineCore
     from locus.engine.checkpoint.presets import build_preset
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
@@ -275,7 +275,7 @@ def test_a_live_replan_under_load_moves_experts_and_keeps_every_stream(tmp_path)
     /ep/stats' bytes per placement epoch equal `locus replay --plan embedded` of the recorded trace."""
     from concurrent.futures import ThreadPoolExecutor as Pool
 
-    from locus.engine.llm import LLM
+    from locus.engine.frontend.llm import LLM
 
     plan_path = locality_plan(tmp_path, slots=5, families=("code",), requests=12)  # planned for code only
     shifted = [("math" if i % 2 else "chat", domain_prompt("math" if i % 2 else "chat", 200 + i)) for i in range(8)]

@@ -6,9 +6,9 @@ import httpx
 import numpy as np
 import pytest
 
-from locus.engine.engine_core import EngineCore
+from locus.engine.core.engine_core import EngineCore
 from locus.engine.checkpoint.presets import build_preset
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.placement import PlacementPlan

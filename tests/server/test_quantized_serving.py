@@ -8,8 +8,8 @@ import pytest
 
 from locus.engine.checkpoint.loader import shipped_model
 from locus.engine.checkpoint.weights import load_model
-from locus.engine.llm import LLM
-from locus.engine.sampling import SamplingParams
+from locus.engine.frontend.llm import LLM
+from locus.engine.sampling.sampler import SamplingParams
 from tests.engine.checkpoint.quantized_checkpoints import write_quantized
 from tests.server.server_process import running_server
 

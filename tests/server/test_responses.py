@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.sequence import RequestMetrics
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.core.sequence import RequestMetrics
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.server import responses
 

@@ -1,4 +1,4 @@
-"""How the model sees one step of the decode graphs (locus/engine/decode_graph.py): a padded batch of
+"""How the model sees one step of the decode graphs (locus/engine/runner/decode_graph.py): a padded batch of
 one new token per sequence, and the paged KV pool through tensors only.
 
 Everything here is a tensor the graph is traced or captured over, so nothing may depend on Python

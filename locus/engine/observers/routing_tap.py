@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from locus.engine.model.forward_batch import ForwardBatch, SequenceSpan
-from locus.engine.grouping import ScheduledSeq
-from locus.engine.runner import RunResult
+from locus.engine.policies.grouping import ScheduledSeq
+from locus.engine.runner.model_runner import RunResult
 
 
 @dataclass

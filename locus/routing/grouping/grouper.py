@@ -33,7 +33,7 @@ step lasts as long as the rank with the most sequences takes: one stream above t
 rank. With the cap, an admission may also never leave a rank with more live sequences than
 ceil(total / ranks), nor may a move; the domain still picks the node and rank wherever that holds.
 
-No engine imports here: the engine's adapter is locus/engine/observers/plan_grouping.py.
+No engine imports here: the engine's adapter is locus/engine/policies/plan_grouping.py.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from locus.engine.async_engine import AsyncEngine
-from locus.engine.outputs import RequestOutput
-from locus.engine.sampling import InvalidParameter
+from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.server import responses
 from locus.server.errors import sse_error
 from locus.server.event_stream import Block, EventStreamResponse, ListenedEventStream, wait_for_disconnect
@@ -57,7 +57,7 @@ def routes(state: ServerState) -> APIRouter:
 
     async def compile_constraint(engine: AsyncEngine, so) -> None:
         """Compile (and check) an output constraint in the compile pools; past its time budget the
-        request is refused and the compile's result only goes to the cache (grammar_limits.py)."""
+        request is refused and the compile's result only goes to the cache (structured/limits.py)."""
         grammars = engine.core.grammars
         if grammars.is_compiled(so):
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from locus.engine.sampling import InvalidParameter
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.server import scoring
 from locus.server.prompts import check_text_size, off_loop_if_large, text_chars
 from locus.server.protocol import DetokenizeRequest, TokenizeRequest

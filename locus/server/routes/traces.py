@@ -10,9 +10,9 @@ from pathlib import Path
 
 from fastapi import APIRouter
 
-from locus.engine.async_engine import AsyncEngine
+from locus.engine.frontend.async_engine import AsyncEngine
 from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStorageError
-from locus.engine.sampling import InvalidParameter
+from locus.engine.sampling.sampler import InvalidParameter
 from locus.files import directory_bytes
 from locus.server.errors import APIError
 from locus.server.protocol import TraceStartRequest

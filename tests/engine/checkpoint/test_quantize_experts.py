@@ -12,9 +12,9 @@ import torch
 
 from locus.engine.checkpoint.loader import load
 from locus.engine.checkpoint.quantize import dequantize_model_experts, moe_layers, quantize_model_experts
-from locus.engine.llm import LLM
+from locus.engine.frontend.llm import LLM
 from locus.engine.model.forward_batch import ForwardBatch
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.errors import LocusError
 from locus.kernels.formats import QuantizedTensor
 from locus.kernels.moe_quantized import EXPERT_FORMATS, quantize_experts
@@ -131,7 +131,7 @@ def test_serve_refuses_it_under_expert_parallelism():
 @pytest.mark.slow
 def test_compiled_decode_with_quantized_experts_matches_eager():
     """--compile: the quantized experts are the opaque op locus::fused_moe_quantized in the graph."""
-    from locus.engine.engine_core import EngineConfig
+    from locus.engine.core.engine_core import EngineConfig
 
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prompts = [list(range(3, 20)), list(range(5, 30))]

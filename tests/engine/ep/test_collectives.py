@@ -17,12 +17,12 @@ import torch.multiprocessing as mp
 
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.groups import make_groups
 from locus.engine.ep.layer import apply_expert_parallel
 from locus.engine.ep.ranks.worker import RankWorker
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.test_expert_parallel import end_rank, free_port

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from locus.engine.decode_graph import DecodeGraphs
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.runner.decode_graph import DecodeGraphs
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.layer import apply_expert_parallel
-from locus.engine.generate import generate_tokens
+from locus.engine.model.generate import generate_tokens
 from locus.engine.checkpoint.presets import PRESETS, build_preset
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.groups import make_groups

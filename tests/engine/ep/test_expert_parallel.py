@@ -196,10 +196,10 @@ def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out:
     """One rank's engine: its share of the prompts, in lockstep with the other ranks (the server's
     RankWorker iteration, control plane included); the model is built holding only this rank's
     experts, as a server's rank loads it."""
-    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.core.engine_core import EngineConfig, EngineCore
     from locus.engine.ep.ranks.control import ControlPlane
     from locus.engine.ep.ranks.worker import RankWorker
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.sampling.sampler import SamplingParams
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
     torch.set_num_threads(1)
@@ -266,9 +266,9 @@ def engine_prompts() -> list[list[int]]:
 def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, mode, overlap, dispatch_format, tmp_path):
     """With a quantized dispatch: the bytes equal the replay's in the format, and the greedy agreement
     with the unquantized engine and with the one-process stand-in (simulate_dispatch) is printed."""
-    from locus.engine.engine_core import EngineConfig
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
     config = PRESETS[preset]

@@ -22,14 +22,14 @@ WORLD = 4
 
 def rank_main(rank: int, port: int, out: str) -> None:
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
-    from locus.engine.engine_core import EngineConfig, EngineCore
+    from locus.engine.core.engine_core import EngineConfig, EngineCore
     from locus.engine.ep.ranks.control import ControlPlane
     from locus.engine.ep.ranks.driver import EPDriver
     from locus.engine.ep.groups import make_groups
     from locus.engine.ep.layer import apply_expert_parallel
     from locus.engine.model.slices import slices_of
     from locus.engine.ep.ranks.worker import RankWorker
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.sampling.sampler import SamplingParams
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -69,9 +69,9 @@ def rank_main(rank: int, port: int, out: str) -> None:
 
 def test_requests_moved_after_prefill_keep_their_tokens_and_the_replay_counts_their_bytes(tmp_path):
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
-    from locus.engine.engine_core import EngineConfig
-    from locus.engine.llm import LLM
-    from locus.engine.sampling import SamplingParams
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
     from locus.routing.replay.assignment import assign_recorded
     from locus.routing.replay.simulator import replay
     from locus.traces.merge import merge_traces

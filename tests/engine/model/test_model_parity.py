@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from locus.engine.model.forward_batch import ForwardBatch, SequenceSpan
-from locus.engine.generate import generate_tokens
+from locus.engine.model.generate import generate_tokens
 from locus.engine.model.kv_cache import ContiguousKVCache
 from locus.engine.checkpoint.weights import load_model
 from tests.engine.model.hf_reference import hf_logits, make_hf_model, prompt_ids, save_hf_model

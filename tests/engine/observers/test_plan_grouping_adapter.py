@@ -1,10 +1,10 @@
-"""locus/engine/observers/plan_grouping.py: the engine's GroupingPolicy on the grouper, with fake scheduled items."""
+"""locus/engine/policies/plan_grouping.py: the engine's GroupingPolicy on the grouper, with fake scheduled items."""
 
 from types import SimpleNamespace
 
 import numpy as np
 
-from locus.engine.observers.plan_grouping import PlanGrouping
+from locus.engine.policies.plan_grouping import PlanGrouping
 from locus.engine.observers.routing_tap import StepRouting
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.grouping_spec import GroupingSpec

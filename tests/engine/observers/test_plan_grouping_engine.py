@@ -8,11 +8,11 @@ import torch
 
 import pytest
 
-from locus.engine.engine_core import EngineConfig, EngineCore
-from locus.engine.grouping import FirstComeGrouping
-from locus.engine.observers.plan_grouping import PlanGrouping
+from locus.engine.core.engine_core import EngineConfig, EngineCore
+from locus.engine.policies.grouping import FirstComeGrouping
+from locus.engine.policies.plan_grouping import PlanGrouping
 from locus.engine.checkpoint.presets import build_preset
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.grouping_spec import GroupingSpec

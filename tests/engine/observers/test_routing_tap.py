@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.observers.routing_tap import RoutingTap
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.model.forward_batch import ForwardBatch
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.errors import LocusError
 from locus.traces.reader import TraceReader

@@ -1,4 +1,4 @@
-"""Rank 0's side of an expert-parallel server, an engine backend (locus/engine/backend.py): AsyncEngine
+"""Rank 0's side of an expert-parallel server, an engine backend (locus/engine/core/backend.py): AsyncEngine
 hands it adds and aborts, and calls `step` from its thread; each step is one lockstep iteration of
 every rank (worker.py).
 
@@ -31,14 +31,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from locus.engine.engine_core import EngineStats
+from locus.engine.core.engine_core import EngineStats
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
 from locus.engine.ep.ranks.worker import RankWorker, failure_cause
 from locus.engine.ep.rebalance.move import MoveStats
-from locus.engine.outputs import RequestOutput
-from locus.engine.sampling import SamplingParams
-from locus.engine.sequence import RequestMetrics, Resumed
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
+from locus.engine.core.sequence import RequestMetrics, Resumed
 from locus.errors import LocusError
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.live import serving_grouper

@@ -16,11 +16,11 @@ from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
-from locus.engine.engine_core import EngineStats, RequestFailedError
+from locus.engine.core.engine_core import EngineStats, RequestFailedError
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
-from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.sampling import SamplingParams
-from locus.engine.sequence import RequestMetrics, Resumed
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
+from locus.engine.core.sequence import RequestMetrics, Resumed
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Requests moved between ranks after their prefill: the wire side (docs/planner.md, "Moving a request
-after prefill"; the engine side is locus/engine/migration.py).
+after prefill"; the engine side is locus/engine/core/migration.py).
 
 Rank 0 sends the source `Move` in `moves_out` and the target the same move in `moves_in`, in one
 iteration; after that iteration's control exchange, before the step, every rank runs its moves in
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from locus.engine.ep.ranks.messages import Move, decode, encode
-from locus.engine.migration import Migrant, take_in, take_out
+from locus.engine.core.migration import Migrant, take_in, take_out
 
 log = logging.getLogger("locus.engine")
 

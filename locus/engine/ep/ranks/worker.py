@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.ranks.control import ControlPlane, Header
 from locus.engine.ep.counters import StepTimes
 from locus.engine.ep.invariant import PlacementDisagreement
@@ -35,8 +35,8 @@ from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_repo
 from locus.engine.ep.rebalance.move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
 from locus.engine.ep.rebalance.window import RoutingWindow
-from locus.engine.outputs import CompletionOutput, RequestOutput
-from locus.engine.sequence import RequestMetrics
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.core.sequence import RequestMetrics
 from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import plan_from_dict
 

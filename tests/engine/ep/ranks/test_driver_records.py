@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from locus.engine.ep.ranks.driver import EPDriver
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 
 
 class StandInWorker:

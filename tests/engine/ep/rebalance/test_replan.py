@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.groups import make_groups
@@ -23,7 +23,7 @@ from locus.engine.ep.rebalance.move import align, fills
 from locus.engine.ep.rebalance.replan import ReplanSchedule, attach_replanner
 from locus.engine.model.slices import slices_of
 from locus.engine.ep.ranks.worker import RankWorker
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import eplb, round_robin
@@ -91,7 +91,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # spawns 4 rank processes
 def test_a_forced_replan_mid_stream_keeps_tokens_and_bytes_equal_the_replay(tmp_path):
-    from locus.engine.llm import LLM
+    from locus.engine.frontend.llm import LLM
     from locus.routing.replay.assignment import assign_recorded
     from locus.routing.replay.simulator import replay
     from locus.traces.merge import merge_traces

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from locus.engine.sampling import SamplingParams
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, for context-dependent decoders

@@ -47,7 +47,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured: Any = None  # a StructuredOutput (structured_output.py): the grammar the output must match
+    structured: Any = None  # a StructuredOutput (structured/grammar.py): the grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (greedy too)
 
     def __post_init__(self) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from locus.engine.build import build_engine
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.frontend.build import build_engine
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.model.model import Llama4ForCausalLM
-from locus.engine.outputs import RequestOutput
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.tokenizer import Tokenizer
 
 

@@ -15,7 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from locus.engine.sampling import SamplingParams, SequenceSamplingState, TokenLogprob
+from locus.engine.sampling.sampler import SamplingParams, SequenceSamplingState, TokenLogprob
 
 
 @dataclass

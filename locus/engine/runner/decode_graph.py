@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from locus.engine.decode_inputs import DecodeArgs, DecodeInputs
+from locus.engine.runner.decode_inputs import DecodeArgs, DecodeInputs
 from locus.engine.model.decode_view import DecodeBatch, PagedDecodeView
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from locus.engine.backend import EngineBackend, LocalBackend
+from locus.engine.core.backend import EngineBackend, LocalBackend
 from locus.engine.checkpoint.loader import LoadedModel, load
 from locus.engine.checkpoint.tokenizer import read_chat_template
-from locus.engine.engine_core import EngineConfig, EngineCore
+from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.errors import LocusError
 
 log = logging.getLogger("locus.engine")
@@ -84,7 +84,7 @@ def _build_rank0(setup, model, engine_config, **options):
 
 def load_plan_grouping(path: str, model_config):
     """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
-    from locus.engine.observers.plan_grouping import PlanGrouping
+    from locus.engine.policies.plan_grouping import PlanGrouping
     from locus.routing.plan.placement import PlanError, load_plan, validate
 
     plan = load_plan(path)

@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from locus.engine.grouping import ScheduledSeq
+from locus.engine.policies.grouping import ScheduledSeq
 from locus.engine.host_transfer import Readback
-from locus.engine.outputs import RequestOutput
-from locus.engine.runner import Feed, PromptLogits, RunResult
-from locus.engine.sampling import SampleLaunch
-from locus.engine.sequence import Request, Sequence
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.runner.model_runner import Feed, PromptLogits, RunResult
+from locus.engine.sampling.sampler import SampleLaunch
+from locus.engine.core.sequence import Request, Sequence
 
 if TYPE_CHECKING:
-    from locus.engine.engine_core import EngineCore
+    from locus.engine.core.engine_core import EngineCore
 
 
 @dataclass

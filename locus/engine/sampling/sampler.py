@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from locus.engine.host_transfer import Readback, to_device
-from locus.engine.logprobs import (  # noqa: F401 - re-exported
+from locus.engine.sampling.logprobs import (  # noqa: F401 - re-exported
     LogprobTensors,
     TokenLogprob,
     compute_prompt_logprobs,
@@ -42,8 +42,8 @@ from locus.engine.logprobs import (  # noqa: F401 - re-exported
     logprob_tensors,
     score_tokens,
 )
-from locus.engine.sampling_params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
-from locus.engine.structured_output import ConstraintDeadEnd, apply_bitmasks, fill_bitmasks
+from locus.engine.sampling.params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
+from locus.engine.structured.grammar import ConstraintDeadEnd, apply_bitmasks, fill_bitmasks
 
 # B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties, G constrained rows
 

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from locus.engine.grammar_limits import GrammarLimits, check_spec
-from locus.engine.sampling_params import InvalidParameter
+from locus.engine.structured.limits import GrammarLimits, check_spec
+from locus.engine.sampling.params import InvalidParameter
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 JSON_KINDS = ("json", "json_object")
@@ -48,7 +48,7 @@ class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer and model vocabulary (logits width), keeping the
     most recently used compiled grammars up to `cache_bytes` of their memory (xgrammar's own cache is
     off: it never gave memory back). Thread-safe: the server compiles a new spec in a worker thread
-    before admission (grammar_limits.py budgets that), the engine thread then finds it cached; no lock
+    before admission (structured/limits.py budgets that), the engine thread then finds it cached; no lock
     is held while compiling, so the engine never waits for another request's grammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits | None = None):

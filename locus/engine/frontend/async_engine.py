@@ -28,10 +28,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from locus.engine.backend import EngineBackend, LocalBackend
-from locus.engine.engine_core import EngineCore, EngineStats
-from locus.engine.outputs import RequestOutput, merge_outputs
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.backend import EngineBackend, LocalBackend
+from locus.engine.core.engine_core import EngineCore, EngineStats
+from locus.engine.core.outputs import RequestOutput, merge_outputs
+from locus.engine.sampling.sampler import SamplingParams
 from locus.errors import LocusError, forget_frames
 
 log = logging.getLogger("locus.engine")

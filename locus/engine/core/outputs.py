@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from locus.engine.sampling import TokenLogprob
-from locus.engine.sequence import RequestMetrics
+from locus.engine.sampling.sampler import TokenLogprob
+from locus.engine.core.sequence import RequestMetrics
 
 
 @dataclass

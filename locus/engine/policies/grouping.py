@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from locus.engine.sequence import Sequence
+    from locus.engine.core.sequence import Sequence
 
 
 @dataclass

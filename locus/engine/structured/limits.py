@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from locus.engine.sampling_params import InvalidParameter
+from locus.engine.sampling.params import InvalidParameter
 from locus.errors import LocusError
 
 MiB = 1 << 20

@@ -26,9 +26,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from locus.engine.block_manager import BlockManager, chain_hash
-from locus.engine.grouping import FirstComeGrouping, GroupingPolicy, ScheduledSeq
-from locus.engine.sequence import Sequence, SequenceStatus
+from locus.engine.core.block_manager import BlockManager, chain_hash
+from locus.engine.policies.grouping import FirstComeGrouping, GroupingPolicy, ScheduledSeq
+from locus.engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

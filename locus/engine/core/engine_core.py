@@ -25,24 +25,24 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from locus.engine.block_manager import BlockManager
-from locus.engine.decode_graph import DecodeGraphs, default_buckets
-from locus.engine.detokenizer import IncrementalDetokenizer
+from locus.engine.core.block_manager import BlockManager
+from locus.engine.runner.decode_graph import DecodeGraphs, default_buckets
+from locus.engine.core.detokenizer import IncrementalDetokenizer
 from locus.engine.observers.expert_load import ExpertLoadCounter
-from locus.engine.grammar_limits import GrammarLimits
-from locus.engine.grouping import GroupingPolicy, ScheduledSeq
+from locus.engine.structured.limits import GrammarLimits
+from locus.engine.policies.grouping import GroupingPolicy, ScheduledSeq
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
-from locus.engine.outputs import CompletionOutput, RequestOutput
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.observers.routing_tap import RoutingTap
 from locus.engine.host_transfer import Readback, to_device
-from locus.engine.logprobs import describe, logprob_tensors
-from locus.engine.runner import Feed, ModelRunner, PromptLogits, RunResult
-from locus.engine.sampling import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
-from locus.engine.step_pipeline import LaunchedBatch, LaunchedSample, LaunchedStep, StepPipeline
-from locus.engine.structured_output import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
-from locus.engine.scheduler import Scheduler, SchedulerConfig
-from locus.engine.sequence import Request, Resumed, Sequence, SequenceStatus
+from locus.engine.sampling.logprobs import describe, logprob_tensors
+from locus.engine.runner.model_runner import Feed, ModelRunner, PromptLogits, RunResult
+from locus.engine.sampling.sampler import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
+from locus.engine.core.step_pipeline import LaunchedBatch, LaunchedSample, LaunchedStep, StepPipeline
+from locus.engine.structured.grammar import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
+from locus.engine.core.scheduler import Scheduler, SchedulerConfig
+from locus.engine.core.sequence import Request, Resumed, Sequence, SequenceStatus
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError

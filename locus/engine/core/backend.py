@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from locus.engine.engine_core import EngineCore, EngineStats
-from locus.engine.outputs import RequestOutput
-from locus.engine.sampling import SamplingParams
+from locus.engine.core.engine_core import EngineCore, EngineStats
+from locus.engine.core.outputs import RequestOutput
+from locus.engine.sampling.sampler import SamplingParams
 
 IDLE_POLL_S = 0.5  # an idle single-process engine re-checks its stopping flag this often
 

@@ -1,0 +1,2 @@
+"""Sampling: request parameters and their ranges, the batched sampler (logit processing in vLLM's order,
+seeded draws) and logprobs."""
