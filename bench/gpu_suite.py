@@ -106,7 +106,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def stage_tests(result: StageResult, budget: float, work: Path) -> None:
     junit = work / "tests.xml"
-    paths = ["tests/kernels", "tests/engine/test_decode_graph_cuda.py", "tests/engine/test_sampling.py"]
+    paths = ["tests/kernels", "tests/engine/runner/test_decode_graph_cuda.py", "tests/engine/sampling/test_sampling.py"]
     run_command(result, [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                          f"--junitxml={junit}", *paths], budget)
     if junit.is_file():

@@ -18,9 +18,9 @@ from locus.engine.frontend.llm import LLM
 from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.structured.grammar import StructuredOutput
 from tests.engine.sync_guard import record_syncs
-from tests.engine.test_decode_graph import check_decode_steps, run_to_completion
-from tests.engine.test_decode_graph_static import engine_with_graphs, staggered
-from tests.engine.test_engine import random_prompts
+from tests.engine.runner.test_decode_graph import check_decode_steps, run_to_completion
+from tests.engine.runner.test_decode_graph_static import engine_with_graphs, staggered
+from tests.engine.core.test_engine import random_prompts
 
 
 def overlap_config(overlap: bool, **kw) -> EngineConfig:

@@ -12,7 +12,7 @@ from locus.engine.runner.decode_graph import default_buckets, parse_buckets
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.frontend.llm import LLM
 from locus.engine.sampling.sampler import SamplingParams
-from tests.engine.test_engine import random_prompts
+from tests.engine.core.test_engine import random_prompts
 
 BUCKETS = (1, 4)
 

@@ -12,8 +12,8 @@ from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.runner.decode_graph import DecodeGraphs
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.sampling.sampler import SamplingParams
-from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
-from tests.engine.test_engine import random_prompts
+from tests.engine.runner.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
+from tests.engine.core.test_engine import random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -123,7 +123,7 @@ def test_a_decode_step_never_syncs_from_schedule_to_its_readback(tiny_cuda, tok,
     sample greedy / seeded top-p-k-min-p / penalised / logprob / min_tokens / grammar rows, queue the
     one readback) runs under CUDA's sync debug mode "error"; the tokens equal the serial engine's."""
     pytest.importorskip("xgrammar")
-    from tests.engine.test_step_pipeline import GUARDED, run_collecting
+    from tests.engine.core.test_step_pipeline import GUARDED, run_collecting
 
     kinds = list(GUARDED)
     core = EngineCore(tiny_cuda, tok, config(compile_buckets=(len(kinds),), async_scheduling=overlap))

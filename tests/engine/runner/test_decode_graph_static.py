@@ -16,8 +16,8 @@ from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.sampling.sampler import SamplingParams
 from locus.kernels import fused_moe
 from tests.engine.sync_guard import record_syncs
-from tests.engine.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
-from tests.engine.test_engine import random_prompts
+from tests.engine.runner.test_decode_graph import check_biased_rows_and_scoring_requests, check_decode_steps, run_to_completion
+from tests.engine.core.test_engine import random_prompts
 
 
 def engine_with_graphs(model, tok, buckets, paged=False, **config) -> EngineCore:
