@@ -20,19 +20,21 @@ ALLOWED = {
 }
 
 
-def imported_locus_packages(path: Path) -> set[str]:
-    found = set()
+def imported_names(path: Path) -> set[str]:
+    """What `path` imports by absolute name, at any depth of the file: `import a.b` gives a.b,
+    `from a.b import c` gives a.b and a.b.c (c may be a module: `from locus.engine.core import sequence`)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "locus" and len(parts) > 1:
-                found.add(parts[1])
-    return found
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def imported_locus_packages(path: Path) -> set[str]:
+    return {name.split(".")[1] for name in imported_names(path) if name.startswith("locus.")}
 
 
 def test_no_layer_imports_a_higher_one():
@@ -75,3 +77,34 @@ def test_checkpoint_does_not_import_expert_parallelism():
     expert slices, engine/model/slices.py) without knowing about ranks; engine/ep/ builds on it."""
     offenders = files_importing(ROOT / "engine" / "checkpoint", "locus.engine.ep")
     assert not offenders, f"checkpoint/ imports engine/ep: {offenders}"
+
+
+ENGINE = ROOT / "engine"
+# engine part -> the other engine parts it may import (a part: a sub-package of engine/ or a module at its root)
+BELOW_THE_LOOP = {"model": {"host_transfer"}, "checkpoint": {"model", "host_transfer"}}
+
+
+def engine_parts_imported(path: Path) -> set[str]:
+    """The parts of the engine that `path` imports, at any depth of the file."""
+    return {name.split(".")[2] for name in imported_names(path) if name.startswith("locus.engine.")}
+
+
+def test_the_model_sits_below_the_engine_loop():
+    """engine/model/ (the Llama-4 modules, KV caches) and engine/checkpoint/ (loading them) know nothing of
+    the loop that runs them: core/, sampling/, structured/, runner/, policies/, observers/, frontend/ and
+    ep/ build on the model, never the other way round."""
+    violations = []
+    for part, allowed in BELOW_THE_LOOP.items():
+        for path in sorted((ENGINE / part).rglob("*.py")):
+            bad = engine_parts_imported(path) - allowed - {part}
+            if bad:
+                violations.append(f"{path.relative_to(ROOT.parent)} imports engine/{sorted(bad)}")
+    assert not violations, "\n".join(violations)
+
+
+def test_only_the_cli_imports_the_front_ends():
+    """engine/frontend/ (build_engine, LLM, AsyncEngine) is the engine's top: inside the engine only the
+    `locus generate` CLI uses it; the server and the benches use it from outside."""
+    offenders = [f for f in files_importing(ENGINE, "locus.engine.frontend")
+                 if not f.startswith("locus/engine/frontend/") and f != "locus/engine/cli.py"]
+    assert not offenders, f"engine modules importing engine/frontend/: {offenders}"

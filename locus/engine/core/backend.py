@@ -6,7 +6,7 @@ over, wait) and never asks which backend it has. Two implement it:
 - `EPDriver` (ep/ranks/driver.py): rank 0 of an expert-parallel server, whose step is one lockstep
   iteration of every rank and whose adds are assigned to a rank.
 The hooks past the five verbs (add, abort, step, stats, has_unfinished) are the loop's policy: how
-long it may wait, what it does with a failure and at shutdown. `build_engine` (build.py) makes one.
+long it may wait, what it does with a failure and at shutdown. `build_engine` (frontend/build.py) makes one.
 """
 
 from __future__ import annotations

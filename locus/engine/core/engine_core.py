@@ -73,7 +73,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_micro_batches: int = 1
     count_expert_load: bool = True  # per-layer expert token counters (for /metrics); costs a bincount per layer
-    # Decode graphs (decode_graph.py): pure decode batches run one forward per batch-size bucket, padded
+    # Decode graphs (runner/decode_graph.py): pure decode batches run one forward per batch-size bucket, padded
     # to the smallest bucket that holds them; buckets None = 1, 2, 4, ... up to max_num_seqs.
     # On CUDA each bucket is captured as a CUDA graph unless enforce_eager (as vLLM's --enforce-eager);
     # compile_decode torch.compiles the forward (CPU: called; CUDA: what gets captured).

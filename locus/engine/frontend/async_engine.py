@@ -1,6 +1,6 @@
 """The engine for the server: one background thread runs an engine backend; asyncio callers stream results.
 
-The backend (backend.py) is this process's `EngineCore`, or rank 0's driver of an expert-parallel
+The backend (core/backend.py) is this process's `EngineCore`, or rank 0's driver of an expert-parallel
 server; the loop is the same for both. The asyncio loop never runs a forward pass. Callers post commands (add, abort) to a queue; the
 engine thread applies them between steps, runs `step()`, and hands each request's outputs to that
 request's sink with `call_soon_threadsafe`. A caller that stops listening (client gone, task

@@ -4,7 +4,7 @@ the offline CLI and the benches.
 One process: load the model (whole), build `EngineCore`, with a placement plan's grouper as its
 micro-batch policy when asked. Rank 0 of an expert-parallel server (`ep`): its worker (its expert
 slices, the process group, the plan applied) and the driver over every rank, with live re-planning
-when configured. Either way the result is an engine backend (backend.py) that `AsyncEngine` drives,
+when configured. Either way the result is an engine backend (core/backend.py) that `AsyncEngine` drives,
 or that offline callers step themselves.
 """
 

@@ -5,7 +5,7 @@ Attention talks to a cache through two calls per layer: `write` the batch's new 
 flat [capacity, Hkv, D] tensor and differ only in how (sequence, position) maps to a flat row:
 - ContiguousKVCache: row = slot * max_len + position (one preallocated stripe per sequence);
 - PagedKVCache: row = block_table[slot][position // block_size] * block_size + position % block_size,
-  so sequences own fixed-size blocks from a shared pool (allocated by block_manager.py) and
+  so sequences own fixed-size blocks from a shared pool (allocated by core/block_manager.py) and
   identical prompt prefixes can share blocks.
 The per-batch index tensors are computed once per forward and memoised on the batch.
 
@@ -111,7 +111,7 @@ class ContiguousKVCache(FlatKVCache):
 class PagedKVCache(FlatKVCache):
     """A pool of `num_blocks` blocks of `block_size` positions; `bind` gives each slot its block table.
 
-    One more block, `scratch_block`, is never handed out: the compiled decode step (decode_graph.py)
+    One more block, `scratch_block`, is never handed out: the compiled decode step (runner/decode_graph.py)
     pads its batch to a fixed size, and the padding rows write their keys/values there.
     """
 
