@@ -92,7 +92,8 @@ def test_negative_ids_are_skipped():
     MoeConfig(block_m=64, block_n=32, block_k=16, group_m=8),
 ])
 def test_other_block_sizes(config):
-    assert_close(*run_both(64, 2, 16, "random", torch.float32, True, with_map=False, config=config))
+    # 8 experts, 13-21 pairs each: 8 M-blocks, so group_m 2 and 8 both order whole groups of tiles
+    assert_close(*run_both(64, 2, 8, "random", torch.float32, True, with_map=False, config=config))
 
 
 def test_empty_batch():

@@ -18,7 +18,7 @@ from locus.kernels.moe_gemm import (
 # (T, K, E, H, I, config): the small tiles make several K-loop steps, several N tiles, ragged edges.
 CASES = [
     (7, 2, 4, 32, 64, MoeConfig(block_m=16, block_n=64, block_k=64, group_m=1)),
-    (64, 2, 16, 48, 40, MoeConfig(block_m=16, block_n=16, block_k=16, group_m=4)),
+    (32, 2, 8, 48, 40, MoeConfig(block_m=16, block_n=16, block_k=16, group_m=4)),  # several groups of 4 M-blocks
     (45, 1, 4, 80, 24, MoeConfig(block_m=32, block_n=16, block_k=32, group_m=8)),
 ]
 

@@ -4,7 +4,10 @@ split-K, weight on input and output, an expert map, odd shapes, special scales),
 form per device and its fallback, and on a GPU bf16 parity, a sync-free call and a CUDA graph.
 
 The interpreter's bfloat16 tl.dot is wrong in Triton 3.9 (it multiplies the raw bits), so 16-bit
-checks of the plain-dot forms run in float16 here; tl.dot_scaled runs in both."""
+checks of the plain-dot forms run in float16 here; tl.dot_scaled runs in both.
+
+The interpreter's time grows with the M-blocks the routed experts fill, so the problems route over 4
+experts (8 for the expert map, 4 of them local): every block is still partly padded and masked."""
 
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ def check(actual, expected, dtype):
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_decode_sizes_match_the_reference(fmt, T):
     """The portable form at every decode size: split-K over 1-3 slices, weight on input and output."""
-    x, gate_up, down, ids, w = problem(T, 2, 8, 96, 64, fmt, torch.float32)
+    x, gate_up, down, ids, w = problem(T, 2, 4, 96, 64, fmt, torch.float32)
     config = MoeConfig(16, 32, 32, 1, split_k=1 + T % 3)
     on_input = T % 2 == 1
     actual = fused_moe_triton(x, gate_up, down, ids, w, on_input, None, config, dot="dequant")
@@ -81,7 +84,7 @@ def test_larger_batches_with_the_default_config(fmt, T, K, E, H, I):
 @pytest.mark.parametrize("H, I", [(72, 40), (21, 19)])  # K % 32 = 8 (a short last block); every size odd
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_odd_shapes(fmt, H, I):
-    x, gate_up, down, ids, w = problem(5, 3, 8, H, I, fmt, torch.float32)
+    x, gate_up, down, ids, w = problem(5, 3, 4, H, I, fmt, torch.float32)
     for split in (1, 2):
         actual = fused_moe_triton(x, gate_up, down, ids, w, True, None, MoeConfig(16, 32, 32, 1, split_k=split),
                                   dot="dequant")
@@ -90,7 +93,7 @@ def test_odd_shapes(fmt, H, I):
 
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_float16_activations(fmt):
-    x, gate_up, down, ids, w = problem(6, 2, 8, 96, 64, fmt, torch.float16)
+    x, gate_up, down, ids, w = problem(6, 2, 4, 96, 64, fmt, torch.float16)
     for on_input in (True, False):
         actual = fused_moe_triton(x, gate_up, down, ids, w, on_input, None, SMALL, dot="dequant")
         check(actual, fused_moe_quantized_reference(x, gate_up, down, ids, w, on_input), torch.float16)
@@ -99,7 +102,7 @@ def test_float16_activations(fmt):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 def test_dot_scaled_form(fmt, dtype):
-    x, gate_up, down, ids, w = problem(7, 2, 8, 72, 40, fmt, dtype)
+    x, gate_up, down, ids, w = problem(7, 2, 4, 72, 40, fmt, dtype)
     for on_input, split in ((True, 1), (False, 2)):
         config = MoeConfig(16, 32, 32, 1, split_k=split)
         actual = fused_moe_triton(x, gate_up, down, ids, w, on_input, None, config, dot="scaled")
@@ -110,7 +113,7 @@ def test_dot_scaled_form(fmt, dtype):
 def test_fp8_form_is_w8a8(dtype):
     """The FP8 tensor-core form equals its own reference (activations quantized per row) tightly, and
     the weight-only reference within what quantizing the activations costs."""
-    x, gate_up, down, ids, w = problem(8, 2, 8, 96, 64, "fp8", dtype)
+    x, gate_up, down, ids, w = problem(8, 2, 4, 96, 64, "fp8", dtype)
     for on_input, split in ((True, 1), (False, 3)):
         config = MoeConfig(16, 32, 32, 1, split_k=split)
         actual = fused_moe_triton(x, gate_up, down, ids, w, on_input, None, config, dot="fp8")
@@ -124,9 +127,9 @@ def test_fp8_form_is_w8a8(dtype):
 def test_expert_map_and_a_ranks_strided_slice(fmt):
     """A rank holding the even experts as strided views of the whole tensors; odd experts are
     skipped and a batch routed only to them gives zeros."""
-    x, gate_up, down, ids, w = problem(9, 2, 16, 64, 48, fmt, torch.float32)
-    emap = half_expert_map(16)
-    local_gu, local_down = gate_up[slice(0, 16, 2)], down[slice(0, 16, 2)]
+    x, gate_up, down, ids, w = problem(9, 2, 8, 64, 48, fmt, torch.float32)
+    emap = half_expert_map(8)
+    local_gu, local_down = gate_up[slice(0, 8, 2)], down[slice(0, 8, 2)]
     assert local_gu.data.stride(0) == 2 * gate_up.data.stride(0)
     for split in (1, 2):
         actual = fused_moe_triton(x, local_gu, local_down, ids, w, True, emap, MoeConfig(16, 32, 32, 1, split_k=split),
