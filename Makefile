@@ -23,10 +23,12 @@ test: $(STAMP)
 # scripts, or run long). CI runs `make test`, which includes them. One torch thread by default
 # (FAST_THREADS=2 for two): where other processes share the cores, torch's OpenMP threads wait on
 # each other at every parallel region and the same run takes many times longer. `make test` keeps
-# torch's default, so the multi-threaded kernel paths still run there.
+# torch's default, so the multi-threaded kernel paths still run there. The fast tests are spread over
+# FAST_WORKERS pytest-xdist processes (one per core here; FAST_WORKERS=0 runs them in this process).
 FAST_THREADS ?= 1
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "not slow" $(if $(filter-out 0,$(FAST_WORKERS)),-n $(FAST_WORKERS)) $(PYTEST_ARGS)
 
 # The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
 # no download). --model tiny serves the random-weight preset instead.
