@@ -199,7 +199,8 @@ def run_rank(args: argparse.Namespace, setup) -> int:
     try:
         worker, _ = build_worker(setup, args.model, engine_config_of(args), dtype=args.dtype, device=args.device,
                                  moe_backend=args.moe_backend, seed=args.seed, record_trace=args.record_trace,
-                                 model_name=served_name(args.model, args.served_model_name))
+                                 model_name=served_name(args.model, args.served_model_name),
+                                 quantize_experts=args.quantize_experts)
         worker.serve()
     except BaseException as exc:  # noqa: BLE001 - a dead peer or a timed-out collective ends this rank too
         log.exception("rank %d stops", setup.rank)
@@ -254,11 +255,6 @@ def run_serve(args: argparse.Namespace) -> int:
                          "add --ep-ranks N (or run under torchrun)")
     if setup is None and (args.replan_every or args.replan_api):
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
-    if setup is not None and args.quantize_experts:
-        # TODO(ep): the ranks' loader (ep/ranks/launch.py load_rank) and the slot moves of re-planning and
-        # elastic recovery handle float expert tensors only; the loader itself quantizes a rank's slice
-        raise LocusError("--quantize-experts does not run under expert parallelism yet (--ep-ranks, torchrun): "
-                         "serve on one rank, or drop --quantize-experts")
     if setup is not None and setup.rank != 0:
         return run_rank(args, setup)
     children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from locus.engine.model.expert_rows import weight_nbytes
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.kernels import resolve_backend
 from locus.kernels.moe_cpu import CPU_MAX_ROWS_QUANTIZED
@@ -95,7 +96,4 @@ def dequantize_model_experts(model: Llama4ForCausalLM) -> None:
 
 
 def _nbytes(experts) -> int:
-    total = 0
-    for weight in (experts.gate_up_proj, experts.down_proj):
-        total += weight.nbytes if experts.weight_format else weight.numel() * weight.element_size()
-    return total
+    return weight_nbytes(experts.gate_up_proj) + weight_nbytes(experts.down_proj)

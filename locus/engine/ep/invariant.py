@@ -26,6 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from locus.engine.model.expert_rows import ExpertWeight, parts
+from locus.kernels.formats import QuantizedTensor
+
 BROKEN = -1  # a header digest that never agrees: this rank's weights do not match its placement
 FINGERPRINT_SAMPLES = 2048  # elements sampled from each of an expert's two weight tensors
 
@@ -44,14 +47,18 @@ def placement_digest(plan, epoch: int) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor) -> int:
-    """A 63-bit fingerprint of one expert's weights (never 0): a hash of a sample of each tensor."""
+def expert_fingerprint(gate_up: ExpertWeight, down: ExpertWeight) -> int:
+    """A 63-bit fingerprint of one expert's weights (never 0): a hash of a sample of each tensor, a
+    narrow expert's elements and scales both (model/expert_rows.py), its format in the hash."""
     h = hashlib.blake2b(digest_size=8)
-    for t in (gate_up, down):
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].contiguous()
-        h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-        h.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+    for weight in (gate_up, down):
+        if isinstance(weight, QuantizedTensor):
+            h.update(repr((weight.format, tuple(weight.shape), weight.axis)).encode())
+        for t in parts(weight):
+            flat = t.reshape(-1)
+            sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].contiguous()
+            h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+            h.update(sample.view(torch.uint8).cpu().numpy().tobytes())
     return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 

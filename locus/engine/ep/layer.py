@@ -25,6 +25,7 @@ from torch import nn
 from locus.engine.ep.groups import Groups
 from locus.engine.ep.placement import ExpertPlacement
 from locus.engine.ep.runtime import EPRuntime
+from locus.engine.model.expert_rows import select_experts
 from locus.engine.model.slices import slices_of
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.model.moe import MoEBlock
@@ -45,9 +46,9 @@ class ExpertParallelMoE(nn.Module):
                                  f"the plan gives this rank {slot_experts}")
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         else:  # a whole model: keep the local slots' experts, in slot order; the full tensors are dropped
-            index = torch.tensor(slot_experts, dtype=torch.long)
-            self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[index].clone(), requires_grad=False)
-            self.down_proj = nn.Parameter(experts.down_proj.detach()[index].clone(), requires_grad=False)
+            index = torch.tensor(slot_experts, dtype=torch.long)  # narrow experts stay narrow (expert_rows.py)
+            self.gate_up_proj = select_experts(experts.gate_up_proj, index)
+            self.down_proj = select_experts(experts.down_proj, index)
         self.moe_index = moe_index  # this layer's MoE index: its position in moe_layers, the placement's first axis
         self.runtime = runtime
         self.handle = next(_handles)  # how the compiled graph's opaque op finds this layer

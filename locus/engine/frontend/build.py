@@ -45,9 +45,10 @@ def build_engine(model: str | None, *, dtype: str | None = None, device: str | N
     idle engine's wait for the rest of a burst; rank 0 of several does not wait (its iteration is
     every rank's, and the others wait on it in a collective)."""
     engine_config = engine_config or EngineConfig()
-    if ep is not None:  # (`locus serve` refuses --quantize-experts with expert parallelism)
+    if ep is not None:
         backend, loaded = _build_rank0(ep, model, engine_config, dtype=dtype, device=device, moe_backend=moe_backend,
-                                       seed=seed, record_trace=record_trace, model_name=model_name)
+                                       seed=seed, record_trace=record_trace, model_name=model_name,
+                                       quantize_experts=quantize_experts)
         burst_wait_s = 0.0
     else:
         loaded = load(model, dtype, device, moe_backend, seed, quantize_experts=quantize_experts)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from locus.engine.model.expert_rows import expert_nbytes, weight_nbytes
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.routing.plan.placement import PlacementPlan
 
@@ -51,7 +52,7 @@ class ExpertMemory:
     """What a rank's expert weights take, against the whole model's."""
 
     held_bytes: int
-    full_bytes: int  # every expert of every MoE layer once, in the same dtype
+    full_bytes: int  # every expert of every MoE layer once, in the same dtype or narrow format
     slots: int  # summed over MoE layers
 
     def describe(self) -> str:
@@ -68,7 +69,7 @@ def expert_memory(model: Llama4ForCausalLM) -> ExpertMemory:
     for layer in config.moe_layers:
         ff = model.model.layers[layer].feed_forward
         params = (ff.gate_up_proj, ff.down_proj) if hasattr(ff, "gate_up_proj") else (ff.experts.gate_up_proj, ff.experts.down_proj)
-        held += sum(p.numel() * p.element_size() for p in params)
-        full += sum(p[0].numel() * p.element_size() * config.num_local_experts for p in params)
+        held += sum(weight_nbytes(p) for p in params)  # narrow experts: elements and scales (expert_rows.py)
+        full += sum(expert_nbytes(p) * config.num_local_experts for p in params)
         slots += params[0].shape[0]
     return ExpertMemory(held, full, slots)

@@ -121,13 +121,6 @@ def test_generate_cli_takes_the_flag():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.slow  # runs `locus serve` as a subprocess
-def test_serve_refuses_it_under_expert_parallelism():
-    done = run_cli("serve", "--model", "tiny", "--ep-ranks", "2", "--quantize-experts", "mxfp8", "--port", "0")
-    assert done.returncode != 0
-    assert "--quantize-experts does not run under expert parallelism" in done.stderr
-
-
 @pytest.mark.slow
 def test_compiled_decode_with_quantized_experts_matches_eager():
     """--compile: the quantized experts are the opaque op locus::fused_moe_quantized in the graph."""

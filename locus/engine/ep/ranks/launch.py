@@ -148,9 +148,10 @@ def _this_command() -> list[str]:
 
 
 def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, device: str | None = None,
-              moe_backend: str = "auto", seed: int = 0) -> tuple[LoadedModel, EPRuntime]:
+              moe_backend: str = "auto", seed: int = 0, quantize_experts: str | None = None) -> tuple[LoadedModel, EPRuntime]:
     """This rank's model, holding only its slots' experts (read as slices: the others are never
-    loaded), joined to the process group, with the plan applied. Logs the expert memory held."""
+    loaded; `quantize_experts`: held in that narrow format, each rank quantizing its own), joined to
+    the process group, with the plan applied. Logs the expert memory held."""
     config = config_of(model)
     plan = plan_for(setup, config)
     try:  # before any weight: a plan for another model says what does not fit, from every rank alike
@@ -173,7 +174,8 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     # collective may while serving: it waits up to STARTUP_TIMEOUT_S, then the groups get --ep-timeout.
     startup = timedelta(seconds=max(setup.timeout_s, STARTUP_TIMEOUT_S))
     join_launch(setup, backend, startup)
-    loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank))
+    loaded = load(model, dtype, device, moe_backend, seed, expert_slices=slices_of(plan, setup.rank),
+                  quantize_experts=quantize_experts)
     topo = plan.topology
     groups = make_groups(topo.nodes, topo.gpus_per_node, 2 if setup.overlap else 1, startup, setup.loop_nice)
     runtime = apply_expert_parallel(loaded.model, plan, groups, setup.mode, setup.max_tokens_per_rank,

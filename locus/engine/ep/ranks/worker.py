@@ -317,10 +317,12 @@ class RankWorker:
 
 def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig, *, dtype: str | None = None,
                  device: str | None = None, moe_backend: str = "auto", seed: int = 0,
-                 record_trace: str | None = None, model_name: str = "locus", window_tokens: int = 0):
+                 record_trace: str | None = None, model_name: str = "locus", window_tokens: int = 0,
+                 quantize_experts: str | None = None):
     """This rank's worker (any rank): its model slice joined to the process group with the plan
-    applied, its engine in lockstep, its part of a recorded trace. Returns (worker, loaded model)."""
-    loaded, runtime = load_rank(setup, model, dtype, device, moe_backend, seed)
+    applied (its experts in `quantize_experts` when set), its engine in lockstep, its part of a
+    recorded trace. Returns (worker, loaded model)."""
+    loaded, runtime = load_rank(setup, model, dtype, device, moe_backend, seed, quantize_experts)
     if setup.overlap:
         engine_config = _with_micro_batches(engine_config, runtime.forwards_per_step)
     core = EngineCore(loaded.model, loaded.tokenizer, engine_config)
@@ -336,7 +338,7 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
         from locus.engine.ep.rebalance.elastic import ElasticOptions, expert_reader
 
         worker.elastic = ElasticOptions(setup.rendezvous, dist.get_backend(),
-                                        expert_reader(model, dtype, device, moe_backend, seed),
+                                        expert_reader(model, dtype, device, moe_backend, seed, quantize_experts),
                                         setup.max_slots or loaded.model.config.num_local_experts,
                                         lanes=len(runtime.lanes), is_alive=setup.is_alive)
     return worker, loaded

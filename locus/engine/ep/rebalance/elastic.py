@@ -40,10 +40,10 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from locus.engine.ep.groups import make_groups, set_timeout
 from locus.engine.ep.invariant import PlacementDisagreement
+from locus.engine.model.expert_rows import stack_experts
 from locus.engine.ep.ranks.rendezvous import RecoveryCancelled, RendezvousRefused, SignedStore
 from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict, validate
@@ -225,16 +225,17 @@ def refill_experts(runtime, new_plan: PlacementPlan, new_rank: int, read_experts
             up, down = fetched.get(int(moe_layer), (None, None))
             ups, downs = [], []
             for e in new_ids:
-                if e in have:
+                if e in have:  # rows of a kept expert: float, or a narrow one's elements and scales
                     ups.append(layer.gate_up_proj[have[e]].clone())
                     downs.append(layer.down_proj[have[e]].clone())
                 else:
                     k = missing.index(e)
-                    ups.append(up[k].to(layer.gate_up_proj.dtype))
-                    downs.append(down[k].to(layer.down_proj.dtype))
+                    ups.append(up[k])
+                    downs.append(down[k])
                     read += 1
-            layer.gate_up_proj = nn.Parameter(torch.stack(ups), requires_grad=False)
-            layer.down_proj = nn.Parameter(torch.stack(downs), requires_grad=False)
+            # in the layer's own form: float Parameters, or QuantizedTensors in its format (expert_rows.py)
+            layer.gate_up_proj = stack_experts(ups, layer.gate_up_proj)
+            layer.down_proj = stack_experts(downs, layer.down_proj)
     return read
 
 
@@ -262,14 +263,17 @@ class ElasticOptions:
     cancelled: object = None  # () -> bool: the server is stopping (rank 0): give the regroup up
 
 
-def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int):
-    """Reads given experts' weights from the model's source (checkpoint slices, or the preset's seed)."""
+def expert_reader(model: str | None, dtype, device, moe_backend: str, seed: int, quantize_experts: str | None = None):
+    """Reads given experts' weights from the model's source (checkpoint slices, or the preset's seed),
+    as the ranks hold them: in `quantize_experts` (--quantize-experts) when set, else as the checkpoint
+    holds them (an FP8 / MXFP4 checkpoint's experts narrow, as read)."""
     from locus.engine.checkpoint.loader import load
     from locus.engine.model.slices import moe_experts
 
     def read(wanted: dict[int, list[int]]) -> dict[int, tuple]:
         slices = {layer: wanted.get(layer, []) for layer in loaded_layers()}
-        source = load(model, dtype, device, moe_backend, seed, expert_slices=slices).model
+        source = load(model, dtype, device, moe_backend, seed, expert_slices=slices,
+                      quantize_experts=quantize_experts).model
         return {layer: (e.gate_up_proj.detach(), e.down_proj.detach()) for layer, e in moe_experts(source).items()
                 if layer in wanted}
 

@@ -11,8 +11,9 @@ Move. Every rank runs the same schedule (it received the same command in the sam
 iteration, before the step, the next `layers_per_step` MoE layers switch. For a layer, every changed slot
 takes its expert's weights from a rank that holds it in the old placement (itself if it can, else a
 rank of its node, else the first holder), all of them in one all_to_all of exactly the needed weights
-over the control group; each rank stages what it receives, then copies it into its existing
-parameters (so compiled graphs stay valid), and only then does the placement switch to the new
+over the control group, each expert as its bytes as held (narrow experts: elements then scales, so
+one collective carries both; model/expert_rows.py); each rank stages what it receives, then copies
+it into its existing tensors (so compiled graphs stay valid), and only then does the placement switch to the new
 layer's slots: a new epoch. Tokens never reach a slot before its weights are there, because the
 placement a step routes by is the one set before the step, on every rank alike.
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from locus.engine.ep.invariant import PlacementDisagreement
+from locus.engine.model.expert_rows import expert_as_bytes, expert_nbytes, write_expert
 from locus.routing.plan.placement import PlacementPlan, validate
 
 
@@ -168,18 +170,19 @@ class PlacementMove:
         rank, world = runtime.groups.rank, runtime.groups.world
         G = plan.topology.gpus_per_node
         layer = runtime.layers[moe_index]
-        params = (layer.gate_up_proj, layer.down_proj)
+        params = (layer.gate_up_proj, layer.down_proj)  # float Parameters or QuantizedTensors
         layer_fills = fills(plan, self.target, moe_index)
-        per_expert = sum(p[0].numel() for p in params)  # elements of one expert's weights
-        dtype, device = params[0].dtype, params[0].device
-        # what this rank sends each other rank, in (destination, slot) order, and the local copies
+        per_expert = sum(expert_nbytes(p) for p in params)  # one expert's bytes as held (narrow: elements + scales)
+        device = params[0].device
+        # what this rank sends each other rank, in (destination, slot) order, and the local copies; an
+        # expert travels as its bytes (expert_rows.py), so any dtype or narrow format crosses gloo alike
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        staged: dict[int, torch.Tensor] = {}  # slot -> [per_expert] the weights it will hold
+        staged: dict[int, torch.Tensor] = {}  # slot -> [per_expert] bytes of the weights it will hold
         for f in layer_fills:
             if f.source == rank:
-                flat = torch.cat([p[f.source_slot].reshape(-1) for p in params])
+                flat = torch.cat([expert_as_bytes(p, f.source_slot) for p in params])
                 if f.rank == rank:
-                    staged[f.slot] = flat.clone()
+                    staged[f.slot] = flat
                 else:
                     sends[f.rank].append(flat)
         incoming = [f for f in layer_fills if f.rank == rank and f.source != rank]
@@ -188,12 +191,9 @@ class PlacementMove:
         for f in incoming:
             recv_counts[f.source] += per_expert
         if any(f.source != f.rank for f in layer_fills):  # someone sends: every rank takes part
-            out = torch.cat([t for s in sends for t in s]) if any(sends) else torch.empty(0, dtype=dtype, device=device)
-            buf = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-            item = buf.element_size()  # sent as bytes: any dtype crosses gloo alike
-            dist.all_to_all_single(buf.view(torch.uint8), out.contiguous().view(torch.uint8),
-                                   [n * item for n in recv_counts], [n * item for n in send_counts],
-                                   group=runtime.groups.control)
+            out = torch.cat([t for s in sends for t in s]) if any(sends) else torch.empty(0, dtype=torch.uint8, device=device)
+            buf = torch.empty(sum(recv_counts), dtype=torch.uint8, device=device)
+            dist.all_to_all_single(buf, out.contiguous(), recv_counts, send_counts, group=runtime.groups.control)
             offsets = np.concatenate([[0], np.cumsum(recv_counts)])
             taken = [0] * world
             for f in sorted(incoming, key=lambda f: (f.source, f.slot)):
@@ -203,10 +203,10 @@ class PlacementMove:
         for slot, flat in staged.items():  # all reads are done: now overwrite
             at = 0
             for p in params:
-                n = p[0].numel()
-                p[slot].copy_(flat[at:at + n].view_as(p[slot]))
+                n = expert_nbytes(p)
+                write_expert(p, slot, flat[at:at + n])
                 at += n
-        nbytes = per_expert * torch.empty((), dtype=dtype).element_size()
+        nbytes = per_expert
         for f in layer_fills:
             if f.rank != rank:  # each rank counts the slots it filled: summed over ranks, every slot once
                 continue

@@ -345,8 +345,11 @@ def check_target(current, target) -> None:
 
 def attach_replanner(driver, schedule: ReplanSchedule, layers_per_step: int = 1, model_name: str = "locus") -> Replanner:
     """Give rank 0's driver a re-planner (the ranks must keep routing windows: build_worker's
-    window_tokens). The windows are written as traces of this model; one expert's bytes price a move."""
+    window_tokens). The windows are written as traces of this model; one expert's bytes as the ranks hold
+    it (narrow experts: elements and scales) price a move."""
     import torch
+
+    from locus.engine.model.expert_rows import expert_nbytes
 
     mc = driver.core.model.config
     dtype_bytes = torch.empty((), dtype=driver.core.model.dtype).element_size()
@@ -354,6 +357,6 @@ def attach_replanner(driver, schedule: ReplanSchedule, layers_per_step: int = 1,
                      moe_layers=tuple(mc.moe_layers), hidden_size=mc.hidden_size, dtype_bytes=dtype_bytes,
                      source="locus-replan-window")
     layer = driver.runtime.layers[0]
-    expert_bytes = sum(p[0].numel() * p.element_size() for p in (layer.gate_up_proj, layer.down_proj))
+    expert_bytes = sum(expert_nbytes(p) for p in (layer.gate_up_proj, layer.down_proj))
     driver.replanner = Replanner(driver, meta, schedule, layers_per_step, expert_bytes)
     return driver.replanner
