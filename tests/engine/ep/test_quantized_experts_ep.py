@@ -179,3 +179,37 @@ def test_a_live_move_carries_narrow_experts_and_counts_their_narrow_bytes(tmp_pa
             with torch.no_grad():
                 want = reference.compute_logits(reference(ForwardBatch.single(prompt_of(rank))).hidden)
             assert (r["logits"] - want).abs().max().item() < 1e-5, (source, rank)
+
+
+def test_a_live_replan_under_load_prices_and_moves_narrow_experts(tmp_path):
+    """test_replan's forced re-plan mid-stream (`small` 2x2, 16 greedy streams), every rank holding fp8
+    experts: the re-planner prices the move in fp8 bytes, the ranks send exactly those, and every
+    stream's tokens are those of one engine holding the same fp8 experts."""
+    from locus.engine.checkpoint.tokenizer import ByteTokenizer
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
+    from locus.routing.plan.placement import plan_from_dict
+    from tests.engine.ep.rebalance.test_replan import TOKENS, prompts, stale_plan, worker
+
+    mp.spawn(worker, args=(4, free_port(), str(tmp_path), "fp8"), nprocs=4, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    decision = got["decision"]
+    assert decision["applied"] and decision["moved_slots"] > 0
+
+    config = PRESETS["small"]
+    reference = build_preset("small", seed=0)
+    quantize_model_experts(reference, "fp8")
+    experts = moe_experts(reference)[config.moe_layers[0]]
+    narrow = expert_nbytes(experts.gate_up_proj) + expert_nbytes(experts.down_proj)
+    H, I = config.hidden_size, config.intermediate_size
+    assert narrow == H * 2 * I + 2 * I * 4 + I * H + H * 4  # E4M3 elements and a float32 scale per column
+    count, intra, inter = move_bytes(stale_plan(), plan_from_dict(got["final_plan"]), narrow)
+    assert count == decision["moved_slots"] and decision["move_bytes"] == intra + inter > 0
+    assert sum(m.intra_node_bytes + m.inter_node_bytes for m in got["moved"]) == intra + inter
+
+    llm = LLM.from_model(reference, ByteTokenizer(config.vocab_size), EngineConfig(block_size=8, num_kv_blocks=256))
+    want = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    assert len(got["finals"]) == 16
+    for i, out in enumerate(want):
+        assert got["finals"][f"p{i}"] == out.outputs[0].token_ids, f"request {i}"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from locus.engine.checkpoint.presets import PRESETS, build_preset
+from locus.engine.checkpoint.quantize import quantize_model_experts
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.ranks.control import ControlPlane
@@ -45,13 +46,17 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)]
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, quantize_experts: str | None = None) -> None:
+    """One rank of the re-plan run; `quantize_experts`: its experts held in that narrow format
+    (tests/engine/ep/test_quantized_experts_ep.py)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         config = PRESETS["small"]
         plan = stale_plan()
         model = build_preset("small", seed=0, expert_slices=slices_of(plan, rank))
+        if quantize_experts:
+            quantize_model_experts(model, quantize_experts)
         groups = make_groups(2, 2)
         runtime = apply_expert_parallel(model, plan, groups)
         core = EngineCore(model, ByteTokenizer(config.vocab_size),
