@@ -15,7 +15,8 @@
 
 Domain weights come from the planning data: the domains' token shares laid end to end over the
 nodes (node n covers [n, n + 1) of the line), so a domain spans as few nodes as its share allows and
-a node mixes at most a few domains. The grouper keeps each domain's tokens split in these proportions.
+a node mixes at most a few domains; the locality planner orders the line so that domains using the
+same experts share nodes (locus/routing/planners/domain_layout.py). The grouper keeps each domain's tokens split in these proportions.
 """
 
 from __future__ import annotations
@@ -156,15 +157,22 @@ def spec_of(plan) -> GroupingSpec:
                                   plan.moe_layers)
 
 
-def domain_node_weights(domains: list[str], tokens: np.ndarray, nodes: int) -> dict[str, list[float]]:
+def domain_node_weights(domains: list[str], tokens: np.ndarray, nodes: int,
+                        order: list[str] | None = None) -> dict[str, list[float]]:
     """Each tagged domain's share of the tagged planning tokens laid end to end over [0, nodes): its
-    overlap with every node's unit interval. Largest domains first, so they own whole nodes."""
-    names = sorted(set(d for d in domains if d))  # "" is no tag (what the engine recorder writes)
-    per = np.array([tokens[np.asarray(domains) == d].sum() for d in names], dtype=np.float64)
-    order = sorted(range(len(names)), key=lambda i: (-per[i], names[i]))
+    overlap with every node's unit interval. `order`: the domains' order on the line (every tagged
+    domain once; the locality planner chooses it by expert affinity, domain_layout.py); without it,
+    largest domains first, so they own whole nodes."""
+    names, per = domain_tokens(domains, tokens)
+    if order is None:
+        index = sorted(range(len(names)), key=lambda i: (-per[i], names[i]))
+    else:
+        if sorted(order) != names:
+            raise PlanError(f"domain order {order} must name every tagged domain once: {names}")
+        index = [names.index(d) for d in order]
     share = per / max(per.sum(), 1.0) * nodes
     out, left = {}, 0.0
-    for i in order:
+    for i in index:
         right = left + share[i]
         lo, hi = np.arange(nodes), np.arange(1, nodes + 1)
         overlap = np.clip(np.minimum(hi, right) - np.maximum(lo, left), 0.0, None)
@@ -173,6 +181,18 @@ def domain_node_weights(domains: list[str], tokens: np.ndarray, nodes: int) -> d
         out[names[i]] = [float(w) for w in overlap]
         left = right
     return out
+
+
+def domain_tokens(domains: list[str], tokens: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The tagged domains (tagged_domains) and their tokens."""
+    names = tagged_domains(domains)
+    per = np.array([tokens[np.asarray(domains) == d].sum() for d in names], dtype=np.float64)
+    return names, per
+
+
+def tagged_domains(domains: list[str]) -> list[str]:
+    """The tagged domains, sorted ("" is no tag, what the engine recorder writes)."""
+    return sorted(set(d for d in domains if d))
 
 
 def normalise_rows(counts: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@
 
 locality chooses three things together, from the planning requests' expert signatures:
   1. grouping: which node each request runs on. Requests with a domain tag are spread over their
-     domain's nodes (domains laid end to end over the nodes by token share, grouping_spec.py);
+     domain's nodes (domains laid end to end over the nodes by token share, grouping_spec.py, in the
+     order that puts domains using the same experts on the same nodes, domain_layout.py);
      untagged requests are clustered by signature into token-balanced groups (request_clustering.py).
   2. placement, layer by layer (locality.py): every node holds the experts its group uses most,
      hot domain-generic experts on every node, the cold tail where it costs least; then node loads
@@ -33,6 +34,7 @@ from locus.errors import LocusError
 from locus.routing.dispatch_rule import DEFAULT_RULE, planner_rule
 from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
+from locus.routing.planners.domain_layout import choose_domain_order, domain_profiles
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
@@ -201,8 +203,10 @@ def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions
     decode = sig.tokens - sig.prompt_tokens
     kv = options.kv_bytes_per_token or kv_bytes_per_token(meta.model, meta.hidden_size, meta.dtype_bytes,
                                                             meta.moe_layers)
+    order = choose_domain_order(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
+                                topology.gpus_per_node * topology.slots_per_gpu)
     return GroupingSpec(
-        domain_nodes=domain_node_weights(sig.domains, sig.tokens, topology.nodes),
+        domain_nodes=domain_node_weights(sig.domains, sig.tokens, topology.nodes, order=order),
         caps=options.caps,
         expected_decode_tokens=float(decode.mean()) if len(decode) else 0.0,
         kv_bytes_per_token=int(kv),

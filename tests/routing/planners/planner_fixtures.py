@@ -58,3 +58,18 @@ def worded_trace(path: Path, requests: int = 240, seed: int = 0, tagged: bool = 
             writer.add_request(f"w{i:04d}", domains[d] if tagged else "", n // 2, ids.astype(np.int16),
                                token_ids=tokens)
     return path
+
+
+def paired_trace(path: Path, requests: int = 160, seed: int = 0) -> Path:
+    """4 equal domains a, b, c, d over 8 experts, top-1: a and c route only to experts 0-3, b and d only
+    to 4-7 (uniformly, both layers). Laid out by size (a tie, so by name), a and b would share a node."""
+    rng = np.random.default_rng(seed)
+    domains = ("a", "b", "c", "d")
+    meta = TraceMeta("paired", 8, 1, (0, 2), hidden_size=32, dtype_bytes=2)
+    with TraceWriter(path, meta) as writer:
+        for i in range(requests):
+            d = i % 4
+            n = 16
+            ids = 4 * (d % 2) + rng.integers(0, 4, (n, 2, 1))
+            writer.add_request(f"p{i:04d}", domains[d], n // 2, ids.astype(np.int16))
+    return path
