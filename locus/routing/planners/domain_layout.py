@@ -11,9 +11,12 @@ order is scored by what no placement can keep local on the nodes' own demand:
 
 with node n's demand = sum over domains d of (share of d's tokens on n) * d's pairs per layer and
 expert (the planning signatures). This ignores that every expert still needs a slot somewhere and the
-expert-load cap; the placement that follows handles both. Searched exhaustively for up to 7 domains,
-else by pairwise swaps from the size order until none lowers the cost. Ties keep the size order
-(largest first), the layout without affinity, so data without expert structure plans as before.
+expert-load cap, so it only shortlists: the planner places the size order (largest first, the layout
+without affinity) and the two lowest-scoring other layouts on their own groupings and keeps the one
+with the lowest expected inter-node bytes, as it chooses between rounds (planner._domain_layout); ties
+keep the size order. Scored exhaustively for up to 7 domains (orders that put the same shares on the
+same nodes, up to the nodes' numbering, count once), else pairwise swaps from the size order until none
+lowers the score.
 
 Shape legend: D domains, N nodes, L MoE layers, E experts.
 """
@@ -58,21 +61,58 @@ def choose_domain_order(domains: list[str], tokens: np.ndarray, profiles: np.nda
     """The line order of the tagged domains that leaves the fewest pairs outside the nodes' top experts.
     domains [R] and tokens [R] per planning request, profiles [D, L, E] the pairs of each tagged domain
     (in sorted domain order, as domain_tokens names them)."""
+    return ranked_orders(domains, tokens, profiles, nodes, slots_per_node, 1)[0]
+
+
+def domain_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, nodes: int, slots_per_node: int,
+                  count: int) -> list[list[str]]:
+    """Up to `count` orders to place and compare: the size order first, then the lowest-scoring other
+    layouts (orders that put the same shares on the same nodes, up to renumbering the nodes, count once)."""
     names, per = domain_tokens(domains, tokens)
-    size_order = [names[i] for i in sorted(range(len(names)), key=lambda i: (-per[i], names[i]))]
+    size = size_order(names, per)
+    if len(names) < 2 or nodes < 2:  # one layout
+        return [size]
+    out = [size]
+    for order in ranked_orders(domains, tokens, profiles, nodes, slots_per_node, count + 1):
+        if len(out) < count and all(layout_key(order, names, per, nodes) != layout_key(o, names, per, nodes)
+                                    for o in out):
+            out.append(order)
+    return out
+
+
+def size_order(names: list[str], per: np.ndarray) -> list[str]:
+    return [names[i] for i in sorted(range(len(names)), key=lambda i: (-per[i], names[i]))]
+
+
+def layout_key(order: list[str], names: list[str], per: np.ndarray, nodes: int) -> tuple:
+    """What an order puts on the nodes, the same for orders that differ only by the nodes' numbering."""
+    f = np.round(node_fractions(order, names, per, nodes), 9)
+    return tuple(sorted(tuple(col) for col in f.T))
+
+
+def ranked_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, nodes: int, slots_per_node: int,
+                  count: int) -> list[list[str]]:
+    """The `count` lowest-scoring orders of distinct layouts, lowest first (ties: the size order, then the
+    order they are met in)."""
+    names, per = domain_tokens(domains, tokens)
+    size = size_order(names, per)
     if len(names) < 2 or nodes < 2:
-        return size_order
+        return [size]
 
     def cost(order: list[str]) -> float:
         return uncovered_pairs(node_fractions(order, names, per, nodes), profiles, slots_per_node)
 
-    best, best_cost = size_order, cost(size_order)
     if len(names) <= EXHAUSTIVE:
-        for perm in itertools.permutations(size_order):
-            c = cost(list(perm))
-            if c < best_cost - 1e-9 * max(best_cost, 1.0):
-                best, best_cost = list(perm), c
-        return best
+        scored, seen = [], set()
+        for perm in itertools.permutations(size):
+            order = list(perm)
+            key = layout_key(order, names, per, nodes)
+            if key not in seen:
+                seen.add(key)
+                scored.append((cost(order), len(scored), order))
+        scored.sort(key=lambda x: (round(x[0], 6), x[1]))
+        return [order for _, _, order in scored[:count]]
+    best, best_cost = size, cost(size)
     improved = True
     while improved:
         improved = False
@@ -82,4 +122,4 @@ def choose_domain_order(domains: list[str], tokens: np.ndarray, profiles: np.nda
             c = cost(trial)
             if c < best_cost - 1e-9 * max(best_cost, 1.0):
                 best, best_cost, improved = trial, c, True
-    return best
+    return [best]

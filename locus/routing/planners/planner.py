@@ -34,7 +34,7 @@ from locus.errors import LocusError
 from locus.routing.dispatch_rule import DEFAULT_RULE, planner_rule
 from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
-from locus.routing.planners.domain_layout import choose_domain_order, domain_profiles
+from locus.routing.planners.domain_layout import domain_orders, domain_profiles
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
@@ -166,9 +166,8 @@ def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
 def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
               sample: RoutingSample | None = None, predictor: TokenAffinity | None = None) -> PlanResult:
     N, G = topology.nodes, topology.gpus_per_node
-    spec = _spec(meta, sig, topology, options)
+    spec, prefill_node, decode_node = _domain_layout(meta, sig, topology, options)
     spec.predictor = predictor
-    prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
     best = None
     rounds = max(1, options.rounds)
     for k in range(rounds):
@@ -199,12 +198,34 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
     return PlanResult(plan, summary, ranks)
 
 
-def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions) -> GroupingSpec:
+def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions):
+    """The grouping spec and first-round nodes of the domain order that places best: the size order and the
+    orders domain_layout.py scores lowest, each placed (_place) on its own grouping and scored by expected
+    inter-node bytes, as the rounds are; ties keep the earlier (the size order first)."""
+    orders = domain_orders(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
+                           topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
+    best = None
+    for order in orders:
+        spec = _spec(meta, sig, topology, options, order)
+        prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
+        if len(orders) > 1:
+            demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
+            slots, _ = _place(demand, meta, topology, options)
+            plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
+                                 grouping=spec.to_dict(), provenance={"planner": "locality"})
+            score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
+        else:
+            score = 0.0
+        if best is None or score < best[0]:
+            best = (score, spec, prefill_node, decode_node)
+    return best[1:]
+
+
+def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions,
+          order: list[str] | None = None) -> GroupingSpec:
     decode = sig.tokens - sig.prompt_tokens
     kv = options.kv_bytes_per_token or kv_bytes_per_token(meta.model, meta.hidden_size, meta.dtype_bytes,
                                                             meta.moe_layers)
-    order = choose_domain_order(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
-                                topology.gpus_per_node * topology.slots_per_gpu)
     return GroupingSpec(
         domain_nodes=domain_node_weights(sig.domains, sig.tokens, topology.nodes, order=order),
         caps=options.caps,
@@ -227,6 +248,9 @@ def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: Grouping
         features = signature_features(sig.total[untagged], seed)
         node[untagged] = balanced_clusters(features, sig.tokens[untagged], topology.nodes, seed)
     return node, node.copy()
+
+
+LAYOUT_CANDIDATES = 3  # domain orders placed and scored: the size order and the two best by affinity
 
 
 def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, list[int]]:

@@ -8,7 +8,7 @@ from locus.routing.grouping.simulation import simulate_grouper
 from locus.routing.plan.grouping_spec import domain_node_weights
 from locus.routing.plan.placement import PlanError
 from locus.routing.plan.topology import Topology
-from locus.routing.planners.domain_layout import choose_domain_order, domain_profiles, uncovered_pairs
+from locus.routing.planners.domain_layout import choose_domain_order, domain_orders, domain_profiles, uncovered_pairs
 from locus.routing.planners.planner import make_plan
 from locus.routing.replay.simulator import replay
 from locus.traces.reader import TraceReader
@@ -86,3 +86,47 @@ def test_the_planner_puts_domains_that_share_experts_on_one_node(tmp_path):
     out = replay(reader, result.plan, topology, grouped)
     assert out.locality >= 0.99 and out.inter_node_bytes == 0
     assert out.expert_imbalance_worst <= 1.10 and out.attention_imbalance <= 1.10
+
+
+def test_candidate_orders_start_with_the_size_order_and_differ_in_layout():
+    domains, tokens = ["a", "b", "c", "d"], np.array([10, 10, 10, 10])
+    profiles = profiles_for([[5, 5, 0, 0], [0, 0, 5, 5], [5, 5, 0, 0], [0, 0, 5, 5]])
+    orders = domain_orders(domains, tokens, profiles, nodes=2, slots_per_node=2, count=3)
+    assert orders[0] == ["a", "b", "c", "d"]  # the size order (a tie: by name)
+    assert len(orders) == 3
+    # no two put the same domains together (the mirror image of a layout is the same layout)
+    pairs = [frozenset([frozenset(o[:2]), frozenset(o[2:])]) for o in orders]
+    assert len(set(pairs)) == 3
+    # the best by affinity comes next: a with c
+    assert frozenset(orders[1][:2]) in (frozenset("ac"), frozenset("bd"))
+
+
+def test_the_planner_keeps_the_candidate_layout_that_places_best(tmp_path, monkeypatch):
+    # the planner places every candidate layout on its own grouping and keeps the one with the lowest
+    # expected bytes, so its first round never scores worse on the planning data than the size order's
+    from locus.routing.planners import planner
+
+    reader = TraceReader(paired_trace(tmp_path / "paired"))
+    topology = Topology(2, 2, 2)
+    half = len(reader.requests) // 2
+    scores = []
+    real = planner.expected_bytes_per_token
+
+    def spy(plan, spec, *args, **kwargs):
+        out = real(plan, spec, *args, **kwargs)
+        scores.append((tuple(sorted((d, tuple(w)) for d, w in spec.domain_nodes.items())), out))
+        return out
+
+    monkeypatch.setattr(planner, "expected_bytes_per_token", spy)
+    result = make_plan("locality", reader, topology, (0, half))
+    candidates = scores[:3]
+    assert len(candidates) == 3
+    chosen = tuple(sorted((d, tuple(w)) for d, w in result.plan.grouping["domain_nodes"].items()))
+    best = min(candidates, key=lambda c: c[1])
+    assert chosen == best[0] and best[1] < candidates[0][1]  # the size order (first) places worse here
+
+
+def test_untagged_or_one_domain_has_one_layout():
+    profiles = profiles_for([[1, 2, 3]])
+    assert domain_orders(["", ""], np.array([3, 4]), profiles[:0], 2, 2, 3) == [[]]
+    assert domain_orders(["a", ""], np.array([3, 4]), profiles, 2, 2, 3) == [["a"]]
