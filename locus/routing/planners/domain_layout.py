@@ -12,11 +12,11 @@ order is scored by what no placement can keep local on the nodes' own demand:
 with node n's demand = sum over domains d of (share of d's tokens on n) * d's pairs per layer and
 expert (the planning signatures). This ignores that every expert still needs a slot somewhere and the
 expert-load cap, so it only shortlists: the planner places the size order (largest first, the layout
-without affinity) and the two lowest-scoring other layouts on their own groupings and keeps the one
-with the lowest expected inter-node bytes, as it chooses between rounds (planner._domain_layout); ties
-keep the size order. Scored exhaustively for up to 7 domains (orders that put the same shares on the
-same nodes, up to the nodes' numbering, count once), else pairwise swaps from the size order until none
-lowers the score.
+without affinity) and the two lowest-scoring other layouts that score below it, each on its own
+grouping, and keeps the one with the lowest expected inter-node bytes, as it chooses between rounds
+(planner._domain_layout); ties keep the size order. Scored exhaustively for up to 7 domains (orders
+that put the same shares on the same nodes, up to the nodes' numbering, count once), else pairwise
+swaps from the size order until none lowers the score.
 
 Shape legend: D domains, N nodes, L MoE layers, E experts.
 """
@@ -61,21 +61,23 @@ def choose_domain_order(domains: list[str], tokens: np.ndarray, profiles: np.nda
     """The line order of the tagged domains that leaves the fewest pairs outside the nodes' top experts.
     domains [R] and tokens [R] per planning request, profiles [D, L, E] the pairs of each tagged domain
     (in sorted domain order, as domain_tokens names them)."""
-    return ranked_orders(domains, tokens, profiles, nodes, slots_per_node, 1)[0]
+    return ranked_orders(domains, tokens, profiles, nodes, slots_per_node, 1)[0][1]
 
 
 def domain_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, nodes: int, slots_per_node: int,
                   count: int) -> list[list[str]]:
     """Up to `count` orders to place and compare: the size order first, then the lowest-scoring other
-    layouts (orders that put the same shares on the same nodes, up to renumbering the nodes, count once)."""
+    layouts that score below it (orders that put the same shares on the same nodes, up to renumbering
+    the nodes, count once)."""
     names, per = domain_tokens(domains, tokens)
     size = size_order(names, per)
     if len(names) < 2 or nodes < 2:  # one layout
         return [size]
+    size_cost = uncovered_pairs(node_fractions(size, names, per, nodes), profiles, slots_per_node)
     out = [size]
-    for order in ranked_orders(domains, tokens, profiles, nodes, slots_per_node, count + 1):
-        if len(out) < count and all(layout_key(order, names, per, nodes) != layout_key(o, names, per, nodes)
-                                    for o in out):
+    for cost, order in ranked_orders(domains, tokens, profiles, nodes, slots_per_node, count + 1):
+        if len(out) < count and cost < size_cost - 1e-9 * max(size_cost, 1.0) and all(
+                layout_key(order, names, per, nodes) != layout_key(o, names, per, nodes) for o in out):
             out.append(order)
     return out
 
@@ -91,13 +93,13 @@ def layout_key(order: list[str], names: list[str], per: np.ndarray, nodes: int) 
 
 
 def ranked_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, nodes: int, slots_per_node: int,
-                  count: int) -> list[list[str]]:
-    """The `count` lowest-scoring orders of distinct layouts, lowest first (ties: the size order, then the
-    order they are met in)."""
+                  count: int) -> list[tuple[float, list[str]]]:
+    """(score, order) of the `count` lowest-scoring orders of distinct layouts, lowest first (ties: the
+    size order, then the order they are met in)."""
     names, per = domain_tokens(domains, tokens)
     size = size_order(names, per)
     if len(names) < 2 or nodes < 2:
-        return [size]
+        return [(0.0, size)]
 
     def cost(order: list[str]) -> float:
         return uncovered_pairs(node_fractions(order, names, per, nodes), profiles, slots_per_node)
@@ -111,7 +113,7 @@ def ranked_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, 
                 seen.add(key)
                 scored.append((cost(order), len(scored), order))
         scored.sort(key=lambda x: (round(x[0], 6), x[1]))
-        return [order for _, _, order in scored[:count]]
+        return [(c, order) for c, _, order in scored[:count]]
     best, best_cost = size, cost(size)
     improved = True
     while improved:
@@ -122,4 +124,4 @@ def ranked_orders(domains: list[str], tokens: np.ndarray, profiles: np.ndarray, 
             c = cost(trial)
             if c < best_cost - 1e-9 * max(best_cost, 1.0):
                 best, best_cost, improved = trial, c, True
-    return [best]
+    return [(best_cost, best)]
