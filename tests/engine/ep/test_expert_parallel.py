@@ -5,15 +5,13 @@ counts add up to the definitions of docs/design.md ("Expert-parallel serving"), 
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 import socket
-import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from locus.engine.ep.layer import ExpertParallelMoE, apply_expert_parallel
 from locus.engine.ep.payload import simulate_dispatch
@@ -30,20 +28,11 @@ from locus.routing.replay.simulator import replay
 from locus.routing.plan.topology import Topology
 from locus.traces.merge import merge_traces
 from locus.traces.reader import TraceReader
+from tests.engine.ep.rank_cases import end_rank, failures, run_cases, selected_params
 
-pytestmark = pytest.mark.slow  # every test spawns 2-4 rank processes
+pytestmark = pytest.mark.slow  # every test spawns 4 rank processes (once for all its cases)
 
 H_BYTES = 64 * 4  # the tiny preset's hidden size, float32
-
-
-def end_rank() -> None:
-    """A worker whose results are written leaves without interpreter finalisation, as the server's
-    ranks do (locus/server/cli.py): tearing down a gloo rank's C++ threads at exit can abort the
-    process ("terminate called without an active exception", about one case in 60 here), which
-    would fail a run that already succeeded. An exception never gets here: it still fails the rank."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def plan_for(case: str, moe_layers, preset: str = "tiny") -> PlacementPlan:
@@ -75,38 +64,33 @@ FORMAT_RUNS = (("model", "model"), ("mxfp8", "model"), ("mxint8", "model"), ("mx
 LOGIT_BOUND = {("mxfp8", "model"): 1.0, ("mxint8", "model"): 0.5, ("mxfp8", "mxfp8"): 1.0}
 
 
-def worker(rank: int, world: int, case: str, port: int, out: str, mode: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for dispatch_format, combine_format in FORMAT_RUNS:
-            model = build_preset("tiny", seed=0)
-            plan = plan_for(case, model.config.moe_layers)
-            topo = plan.topology
-            ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node), mode,
-                                        dispatch_format=dispatch_format, combine_format=combine_format)
-            ctx.begin_step(capacity=64)  # at least every rank's token count (the fixed transport's block size)
-            shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-            ids = prompt_of(rank)
-            batch = ForwardBatch.single(ids)
-            ctx.positions = batch.positions
-            with torch.no_grad():
-                fwd = model(batch, record_routing=True)
-                logits = model.compute_logits(fwd.hidden)
-                first = dataclasses.replace(ctx.counters())  # the forward's bytes, before the round below
-                # a rank with no tokens still takes part in every layer's exchange
-                empty = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)][0]
-                ctx.positions = torch.zeros(0, dtype=torch.long)
-                x = torch.zeros(0, model.config.hidden_size) if rank == 1 else torch.randn(3, model.config.hidden_size)
-                if rank != 1:
-                    ctx.positions = torch.arange(3)
-                empty(x)
-            routing = np.stack([fwd.routing[layer].ids.numpy() for layer in plan.moe_layers], axis=1)  # [T, L, K]
-            torch.save({"logits": logits, "shapes": shapes, "routing": routing, "positions": batch.positions,
-                        "bytes": first}, f"{out}/rank{rank}-{dispatch_format}-{combine_format}.pt")
-    finally:
-        dist.destroy_process_group()
-    end_rank()
+def worker(rank: int, world: int, case: str, mode: str, out: str) -> None:
+    """One rank of a logits case (rank_cases.run_cases: its process group is up, and torn down after)."""
+    for dispatch_format, combine_format in FORMAT_RUNS:
+        model = build_preset("tiny", seed=0)
+        plan = plan_for(case, model.config.moe_layers)
+        topo = plan.topology
+        ctx = apply_expert_parallel(model, plan, make_groups(topo.nodes, topo.gpus_per_node), mode,
+                                    dispatch_format=dispatch_format, combine_format=combine_format)
+        ctx.begin_step(capacity=64)  # at least every rank's token count (the fixed transport's block size)
+        shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        ids = prompt_of(rank)
+        batch = ForwardBatch.single(ids)
+        ctx.positions = batch.positions
+        with torch.no_grad():
+            fwd = model(batch, record_routing=True)
+            logits = model.compute_logits(fwd.hidden)
+            first = dataclasses.replace(ctx.counters())  # the forward's bytes, before the round below
+            # a rank with no tokens still takes part in every layer's exchange
+            empty = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)][0]
+            ctx.positions = torch.zeros(0, dtype=torch.long)
+            x = torch.zeros(0, model.config.hidden_size) if rank == 1 else torch.randn(3, model.config.hidden_size)
+            if rank != 1:
+                ctx.positions = torch.arange(3)
+            empty(x)
+        routing = np.stack([fwd.routing[layer].ids.numpy() for layer in plan.moe_layers], axis=1)  # [T, L, K]
+        torch.save({"logits": logits, "shapes": shapes, "routing": routing, "positions": batch.positions,
+                    "bytes": first}, f"{out}/rank{rank}-{dispatch_format}-{combine_format}.pt")
 
 
 def free_port() -> int:
@@ -143,25 +127,42 @@ def expected_bytes_per_rank(plan: PlacementPlan, results: list[dict], row_bytes:
     return out
 
 
+@functools.cache
+def reference_logits(rank: int, dispatch_format: str | None) -> torch.Tensor:
+    """The single-process tiny model's logits of rank `rank`'s prompt, every expert computing on rows
+    as `dispatch_format` delivers them (None: unrounded); the same for every case, so computed once."""
+    reference = build_preset("tiny", seed=0)
+    simulate_dispatch(reference, dispatch_format)
+    with torch.no_grad():
+        return reference.compute_logits(reference(ForwardBatch.single(prompt_of(rank))).hidden)
+
+
+@pytest.fixture(scope="module")
+def logits_runs(request, tmp_path_factory) -> dict[tuple, Path]:
+    """Every collected case of the logits test, run in one launch of rank processes: its folder."""
+    cases = selected_params(request, "test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions",
+                            ("case", "mode"))
+    moe_layers = PRESETS["tiny"].moe_layers
+    launches = [(plan_for(case, moe_layers).topology.ranks, (case, mode)) for case, mode in cases]
+    return dict(zip(cases, run_cases(worker, launches, tmp_path_factory.mktemp("logits"))))
+
+
 @pytest.mark.parametrize("case,mode", [("1x2", "exact"), ("2x2-replicas", "exact"), ("2x2-double-slot", "exact"),
                                        ("3x1-node-aware", "exact"), ("2x2-replicas", "fixed"), ("3x1-node-aware", "fixed")])
-def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions(case, mode, tmp_path):
+def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitions(case, mode, logits_runs):
     moe_layers = build_preset("tiny", seed=0).config.moe_layers
     plan = plan_for(case, moe_layers)
     world = plan.topology.ranks
-    mp.spawn(worker, args=(world, case, free_port(), str(tmp_path), mode), nprocs=world, join=True)
+    tmp_path = logits_runs[case, mode]
+    assert not failures(tmp_path), failures(tmp_path)
 
-    reference = build_preset("tiny", seed=0)
     for dispatch_format, combine_format in FORMAT_RUNS:
         results = [torch.load(tmp_path / f"rank{r}-{dispatch_format}-{combine_format}.pt", weights_only=False)
                    for r in range(world)]
         for rank, r in enumerate(results):
-            with torch.no_grad():
-                simulate_dispatch(reference, None)
-                exact = reference.compute_logits(reference(ForwardBatch.single(prompt_of(rank))).hidden)
-                # every expert computes on the rows as the dispatch format delivers them, wherever it sits
-                simulate_dispatch(reference, dispatch_format)
-                want = reference.compute_logits(reference(ForwardBatch.single(prompt_of(rank))).hidden)
+            exact = reference_logits(rank, None)
+            # every expert computes on the rows as the dispatch format delivers them, wherever it sits
+            want = reference_logits(rank, dispatch_format)
             if combine_format == "model":
                 # measured within 1e-4 in every case; the margin covers a value that one side's last-bit
                 # float difference puts across a rounding boundary of the format (one element, one step)
@@ -191,47 +192,41 @@ def test_expert_parallel_logits_equal_one_process_and_bytes_follow_the_definitio
             assert inter < expected_bytes(dataclasses.replace(plan, dispatch="position"), results, row_bytes)[0]
 
 
-def engine_worker(rank: int, world: int, preset: str, case: str, port: int, out: str, mode: str, overlap: bool,
-                  dispatch_format: str = "model") -> None:
+def engine_worker(rank: int, world: int, preset: str, case: str, mode: str, overlap: bool, dispatch_format: str,
+                  out: str) -> None:
     """One rank's engine: its share of the prompts, in lockstep with the other ranks (the server's
     RankWorker iteration, control plane included); the model is built holding only this rank's
-    experts, as a server's rank loads it."""
+    experts, as a server's rank loads it. Run by rank_cases.run_cases (its process group is up)."""
     from locus.engine.core.engine_core import EngineConfig, EngineCore
     from locus.engine.ep.ranks.control import ControlPlane
     from locus.engine.ep.ranks.worker import RankWorker
     from locus.engine.sampling.sampler import SamplingParams
     from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        config = PRESETS[preset]
-        plan = plan_for(case, config.moe_layers, preset)
-        topo = plan.topology
-        model = build_preset(preset, seed=0, expert_slices=slices_of(plan, rank))
-        groups = make_groups(topo.nodes, topo.gpus_per_node, lanes=2 if overlap else 1)
-        ctx = apply_expert_parallel(model, plan, groups, mode, max_tokens_per_rank=64, dispatch_format=dispatch_format)
-        shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-        core = EngineCore(model, ByteTokenizer(config.vocab_size),
-                          EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32,
-                                       num_micro_batches=ctx.forwards_per_step))
-        core.lockstep = ctx
-        rank_worker = RankWorker(core, ctx, ControlPlane(groups.control, rank, world))
-        core.start_recording(f"{out}/trace{rank}", preset)  # this rank's requests, for the replay check
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-        for i, prompt in enumerate(engine_prompts()):
-            if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
-                core.add_request(f"p{i}", prompt, params)
-        finals, transports = {}, set()
-        for output in run_until_done(rank_worker, transports):
-            finals[output.request_id] = ([c.token_ids for c in output.outputs],
-                                         [[top_logprobs(lp) for lp in c.logprobs] for c in output.outputs])
-        core.dump_recording()
-        torch.save({"finals": finals, "bytes": ctx.counters(), "shapes": shapes, "transports": transports,
-                    "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    end_rank()
+    config = PRESETS[preset]
+    plan = plan_for(case, config.moe_layers, preset)
+    topo = plan.topology
+    model = build_preset(preset, seed=0, expert_slices=slices_of(plan, rank))
+    groups = make_groups(topo.nodes, topo.gpus_per_node, lanes=2 if overlap else 1)
+    ctx = apply_expert_parallel(model, plan, groups, mode, max_tokens_per_rank=64, dispatch_format=dispatch_format)
+    shapes = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    core = EngineCore(model, ByteTokenizer(config.vocab_size),
+                      EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32,
+                                   num_micro_batches=ctx.forwards_per_step))
+    core.lockstep = ctx
+    rank_worker = RankWorker(core, ctx, ControlPlane(groups.control, rank, world))
+    core.start_recording(f"{out}/trace{rank}", preset)  # this rank's requests, for the replay check
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    for i, prompt in enumerate(engine_prompts()):
+        if i % world == rank:  # rank 1 of 4 gets fewer tokens; ranks finish at different steps
+            core.add_request(f"p{i}", prompt, params)
+    finals, transports = {}, set()
+    for output in run_until_done(rank_worker, transports):
+        finals[output.request_id] = ([c.token_ids for c in output.outputs],
+                                     [[top_logprobs(lp) for lp in c.logprobs] for c in output.outputs])
+    core.dump_recording()
+    torch.save({"finals": finals, "bytes": ctx.counters(), "shapes": shapes, "transports": transports,
+                "memory": expert_memory(model)}, f"{out}/engine{rank}.pt")
 
 
 def run_until_done(rank_worker, transports: set | None = None) -> list:
@@ -257,25 +252,49 @@ def engine_prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (16,), generator=g)]
 
 
-@pytest.mark.parametrize("preset,case,mode,overlap,dispatch_format", [
+@functools.cache
+def reference_generation(preset: str, dispatch_format: str) -> list:
+    """One engine's greedy outputs (logprobs included) of engine_prompts() on the preset, every expert
+    computing on rows as `dispatch_format` delivers them ("model": unrounded); the same for every case
+    of the preset, so generated once."""
+    from locus.engine.checkpoint.tokenizer import ByteTokenizer
+    from locus.engine.core.engine_core import EngineConfig
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
+
+    reference = build_preset(preset, seed=0)
+    if dispatch_format != "model":
+        simulate_dispatch(reference, dispatch_format)
+    llm = LLM.from_model(reference, ByteTokenizer(PRESETS[preset].vocab_size), EngineConfig(block_size=8, num_kv_blocks=256))
+    return llm.generate(engine_prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+
+
+ENGINE_PARAMS = ("preset", "case", "mode", "overlap", "dispatch_format")
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, tmp_path_factory) -> dict[tuple, Path]:
+    """Every collected case of the lockstep engine test, run in one launch of rank processes: its folder."""
+    cases = selected_params(request, "test_engines_in_lockstep_generate_what_one_engine_does", ENGINE_PARAMS)
+    launches = [(plan_for(case, PRESETS[preset].moe_layers, preset).topology.ranks, params)
+                for params in cases for preset, case in [params[:2]]]
+    return dict(zip(cases, run_cases(engine_worker, launches, tmp_path_factory.mktemp("engines"))))
+
+
+@pytest.mark.parametrize(",".join(ENGINE_PARAMS), [
     ("tiny", "1x2", "exact", False, "model"), ("tiny", "2x2-replicas", "exact", False, "model"),
     ("small", "1x2", "exact", False, "model"), ("small", "2x2-replicas", "exact", False, "model"),
     ("tiny", "2x2-replicas", "fixed", False, "model"), ("small", "2x2-replicas", "fixed", False, "model"),
     ("tiny", "2x2-double-slot", "exact", True, "model"), ("small", "2x2-replicas", "fixed", True, "model"),
     ("small", "2x2-replicas", "exact", False, "mxfp8"), ("tiny", "2x2-double-slot", "fixed", False, "mxint8")])
-def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, mode, overlap, dispatch_format, tmp_path):
+def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, mode, overlap, dispatch_format, engine_runs):
     """With a quantized dispatch: the bytes equal the replay's in the format, and the greedy agreement
     with the unquantized engine and with the one-process stand-in (simulate_dispatch) is printed."""
-    from locus.engine.core.engine_core import EngineConfig
-    from locus.engine.frontend.llm import LLM
-    from locus.engine.sampling.sampler import SamplingParams
-    from locus.engine.checkpoint.tokenizer import ByteTokenizer
-
     config = PRESETS[preset]
     plan = plan_for(case, config.moe_layers, preset)
     world = plan.topology.ranks
-    mp.spawn(engine_worker, args=(world, preset, case, free_port(), str(tmp_path), mode, overlap, dispatch_format),
-             nprocs=world, join=True)
+    tmp_path = engine_runs[preset, case, mode, overlap, dispatch_format]
+    assert not failures(tmp_path), failures(tmp_path)
     got, measured = {}, []
     for rank in range(world):
         saved = torch.load(tmp_path / f"engine{rank}.pt", weights_only=False)
@@ -287,16 +306,12 @@ def test_engines_in_lockstep_generate_what_one_engine_does(preset, case, mode, o
         S = plan.topology.slots_per_gpu
         assert saved["shapes"] == [(S, config.hidden_size, 2 * config.intermediate_size)] * len(config.moe_layers)
         assert saved["memory"].held_bytes * config.num_local_experts == saved["memory"].full_bytes * S
-    reference = build_preset(preset, seed=0)
-    llm = LLM.from_model(reference, ByteTokenizer(config.vocab_size), EngineConfig(block_size=8, num_kv_blocks=256))
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     if dispatch_format != "model":
-        unquantized = llm.generate(engine_prompts(), params)
+        unquantized = reference_generation(preset, "model")
         same = [got[f"p{i}"][0] == [out.outputs[0].token_ids] for i, out in enumerate(unquantized)]
         print(f"{preset} {case} {mode} {dispatch_format}: {sum(same)} of {len(same)} greedy continuations identical "
               f"to the unquantized engine's")
-        simulate_dispatch(reference, dispatch_format)
-    want = llm.generate(engine_prompts(), params)
+    want = reference_generation(preset, dispatch_format)
     assert len(got) == 16
     if dispatch_format == "model":
         for i, out in enumerate(want):
