@@ -56,10 +56,20 @@ def kernel_only(monkeypatch):
     monkeypatch.setattr(moe_cpu, "CPU_MAX_ROWS", {dtype: 10**9 for dtype in moe_cpu.CPU_MAX_ROWS})
 
 
+@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"{t}threads")
+def threads(request):
+    """The kernel splits its work over torch.get_num_threads() OpenMP threads: one, two and an odd
+    count, whatever the run's default (make test's fast tests run with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("T, K, E, H, I, kind", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("weight_on_input", [True, False], ids=["w_in", "w_out"])
-def test_matches_reference(kernel_only, T, K, E, H, I, kind, dtype, weight_on_input):
+def test_matches_reference(kernel_only, T, K, E, H, I, kind, dtype, weight_on_input, threads):
     actual, expected = run(T, K, E, H, I, kind, dtype, weight_on_input)
     if dtype == torch.float32:  # float32 accumulation on both sides: only the summation order differs
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
@@ -69,7 +79,7 @@ def test_matches_reference(kernel_only, T, K, E, H, I, kind, dtype, weight_on_in
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rank_holding_half_the_experts(kernel_only, strided, dtype):
+def test_rank_holding_half_the_experts(kernel_only, strided, dtype, threads):
     actual, expected = run(40, 2, 16, 48, 80, "random", dtype, True, with_map=True, strided=strided)
     assert_close(actual, expected)
 

@@ -5,6 +5,7 @@ no process left. Without --ep-elastic, a lost rank still ends the server (test_e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -57,8 +58,7 @@ def streams_through_a_kill(base: str, pid: int, recovery_timeout: float = 60) ->
 
 
 def test_two_lost_ranks_lose_no_stream_and_no_token():
-    want = [o.outputs[0].text for o in LLM("tiny").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS,
-                                                                                     ignore_eos=True))]
+    want = greedy_texts(PROMPTS, TOKENS)
     with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--ep-elastic",
                         "--ep-timeout", "20") as proc:
         base = proc.base_url
@@ -168,10 +168,16 @@ def sse_stream(base: str, prompt: str, tokens: int, started: threading.Event | N
 
 
 def greedy_texts(prompts: list[str], tokens: list[int] | int) -> list[str]:
-    """The single-process engine's greedy text of each prompt (`tokens` each, or one count per prompt)."""
+    """The single-process engine's greedy text of each prompt (`tokens` each, or one count per prompt);
+    several tests want the same texts, so each set is generated once."""
     counts = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
+    return list(_greedy_texts(tuple(prompts), tuple(counts)))
+
+
+@functools.cache
+def _greedy_texts(prompts: tuple[str, ...], counts: tuple[int, ...]) -> tuple[str, ...]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
-    return [o.outputs[0].text for o in LLM("tiny").generate(prompts, params)]
+    return tuple(o.outputs[0].text for o in LLM("tiny").generate(list(prompts), params))
 
 
 def kill_all(pids) -> None:
