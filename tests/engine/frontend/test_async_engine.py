@@ -61,6 +61,14 @@ def test_sink_merges_a_backlog_and_keeps_an_error_after_it_for_the_next_read():
 
 def test_a_slow_reader_gets_fewer_outputs_and_every_token_and_logprob_in_order(tiny, tok):
     core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
+    stepped, step = [], core.step
+
+    def counted():
+        outputs = step()
+        stepped.append(len(outputs))
+        return outputs
+
+    core.step = counted
     engine = AsyncEngine(core)
     engine.start()
     prompt = tok.encode("lagging reader")
@@ -70,7 +78,11 @@ def test_a_slow_reader_gets_fewer_outputs_and_every_token_and_logprob_in_order(t
         outputs = []
         async for out in engine.generate(prompt, params):
             outputs.append(out)
-            await asyncio.sleep(0.05)  # the engine steps on meanwhile
+            # the engine steps on meanwhile: two more of its steps (or the end) before the next read, however
+            # long a step takes on a loaded machine (a fixed 50 ms sleep read every step alone when slower)
+            seen, deadline = len(stepped), time.monotonic() + 60
+            while len(stepped) < seen + 2 and core.has_unfinished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
         return outputs
 
     try:
@@ -120,13 +132,16 @@ def test_a_final_only_reader_gets_just_the_finished_output_with_one_wake_up(tiny
 
 def burst_run(tiny, tok, burst_wait_s: float, gaps: list[float]) -> tuple[float, list[tuple[float, int]]]:
     """A fresh engine gets one request, then one more after each gap; every request is read to the
-    end. Returns when the first was added and (time, number of outputs) of every step (monotonic)."""
+    end. Returns when the first was added and (time, number of outputs) of every step (monotonic; the
+    time the step started: how long the engine waited, without the forward's time, which a loaded
+    machine stretches)."""
     core = EngineCore(tiny, tok, EngineConfig(block_size=4, num_kv_blocks=64))
     steps, step = [], core.step
 
     def counted():
+        started = time.monotonic()
         outputs = step()
-        steps.append((time.monotonic(), len(outputs)))
+        steps.append((started, len(outputs)))
         return outputs
 
     core.step = counted
