@@ -3,7 +3,8 @@
 
 A quantized row of H values is its H one-byte elements followed by its ceil(H/32) E8M0 scale
 bytes (scales along the hidden dimension, one per 32 consecutive values), sent as bytes and
-dequantized to the model's dtype on arrival. In the model's dtype a row is its values' own bytes
+dequantized to the model's dtype on arrival. On CPU both directions are one C pass per row
+(kernels/mx_rows_cpu.py), bit-exact with the torch ops they replace (still used on GPU). In the model's dtype a row is its values' own bytes
 (a view, no copy). `Payload.nbytes` is what the byte counters and the replay count for one row.
 
 Shape legend: N rows, H hidden, B = nbytes.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from locus.kernels import mx_rows_cpu
 from locus.kernels.formats import FORMATS, QuantizedTensor, payload_row_bytes, quantize
 
 
@@ -38,6 +40,8 @@ class Payload:
             return torch.empty((0, self.nbytes), dtype=torch.uint8, device=x.device)
         if not self.quantized:
             return x.contiguous().view(torch.uint8)
+        if mx_rows_cpu.encode_applies(x, self.format):  # same bytes, one C pass
+            return mx_rows_cpu.encode_rows(x, self.format)
         q = quantize(x, self.format, axis=1)
         return torch.cat([q.data.view(torch.uint8), q.scale], dim=1)
 
@@ -48,6 +52,8 @@ class Payload:
         H = self.hidden
         if rows.shape[0] == 0:
             return torch.empty((0, H), dtype=self.dtype, device=rows.device)
+        if mx_rows_cpu.decode_applies(rows, self.format, self.dtype):  # same values, one C pass
+            return mx_rows_cpu.decode_rows(rows, self.format, H, self.dtype)
         element = FORMATS[self.format].element.torch_dtype
         q = QuantizedTensor(rows[:, :H].view(element), rows[:, H:self.nbytes], self.format, (rows.shape[0], H), 1)
         return q.dequantize(self.dtype)
