@@ -9,7 +9,7 @@
  *           to nearest-even: E4M3 as c10's fp8e4m3fn_from_fp32_value, INT8 as round(v * 64).
  *   decode: element value (E4M3 exactly, its NaN codes NaN; INT8 * 2^-6) times the scale 2^(b-127)
  *           (b 0: the float32 subnormal 2^-127; 0xFF: NaN) in float32, then RNE to the dtype
- *           (bfloat16 as torch's vectorised conversion, NaN 0xFFFF; float16 as c10's fp16_ieee_from_fp32_value).
+ *           (bfloat16 RNE, a NaN as this torch's float32 -> bfloat16 conversion writes it; float16 as c10's fp16_ieee_from_fp32_value).
  * dtype codes: 0 float32, 1 bfloat16, 2 float16. format codes: 0 mxfp8 (E4M3), 1 mxint8.
  * Single-threaded: the rows of one exchange are few (tens), and ranks share the cores.
  */
@@ -51,10 +51,10 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
-/* float32 -> bfloat16 as torch's vectorised CPU conversion (AVX2 / AVX-512 cvtfp32_bf16): round to
- * nearest-even, a NaN 0xFFFF (c10's scalar round_to_nearest_even writes 0x7FC0 instead) */
-static inline uint16_t float_to_bf16(float f) {
-    if (f != f) return 0xFFFFu;
+/* float32 -> bfloat16 rounded to nearest-even; a NaN becomes `nan`, what this torch's conversion
+ * writes (0xFFFF from its AVX2 / AVX-512 cvtfp32_bf16, 0x7FC0 from c10's scalar round_to_nearest_even) */
+static inline uint16_t float_to_bf16(float f, uint16_t nan) {
+    if (f != f) return nan;
     const uint32_t u = f_bits(f);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
@@ -82,8 +82,8 @@ static inline float load(const void *x, int dtype, int64_t i) {
     return ((const float *)x)[i];
 }
 
-static inline void store(void *y, int dtype, int64_t i, float v) {
-    if (dtype == 1) ((uint16_t *)y)[i] = float_to_bf16(v);
+static inline void store(void *y, int dtype, int64_t i, float v, uint16_t bf16_nan) {
+    if (dtype == 1) ((uint16_t *)y)[i] = float_to_bf16(v, bf16_nan);
     else if (dtype == 2) ((uint16_t *)y)[i] = float_to_half(v);
     else ((float *)y)[i] = v;
 }
@@ -129,9 +129,9 @@ void locus_mx_encode_rows(const void *x, int64_t N, int64_t H, int dtype, int fo
 }
 
 /* rows: N rows of H element bytes then ceil(H/32) scale bytes, row i at rows + i * stride ->
- * y: [N, H] contiguous in dtype */
+ * y: [N, H] contiguous in dtype (a bfloat16 NaN written as bf16_nan) */
 void locus_mx_decode_rows(const uint8_t *rows, int64_t N, int64_t H, int64_t stride, int dtype, int format,
-                          void *y) {
+                          int bf16_nan, void *y) {
     const int64_t nb = (H + 31) / 32;
     for (int64_t r = 0; r < N; r++) {
         const uint8_t *elements = rows + r * stride, *scales = elements + H;
@@ -142,9 +142,9 @@ void locus_mx_decode_rows(const uint8_t *rows, int64_t N, int64_t H, int64_t str
             const uint8_t *e = elements + start;
             const int64_t at = r * H + start;
             if (format == 0)
-                for (int64_t j = 0; j < n; j++) store(y, dtype, at + j, E4M3_VALUE[e[j]] * scale);
+                for (int64_t j = 0; j < n; j++) store(y, dtype, at + j, E4M3_VALUE[e[j]] * scale, bf16_nan);
             else
-                for (int64_t j = 0; j < n; j++) store(y, dtype, at + j, ((float)(int8_t)e[j] * 0x1.0p-6f) * scale);
+                for (int64_t j = 0; j < n; j++) store(y, dtype, at + j, ((float)(int8_t)e[j] * 0x1.0p-6f) * scale, bf16_nan);
         }
     }
 }

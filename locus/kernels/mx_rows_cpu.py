@@ -31,7 +31,15 @@ def load_library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return c_library.build(SOURCE, "the cpu payload codec", "payloads are encoded with torch ops",
                            {"locus_mx_encode_rows": ([ptr, i64, i64, i32, i32, ptr], None),
-                            "locus_mx_decode_rows": ([ptr, i64, i64, i64, i32, i32, ptr], None)})
+                            "locus_mx_decode_rows": ([ptr, i64, i64, i64, i32, i32, i32, ptr], None)})
+
+
+@functools.cache
+def bfloat16_nan() -> int:
+    """The bits torch's CPU float32 -> bfloat16 conversion gives a NaN (0xFFFF from its AVX2 / AVX-512
+    path, 0x7FC0 from the scalar one), as the torch path's `.to(torch.bfloat16)` writes it."""
+    rows = torch.full((2, 64), float("nan")).narrow(1, 0, 40)  # dequantize's [N, H] float32 as it converts it
+    return int(rows.to(torch.bfloat16).view(torch.int16)[0, 0]) & 0xFFFF
 
 
 def _applies(t: torch.Tensor, fmt: str, dtype: torch.dtype) -> bool:
@@ -67,5 +75,5 @@ def decode_rows(rows: torch.Tensor, fmt: str, hidden: int, dtype: torch.dtype) -
     out = torch.empty((N, hidden), dtype=dtype)
     if N:
         load_library().locus_mx_decode_rows(rows.data_ptr(), N, hidden, rows.stride(0), DTYPE_CODES[dtype],
-                                            FORMAT_CODES[fmt], out.data_ptr())
+                                            FORMAT_CODES[fmt], bfloat16_nan(), out.data_ptr())
     return out
