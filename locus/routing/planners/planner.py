@@ -166,13 +166,16 @@ def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
 def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
               sample: RoutingSample | None = None, predictor: TokenAffinity | None = None) -> PlanResult:
     N, G = topology.nodes, topology.gpus_per_node
-    spec, prefill_node, decode_node = _domain_layout(meta, sig, topology, options)
+    spec, prefill_node, decode_node, placed = _domain_layout(meta, sig, topology, options)
     spec.predictor = predictor
     best = None
     rounds = max(1, options.rounds)
     for k in range(rounds):
-        demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
-        slots, fallback = _place(demand, meta, topology, options)
+        if k == 0 and placed is not None:  # the layout's choice already placed this grouping
+            demand, slots, fallback = placed
+        else:
+            demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
+            slots, fallback = _place(demand, meta, topology, options)
         pull = None
         if sample is not None:
             slots, pull = _calibrate(slots, demand, meta, topology, options.caps.expert, fallback, sample,
@@ -201,23 +204,26 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
 def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions):
     """The grouping spec and first-round nodes of the domain order that places best: the size order and the
     orders domain_layout.py scores lowest, each placed (_place) on its own grouping and scored by expected
-    inter-node bytes, as the rounds are; ties keep the earlier (the size order first)."""
+    inter-node bytes, as the rounds are; ties keep the earlier (the size order first). Also that order's
+    placement (demand, slots, fallback), the first round's, or None when there was one order to place."""
     orders = domain_orders(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
                            topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
     best = None
     for order in orders:
         spec = _spec(meta, sig, topology, options, order)
         prefill_node, decode_node = _initial_grouping(sig, topology, spec, options.seed)
+        placed = None
         if len(orders) > 1:
             demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
-            slots, _ = _place(demand, meta, topology, options)
+            slots, fallback = _place(demand, meta, topology, options)
+            placed = (demand, slots.copy(), fallback)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
             score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
         else:
             score = 0.0
         if best is None or score < best[0]:
-            best = (score, spec, prefill_node, decode_node)
+            best = (score, spec, prefill_node, decode_node, placed)
     return best[1:]
 
 
