@@ -3,8 +3,8 @@ float16 <-> [N, H + ceil(H/32)] bytes, each row its H MX elements then its E8M0 
 row of locus/engine/ep/payload.py), in one C pass per direction.
 
 Bit-exact with the torch path (formats.py `quantize(x, fmt, axis=1)` + `torch.cat`, and
-`QuantizedTensor.dequantize(dtype)`), NaN bytes included, for mxfp8 and mxint8, at 5-20x less CPU
-time per call (docs/formats.md, "Dispatch payloads"). `Payload` uses it for CPU tensors when
+`QuantizedTensor.dequantize(dtype)`), NaN bytes included, for mxfp8 and mxint8, at a fraction of its
+CPU time per call (docs/formats.md, "The codec on CPU"). `Payload` uses it for CPU tensors when
 `encode_applies` / `decode_applies`; otherwise (a CUDA tensor, another format or dtype, no compiler,
 inside torch.compile) it takes the torch path, which writes the same bytes.
 
@@ -18,6 +18,8 @@ import functools
 from pathlib import Path
 
 import torch
+
+from locus.kernels.formats import payload_row_bytes
 
 SOURCE = Path(__file__).with_name("mx_rows_cpu.c")
 FORMAT_CODES = {"mxfp8": 0, "mxint8": 1}
@@ -59,7 +61,7 @@ def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """[N, H] -> [N, H + ceil(H/32)] uint8 (encode_applies(x, fmt) must hold)."""
     x = x.contiguous()
     N, H = x.shape
-    out = torch.empty((N, H + -(-H // 32)), dtype=torch.uint8)
+    out = torch.empty((N, payload_row_bytes(H, fmt, x.element_size())), dtype=torch.uint8)
     if N:
         load_library().locus_mx_encode_rows(x.data_ptr(), N, H, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt],
                                             out.data_ptr())
@@ -70,7 +72,7 @@ def decode_rows(rows: torch.Tensor, fmt: str, hidden: int, dtype: torch.dtype) -
     """[N, >= H + ceil(H/32)] uint8, rows[i, j] at rows.stride(0) * i + j (a view into wider rows is
     fine) -> [N, H] in dtype (decode_applies(rows, fmt, dtype) must hold)."""
     N = rows.shape[0]
-    if rows.shape[1] < hidden + -(-hidden // 32):
+    if rows.shape[1] < payload_row_bytes(hidden, fmt, rows.element_size()):
         raise ValueError(f"rows of {rows.shape[1]} bytes hold no {fmt} row of {hidden} values")
     out = torch.empty((N, hidden), dtype=dtype)
     if N:

@@ -206,7 +206,6 @@ class PlacementMove:
                 n = expert_nbytes(p)
                 write_expert(p, slot, flat[at:at + n])
                 at += n
-        nbytes = per_expert
         for f in layer_fills:
             if f.rank != rank:  # each rank counts the slots it filled: summed over ranks, every slot once
                 continue
@@ -214,9 +213,9 @@ class PlacementMove:
             if f.source == f.rank:
                 self.stats.local += 1
             elif f.source // G == f.rank // G:
-                self.stats.intra_node_bytes += nbytes
+                self.stats.intra_node_bytes += per_expert
             else:
-                self.stats.inter_node_bytes += nbytes
+                self.stats.inter_node_bytes += per_expert
 
 
 def move_bytes(old: PlacementPlan, new: PlacementPlan, expert_bytes: int) -> tuple[int, int, int]:
