@@ -24,7 +24,10 @@ bytes must equal the replay's, to the byte.
 Rates: `--rates auto` (default) runs round_robin unshaped first and picks the three rates at which
 the link's own time would be about 25%, 50% and 75% of its decode step (from the bytes one decode
 step puts on the link, measured as the difference of a full and a short wave, and the unshaped TPOT);
-or give them, e.g. `--rates 20mbit,5mbit,2mbit`.
+or give them, e.g. `--rates 20mbit,5mbit,2mbit`. `--bucket packet` shapes with a one-frame token
+bucket instead of the default 4 KiB or more: with the default a decode step's small messages, after
+the compute between them refills the bucket, cross at line speed, so a slow link costs a decode step
+less than a real link of that rate would (docs/formats.md, runs 12-13).
 
 Prompts: a random preset (`small`) is sent synthetic prompt families, which its random router tells
 apart by alphabet; a trained model that ships held-out text (`mini`) is sent that text by domain
@@ -94,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "DISPATCH/COMBINE to set --ep-combine-format too, e.g. mxfp8/mxfp8 (default: model)")
     p.add_argument("--rates", default="auto", help="'auto', or comma-separated link rates (e.g. 20mbit,5mbit); "
                                                    "'unshaped' is always measured first")
+    p.add_argument("--bucket", default="default",
+                   help="tbf's bucket on the shaped link: 'default' (10 ms of the rate, at least 4 KiB), 'packet' "
+                        "(one frame: every byte after a message's first frame waits for the rate, as on a real "
+                        "link) or a byte count")
     p.add_argument("--workloads", default="wave,mixed")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--output-len", type=int, default=48)
@@ -131,6 +138,28 @@ def rate_bytes(rate: str) -> int:
     raise SystemExit(f"{PROG}: cannot read the rate {rate!r} (e.g. 5mbit, 800kbit)")
 
 
+# One Ethernet frame on the veth link (1500 B of MTU, 14 of header) and a little slack: the smallest
+# bucket through which tbf passes every packet.
+PACKET_BUCKET = 1600
+
+
+def bucket_bytes(rate: str, bucket: str = "default") -> int:
+    """tbf's bucket for `rate`. 'default': 10 ms of the rate, at least 4 KiB (the old rule of thumb
+    for a kernel timer of 100 Hz); a step's messages up to that size pass at line speed after an idle
+    spell, so on a slow link most decode-step messages cross in no time. 'packet': one frame
+    (PACKET_BUCKET), so every message but its first frame waits for the rate, as on a real link of that
+    rate; tbf on a high-resolution timer holds the rate with it. A number: that many bytes (at least
+    one frame)."""
+    if bucket == "default":
+        return max(4096, rate_bytes(rate) // 100)
+    if bucket == "packet":
+        return PACKET_BUCKET
+    if not bucket.isdigit() or int(bucket) < PACKET_BUCKET:
+        raise SystemExit(f"{PROG}: --bucket {bucket!r}: give 'default', 'packet' or a byte count of at least "
+                         f"{PACKET_BUCKET} (one frame)")
+    return int(bucket)
+
+
 def require_namespaces(prog: str = PROG) -> None:
     """Exit 2 with the reason when this machine cannot build the network."""
     def unable(reason: str) -> None:
@@ -160,6 +189,7 @@ class Network:
     created: list[str] = field(default_factory=list)
     links: list[tuple[str, str]] = field(default_factory=list)  # (namespace, device) shaped egresses
     rate: str | None = None
+    bucket: str = "default"  # --bucket: 'default', 'packet' or a byte count
 
     def ns(self, node: int) -> str:
         return f"{self.prefix}n{node}"
@@ -198,16 +228,15 @@ class Network:
 
     def shape(self, rate: str | None) -> None:
         """Shape both directions of the inter-node link to `rate` (a tc rate, e.g. 5mbit); None: unshaped.
-        The bucket is small (10 ms of the rate, at least 4 KiB: what tbf needs at the kernel's timer
-        rate), so the link holds its rate even over one step's few kilobytes instead of passing them at
-        line speed; the queue is long enough for a whole prefill exchange (tbf drops what exceeds it)."""
+        The bucket (`bucket_bytes`) is small, so the link holds its rate even over one step's few
+        kilobytes instead of passing them at line speed; the queue is long enough for a whole prefill
+        exchange (tbf drops what exceeds it)."""
         for ns, dev in self.links:
             if rate is None:
                 run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
             else:
-                burst = max(4096, rate_bytes(rate) // 100)
                 run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                    "burst", str(burst), "limit", "16mb")
+                    "burst", str(bucket_bytes(rate, self.bucket)), "limit", "16mb")
         self.rate = rate
 
     def link_bytes(self) -> list[int]:
@@ -518,6 +547,7 @@ def auto_rates(calibration: dict) -> list[str]:
 # --- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bucket_bytes("1mbit", args.bucket)  # a bad --bucket fails before anything is built
     require_namespaces()
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     overlaps = [o.strip() == "on" for o in args.overlap.split(",") if o.strip()]
@@ -532,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [w for w in workloads if w not in ("wave", "mixed")]:
         raise SystemExit(f"{PROG}: unknown workload(s) {bad}")
     work = Path(tempfile.mkdtemp(prefix="locus-bench-epnet-"))
-    net = Network(args.nodes)
+    net = Network(args.nodes, bucket=args.bucket)
     atexit.register(net.remove)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda s, f: sys.exit(128 + s))  # runs the finally blocks and atexit
