@@ -79,3 +79,23 @@ class NodeCostModel:
             sends = (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)  # [B, N * N]
             out[a : a + BATCH] = sends.reshape(-1, N, N).sum(-1) * self.bytes_per_send
         return out[0] if single else out
+
+    def expected_bytes_on(self, counts: np.ndarray, node: np.ndarray) -> np.ndarray:
+        """expected_bytes(counts)[b, node[b]], [B]: each request's bytes on its own node only, from pair
+        counts [B, L, E] and nodes [B]. The requests of one node are scored together against that node's
+        N columns of route (1 / N of the work), with the requests as einsum's inner axis; every figure is
+        still the sum over experts in expert order, and the sums over layers and nodes keep expected_bytes'
+        layout, so the figures are bit for bit those of expected_bytes."""
+        node = np.asarray(node)
+        N = self.nodes
+        out = np.empty(len(counts), dtype=np.float64)
+        for n in np.unique(node):
+            route = np.ascontiguousarray(self.route[:, :, n * N : (n + 1) * N])  # [L, E, N(j)]
+            rows = np.flatnonzero(node == n)
+            for a in range(0, len(rows), BATCH):
+                batch = rows[a : a + BATCH]
+                p = np.ascontiguousarray(self.distribution(counts[batch]).transpose(1, 2, 0))  # [L, E, b]
+                m = np.einsum("lek,leb->lkb", route, p)  # [L, N(j), b]; einsum's own loops, as above
+                sends = (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)  # [N(j), b]
+                out[batch] = np.ascontiguousarray(sends.T).sum(-1) * self.bytes_per_send  # float32 product
+        return out

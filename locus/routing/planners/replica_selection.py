@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.planners.expected_load import node_loads, remote_share, replica_loads
+from locus.routing.planners.expected_load import node_loads, remote_share
 
 MAX_BALANCE_MOVES = 400
 
@@ -43,7 +43,7 @@ def select_replicas(demand: np.ndarray, capacity: int) -> np.ndarray:
         x[n, orphan] += 1
     for n in range(N):  # capacity > E: the extra slots split the node's heaviest replicas
         while x[n].sum() < capacity:
-            x[n, int(np.argmax(replica_loads(demand, x)[n]))] += 1
+            x[n, int(np.argmax(node_replica_loads(demand, x, n)))] += 1
     return x
 
 
@@ -57,7 +57,13 @@ def removal_costs(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
 def _cheapest(demand: np.ndarray, x: np.ndarray, cost: np.ndarray, n: int) -> int:
     """Node n's cheapest replica to give up; among equally cheap ones the lightest, so that balance
     suffers least."""
-    return int(np.lexsort((replica_loads(demand, x)[n], cost))[0])
+    return int(np.lexsort((node_replica_loads(demand, x, n), cost))[0])
+
+
+def node_replica_loads(demand: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """replica_loads(demand, x)[n], [E], without the other nodes' rows (the same operations per element)."""
+    own = demand[n] / np.maximum(x[n], 1)
+    return np.where(x[n] > 0, own + remote_share(demand, x), 0.0)
 
 
 def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
@@ -77,16 +83,26 @@ def transfer_effects(demand: np.ndarray, x: np.ndarray, src: int, dst: int) -> t
     Returns (delta_load [E, N]: change of every node's load, delta_local [E]: change of local pairs);
     rows of experts src does not hold are meaningless (the caller masks them).
     """
-    N, E = demand.shape
-    rho = remote_share(demand, x)  # [E]
+    delta, local = transfer_effects_batch(demand, x, remote_share(demand, x), np.array([src]), np.array([dst]))
+    return delta[0], local[0]
+
+
+def transfer_effects_batch(demand: np.ndarray, x: np.ndarray, rho: np.ndarray, src: np.ndarray,
+                           dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """transfer_effects for D (src, dst) pairs at once, given rho = remote_share(demand, x) [E]:
+    (delta_load [D, E, N], delta_local [D, E]). Every element is computed by the same operations as
+    one pair alone, so the figures (and the near-ties balance_nodes breaks on them) do not depend on
+    the batching."""
     copies = np.maximum(x.sum(0), 1)
-    drop = x[src] == 1  # src loses its last copy: its demand turns remote
-    gain = x[dst] == 0  # dst's demand turns local
-    d_src, d_dst = demand[src], demand[dst]
+    x_src, x_dst = x[src], x[dst]  # [D, E]
+    drop = x_src == 1  # src loses its last copy: its demand turns remote
+    gain = x_dst == 0  # dst's demand turns local
+    d_src, d_dst = demand[src], demand[dst]  # [D, E]
     rho_new = rho + (d_src * drop - d_dst * gain) / copies
-    delta = x.T * (rho_new - rho)[:, None]  # [E, N] third nodes: only the remote share changes
-    delta[:, src] = -d_src * drop + (x[src] - 1) * rho_new - x[src] * rho
-    delta[:, dst] = d_dst * gain + (x[dst] + 1) * rho_new - x[dst] * rho
+    delta = x.T[None] * (rho_new - rho)[:, :, None]  # [D, E, N] third nodes: only the remote share changes
+    pairs = np.arange(len(src))
+    delta[pairs, :, src] = -d_src * drop + (x_src - 1) * rho_new - x_src * rho
+    delta[pairs, :, dst] = d_dst * gain + (x_dst + 1) * rho_new - x_dst * rho
     return delta, d_dst * gain - d_src * drop
 
 
@@ -101,28 +117,45 @@ def balance_nodes(demand: np.ndarray, x: np.ndarray, limit: float, max_moves: in
         if excess <= 1e-9 * scale:
             break
         src = int(np.argmax(loads))
-        best = None
-        for dst in range(N):
-            if dst == src:
-                continue
-            da, la = transfer_effects(demand, x, src, dst)  # a: src -> dst
-            db, lb = transfer_effects(demand, x, dst, src)  # b: dst -> src
-            a = np.flatnonzero(x[src] >= 1)
-            b = np.flatnonzero(x[dst] >= 1)
-            new = loads + da[a][:, None, :] + db[b][None, :, :]  # [A, B, N]
-            reduced = excess - np.maximum(new - limit, 0.0).sum(-1)  # [A, B]
-            loss = -(la[a][:, None] + lb[b][None, :])
-            score = reduced / (np.maximum(loss, 0.0) + 1e-6 * scale)
-            score[a[:, None] == b[None, :]] = -np.inf
-            score[reduced <= 1e-6 * scale] = -np.inf
-            i, j = np.unravel_index(int(np.argmax(score)), score.shape)
-            if np.isfinite(score[i, j]) and (best is None or score[i, j] > best[0]):
-                best = (score[i, j], dst, int(a[i]), int(b[j]))
+        best = best_swap(demand, x, loads, excess, limit, scale, src)
         if best is None:
             break
-        _, dst, ea, eb = best
+        dst, ea, eb = best
         x[src, ea] -= 1
         x[dst, ea] += 1
         x[dst, eb] -= 1
         x[src, eb] += 1
     return x
+
+
+def best_swap(demand: np.ndarray, x: np.ndarray, loads: np.ndarray, excess: float, limit: float, scale: float,
+              src: int) -> tuple[int, int, int] | None:
+    """The swap (dst, expert src gives, expert dst gives) removing the most overload per local pair
+    lost, over every other node at once; the first best in (dst, a, b) order; None if none helps.
+
+    Shapes: D = N - 1 other nodes, A experts src holds, B = the most experts any dst holds (shorter
+    lists padded and masked).
+    """
+    N, E = demand.shape
+    dsts = np.array([n for n in range(N) if n != src])
+    srcs = np.full(len(dsts), src)
+    rho = remote_share(demand, x)
+    da, la = transfer_effects_batch(demand, x, rho, srcs, dsts)  # a: src -> dst, [D, E, N], [D, E]
+    db, lb = transfer_effects_batch(demand, x, rho, dsts, srcs)  # b: dst -> src
+    a = np.flatnonzero(x[src] >= 1)  # [A]
+    held = x[dsts] >= 1  # [D, E]
+    width = int(held.sum(1).max())
+    order = np.argsort(~held, axis=1, kind="stable")[:, :width]  # [D, B] held experts first, ascending
+    valid = np.take_along_axis(held, order, 1)  # [D, B]
+    rows = np.arange(len(dsts))[:, None]
+    new = loads + da[:, a][:, :, None, :] + db[rows, order][:, None, :, :]  # [D, A, B, N]
+    reduced = excess - np.maximum(new - limit, 0.0).sum(-1)  # [D, A, B]
+    loss = -(la[:, a][:, :, None] + lb[rows, order][:, None, :])
+    score = reduced / (np.maximum(loss, 0.0) + 1e-6 * scale)
+    score[a[None, :, None] == order[:, None, :]] = -np.inf
+    score[reduced <= 1e-6 * scale] = -np.inf
+    score[~np.broadcast_to(valid[:, None, :], score.shape)] = -np.inf
+    d, i, j = np.unravel_index(int(np.argmax(score)), score.shape)
+    if not np.isfinite(score[d, i, j]):
+        return None
+    return int(dsts[d]), int(a[i]), int(order[d, j])

@@ -53,7 +53,9 @@ def count_request_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_pha
     ids = np.asarray(expert_ids, dtype=np.int64)
     row_key = (row_request * 2 + row_phase)[:, None] * L + np.arange(L)  # [T, L]
     keys = row_key[:, :, None] * E + ids
-    counts = np.bincount(keys[ids >= 0], minlength=num_requests * 2 * L * E)
+    valid = ids >= 0
+    # Most blocks hold no -1: counting the keys as they are spares the masked copy.
+    counts = np.bincount(keys.ravel() if valid.all() else keys[valid], minlength=num_requests * 2 * L * E)
     return counts.reshape(num_requests, 2, L, E).astype(np.float32)
 
 

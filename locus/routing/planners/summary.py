@@ -92,12 +92,11 @@ def expected_bytes_per_token(plan, spec, signatures, prefill_node: np.ndarray, d
                              moe_layers) -> float:
     """node_cost's expected inter-node bytes per token over the planning requests (no prior mixed in)."""
     cost = dataclasses.replace(NodeCostModel.from_plan(plan, spec, moe_layers), prior_tokens=0.0)
-    total, rows = 0.0, np.arange(signatures.num_requests)
+    total = 0.0
     prompt = signatures.prompt_tokens.astype(np.float64)
     decode = (signatures.tokens - signatures.prompt_tokens).astype(np.float64)
     for counts, node, n in ((signatures.prefill, prefill_node, prompt), (signatures.decode, decode_node, decode)):
-        per_node = cost.expected_bytes(counts)  # [R, N]
-        total += float((per_node[rows, node] * n).sum())
+        total += float((cost.expected_bytes_on(counts, node) * n).sum())  # [R] on each request's node
     return total / max(float(signatures.tokens.sum()), 1.0)
 
 
