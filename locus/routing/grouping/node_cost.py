@@ -59,10 +59,12 @@ class NodeCostModel:
     def distribution(self, counts: np.ndarray) -> np.ndarray:
         """Pair counts [B, L, E] -> shrunk per-layer distributions [B, L, E] float32."""
         counts = np.asarray(counts, dtype=np.float32)
-        mixed = counts + np.float32(self.prior_tokens * self.top_k) * self.prior.astype(np.float32)[None]
+        mixed = counts
+        if self.prior_tokens:  # adding 0 * prior changes no count: spare the pass when there is no prior
+            mixed = counts + np.float32(self.prior_tokens * self.top_k) * self.prior.astype(np.float32)[None]
         total = mixed.sum(-1, keepdims=True)
         uniform = np.float32(1.0 / mixed.shape[-1])
-        return np.where(total > 0, mixed / np.where(total > 0, total, 1), uniform).astype(np.float32)
+        return np.where(total > 0, mixed / np.where(total > 0, total, 1), uniform).astype(np.float32, copy=False)
 
     def expected_bytes(self, counts: np.ndarray) -> np.ndarray:
         """Expected inter-node bytes per token on each node, [B, N], from pair counts [B, L, E]."""

@@ -139,22 +139,26 @@ def best_swap(demand: np.ndarray, x: np.ndarray, loads: np.ndarray, excess: floa
     N, E = demand.shape
     dsts = np.array([n for n in range(N) if n != src])
     srcs = np.full(len(dsts), src)
-    rho = remote_share(demand, x)
-    da, la = transfer_effects_batch(demand, x, rho, srcs, dsts)  # a: src -> dst, [D, E, N], [D, E]
-    db, lb = transfer_effects_batch(demand, x, rho, dsts, srcs)  # b: dst -> src
+    D = len(dsts)
+    # a: src -> dst and b: dst -> src, in one batch: [D, E, N], [D, E] each
+    delta, local = transfer_effects_batch(demand, x, remote_share(demand, x), np.concatenate([srcs, dsts]),
+                                          np.concatenate([dsts, srcs]))
+    da, la, db, lb = delta[:D], local[:D], delta[D:], local[D:]
     a = np.flatnonzero(x[src] >= 1)  # [A]
     held = x[dsts] >= 1  # [D, E]
     width = int(held.sum(1).max())
     order = np.argsort(~held, axis=1, kind="stable")[:, :width]  # [D, B] held experts first, ascending
     valid = np.take_along_axis(held, order, 1)  # [D, B]
     rows = np.arange(len(dsts))[:, None]
-    new = loads + da[:, a][:, :, None, :] + db[rows, order][:, None, :, :]  # [D, A, B, N]
-    reduced = excess - np.maximum(new - limit, 0.0).sum(-1)  # [D, A, B]
+    over = loads + da[:, a][:, :, None, :] + db[rows, order][:, None, :, :]  # [D, A, B, N] new loads
+    np.subtract(over, limit, out=over)
+    np.maximum(over, 0.0, out=over)
+    reduced = excess - over.sum(-1)  # [D, A, B]
     loss = -(la[:, a][:, :, None] + lb[rows, order][:, None, :])
     score = reduced / (np.maximum(loss, 0.0) + 1e-6 * scale)
-    score[a[None, :, None] == order[:, None, :]] = -np.inf
-    score[reduced <= 1e-6 * scale] = -np.inf
-    score[~np.broadcast_to(valid[:, None, :], score.shape)] = -np.inf
+    useless = (a[None, :, None] == order[:, None, :]) | ~valid[:, None, :]  # [D, A, B]
+    useless |= reduced <= 1e-6 * scale
+    score[useless] = -np.inf
     d, i, j = np.unravel_index(int(np.argmax(score)), score.shape)
     if not np.isfinite(score[d, i, j]):
         return None
