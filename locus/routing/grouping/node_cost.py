@@ -85,9 +85,10 @@ class NodeCostModel:
     def expected_bytes_on(self, counts: np.ndarray, node: np.ndarray) -> np.ndarray:
         """expected_bytes(counts)[b, node[b]], [B]: each request's bytes on its own node only, from pair
         counts [B, L, E] and nodes [B]. The requests of one node are scored together against that node's
-        N columns of route (1 / N of the work), with the requests as einsum's inner axis; every figure is
-        still the sum over experts in expert order, and the sums over layers and nodes keep expected_bytes'
-        layout, so the figures are bit for bit those of expected_bytes."""
+        N columns of route (1 / N of the work), with the requests as einsum's inner axis. The figures must
+        be expected_bytes' bit for bit (a last-bit difference can flip the planner's near ties;
+        tests/routing/grouping/test_node_cost.py holds them to it): the sums over layers and over nodes
+        keep expected_bytes' memory layout, since numpy's summation order follows the layout."""
         node = np.asarray(node)
         N = self.nodes
         out = np.empty(len(counts), dtype=np.float64)

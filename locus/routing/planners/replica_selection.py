@@ -77,22 +77,15 @@ def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
     return True
 
 
-def transfer_effects(demand: np.ndarray, x: np.ndarray, src: int, dst: int) -> tuple[np.ndarray, np.ndarray]:
-    """Moving one replica of each expert from node src to node dst, for every expert at once.
-
-    Returns (delta_load [E, N]: change of every node's load, delta_local [E]: change of local pairs);
-    rows of experts src does not hold are meaningless (the caller masks them).
-    """
-    delta, local = transfer_effects_batch(demand, x, remote_share(demand, x), np.array([src]), np.array([dst]))
-    return delta[0], local[0]
-
-
 def transfer_effects_batch(demand: np.ndarray, x: np.ndarray, rho: np.ndarray, src: np.ndarray,
                            dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """transfer_effects for D (src, dst) pairs at once, given rho = remote_share(demand, x) [E]:
-    (delta_load [D, E, N], delta_local [D, E]). Every element is computed by the same operations as
-    one pair alone, so the figures (and the near-ties balance_nodes breaks on them) do not depend on
-    the batching."""
+    """Moving one replica of each expert from node src[d] to node dst[d], for D (src, dst) pairs and every
+    expert at once, given rho = remote_share(demand, x) [E].
+
+    Returns (delta_load [D, E, N]: change of every node's load, delta_local [D, E]: change of local
+    pairs); rows of experts src[d] does not hold are meaningless (the caller masks them). Elementwise
+    only, so a pair's figures do not depend on which pairs share its batch.
+    """
     copies = np.maximum(x.sum(0), 1)
     x_src, x_dst = x[src], x[dst]  # [D, E]
     drop = x_src == 1  # src loses its last copy: its demand turns remote

@@ -6,11 +6,11 @@ import pytest
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.planners.gpu_packing import gpu_sums, pack_replicas
-from locus.routing.planners.expected_load import node_replicas, rank_loads, replica_loads
+from locus.routing.planners.expected_load import node_loads, node_replicas, rank_loads, remote_share, replica_loads
 from locus.traces.metrics import max_over_mean
 from locus.routing.planners.locality import place_layer
 from locus.routing.plan.placement import PlacementPlan
-from locus.routing.planners.replica_selection import select_replicas
+from locus.routing.planners.replica_selection import select_replicas, transfer_effects_batch
 from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.plan.topology import Topology
 
@@ -94,3 +94,28 @@ def test_a_node_demand_no_placement_can_absorb_is_reported_as_missed():
     demand[0, 0] = 30.0
     layer = place_layer(demand, 2, 3, cap=1.10)
     assert not layer.met_cap and layer.imbalance > 1.10
+
+
+def test_a_transfers_figures_do_not_depend_on_its_batch():
+    # balance_nodes scores all destination nodes in one batch; its near ties must break as they would
+    # with each (src, dst) pair scored alone, so a pair's figures must be the same to the last bit.
+    rng = np.random.default_rng(3)
+    N, E = 8, 64
+    demand = rng.pareto(1.2, (N, E)) * 100
+    x = select_replicas(demand, E // N + 3)
+    rho = remote_share(demand, x)
+    src = np.array([s for s in range(N) for d in range(N) if d != s])
+    dst = np.array([d for s in range(N) for d in range(N) if d != s])
+    delta, local = transfer_effects_batch(demand, x, rho, src, dst)
+    assert delta.shape == (len(src), E, N) and local.shape == (len(src), E)
+    for i in range(len(src)):
+        one_delta, one_local = transfer_effects_batch(demand, x, rho, src[i : i + 1], dst[i : i + 1])
+        assert one_delta[0].tobytes() == delta[i].tobytes() and one_local[0].tobytes() == local[i].tobytes()
+    # Moving expert e from src to dst changes src's and dst's loads by what node_loads says.
+    s, d = 0, 1
+    e = int(np.flatnonzero(x[s] >= 1)[0])
+    moved = x.copy()
+    moved[s, e] -= 1
+    moved[d, e] += 1
+    k = int(np.flatnonzero((src == s) & (dst == d))[0])
+    np.testing.assert_allclose(node_loads(demand, moved) - node_loads(demand, x), delta[k, e], atol=1e-9)
