@@ -27,7 +27,7 @@ step puts on the link, measured as the difference of a full and a short wave, an
 or give them, e.g. `--rates 20mbit,5mbit,2mbit`. `--bucket packet` shapes with a one-frame token
 bucket instead of the default 4 KiB or more: with the default a decode step's small messages, after
 the compute between them refills the bucket, cross at line speed, so a slow link costs a decode step
-less than a real link of that rate would (docs/formats.md, runs 12-13).
+less than a real link of that rate would (docs/formats.md, run 12).
 
 Prompts: a random preset (`small`) is sent synthetic prompt families, which its random router tells
 apart by alphabet; a trained model that ships held-out text (`mini`) is sent that text by domain
