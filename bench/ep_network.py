@@ -150,14 +150,19 @@ def bucket_bytes(rate: str, bucket: str = "default") -> int:
     (PACKET_BUCKET), so every message but its first frame waits for the rate, as on a real link of that
     rate; tbf on a high-resolution timer holds the rate with it. A number: that many bytes (at least
     one frame)."""
+    check_bucket(bucket)
     if bucket == "default":
         return max(4096, rate_bytes(rate) // 100)
     if bucket == "packet":
         return PACKET_BUCKET
-    if not bucket.isdigit() or int(bucket) < PACKET_BUCKET:
+    return int(bucket)
+
+
+def check_bucket(bucket: str) -> None:
+    """Exit with the reason when --bucket is none of 'default', 'packet' or a byte count of a frame or more."""
+    if bucket not in ("default", "packet") and (not bucket.isdigit() or int(bucket) < PACKET_BUCKET):
         raise SystemExit(f"{PROG}: --bucket {bucket!r}: give 'default', 'packet' or a byte count of at least "
                          f"{PACKET_BUCKET} (one frame)")
-    return int(bucket)
 
 
 def require_namespaces(prog: str = PROG) -> None:
@@ -547,7 +552,7 @@ def auto_rates(calibration: dict) -> list[str]:
 # --- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bucket_bytes("1mbit", args.bucket)  # a bad --bucket fails before anything is built
+    check_bucket(args.bucket)  # a bad --bucket fails before anything is built
     require_namespaces()
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     overlaps = [o.strip() == "on" for o in args.overlap.split(",") if o.strip()]

@@ -78,9 +78,15 @@ class NodeCostModel:
             # einsum's own loops, not BLAS: multi-threaded BLAS on these small products is many times
             # slower when another core is busy (docs/planner.md has the measurement).
             m = np.einsum("lbe,lek->lbk", p, self.route)  # [L, B, N * N]
-            sends = (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)  # [B, N * N]
+            sends = self._sends(m)  # [B, N * N]
             out[a : a + BATCH] = sends.reshape(-1, N, N).sum(-1) * self.bytes_per_send
         return out[0] if single else out
+
+    def _sends(self, m: np.ndarray) -> np.ndarray:
+        """Expected sends over the layers (axis 0) from each route's per-layer expert mass m: a token's
+        top_k picks reach a destination at least once with probability 1 - (1 - m)^top_k. One piece of code
+        for both scores, whose figures must agree bit for bit."""
+        return (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)
 
     def expected_bytes_on(self, counts: np.ndarray, node: np.ndarray) -> np.ndarray:
         """expected_bytes(counts)[b, node[b]], [B]: each request's bytes on its own node only, from pair
@@ -99,6 +105,6 @@ class NodeCostModel:
                 batch = rows[a : a + BATCH]
                 p = np.ascontiguousarray(self.distribution(counts[batch]).transpose(1, 2, 0))  # [L, E, b]
                 m = np.einsum("lek,leb->lkb", route, p)  # [L, N(j), b]; einsum's own loops, as above
-                sends = (1.0 - np.clip(1.0 - m, 0.0, 1.0) ** self.top_k).sum(0)  # [N(j), b]
+                sends = self._sends(m)  # [N(j), b]
                 out[batch] = np.ascontiguousarray(sends.T).sum(-1) * self.bytes_per_send  # float32 product
         return out

@@ -52,6 +52,13 @@ def replica_loads(demand: np.ndarray, x: np.ndarray, pull: np.ndarray | None = N
     return np.where(x > 0, own + remote_loads(demand, x, pull), 0.0)
 
 
+def node_replica_loads(demand: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """replica_loads(demand, x)[n], [E], for demand / x [N, E] under the even spread, without computing the
+    other nodes' rows (the same operations per element, so the same figures)."""
+    own = demand[n] / np.maximum(x[n], 1)
+    return np.where(x[n] > 0, own + remote_share(demand, x), 0.0)
+
+
 def node_loads(demand: np.ndarray, x: np.ndarray, pull: np.ndarray | None = None) -> np.ndarray:
     """Pairs each node serves, [.., N]."""
     return (x * replica_loads(demand, x, pull)).sum(-1)

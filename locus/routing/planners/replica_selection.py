@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.routing.planners.expected_load import node_loads, remote_share
+from locus.routing.planners.expected_load import node_loads, node_replica_loads, remote_share
 
 MAX_BALANCE_MOVES = 400
 
@@ -58,12 +58,6 @@ def _cheapest(demand: np.ndarray, x: np.ndarray, cost: np.ndarray, n: int) -> in
     """Node n's cheapest replica to give up; among equally cheap ones the lightest, so that balance
     suffers least."""
     return int(np.lexsort((node_replica_loads(demand, x, n), cost))[0])
-
-
-def node_replica_loads(demand: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
-    """replica_loads(demand, x)[n], [E], without the other nodes' rows (the same operations per element)."""
-    own = demand[n] / np.maximum(x[n], 1)
-    return np.where(x[n] > 0, own + remote_share(demand, x), 0.0)
 
 
 def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
@@ -129,10 +123,9 @@ def best_swap(demand: np.ndarray, x: np.ndarray, loads: np.ndarray, excess: floa
     Shapes: D = N - 1 other nodes, A experts src holds, B = the most experts any dst holds (shorter
     lists padded and masked).
     """
-    N, E = demand.shape
-    dsts = np.array([n for n in range(N) if n != src])
-    srcs = np.full(len(dsts), src)
+    dsts = np.array([n for n in range(demand.shape[0]) if n != src])
     D = len(dsts)
+    srcs = np.full(D, src)
     # a: src -> dst and b: dst -> src, in one batch: [D, E, N], [D, E] each
     delta, local = transfer_effects_batch(demand, x, remote_share(demand, x), np.concatenate([srcs, dsts]),
                                           np.concatenate([dsts, srcs]))
@@ -142,7 +135,7 @@ def best_swap(demand: np.ndarray, x: np.ndarray, loads: np.ndarray, excess: floa
     width = int(held.sum(1).max())
     order = np.argsort(~held, axis=1, kind="stable")[:, :width]  # [D, B] held experts first, ascending
     valid = np.take_along_axis(held, order, 1)  # [D, B]
-    rows = np.arange(len(dsts))[:, None]
+    rows = np.arange(D)[:, None]
     over = loads + da[:, a][:, :, None, :] + db[rows, order][:, None, :, :]  # [D, A, B, N] new loads
     np.subtract(over, limit, out=over)
     np.maximum(over, 0.0, out=over)
