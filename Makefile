@@ -1,20 +1,52 @@
-# Quick start: `make test` builds .venv from this repository's files alone, then runs the suite.
+# Quick start: `make serve` builds .venv with what serving needs, `make test` adds the test set and runs
+# the suite. Every version comes from the committed lock (requirements/*.txt, hashed; made by `make lock`,
+# see requirements/README.md), so a fresh machine builds the same environment whatever the newest releases.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.locus-installed
 TORCH_VERSION ?= 2.13.0
+# Where torch comes from: empty = pip's own configuration (PyPI's default build is the CUDA one);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU build, .../whl/cu130 for a CUDA build.
+TORCH_INDEX ?=
+SERVE_STAMP := $(VENV)/.locus-serve
+TEST_STAMP := $(VENV)/.locus-test
 
-.PHONY: test test-fast serve generate venv clean
+.PHONY: test test-fast serve generate venv venv-serve lock clean
 
-venv: $(STAMP)
+venv: $(TEST_STAMP)
+venv-serve: $(SERVE_STAMP)
 
-# torch goes in first and pinned: a bare `torch` requirement in an empty venv pulls CUDA wheels.
-$(STAMP): pyproject.toml Makefile
+# torch first, pinned, with its own dependencies from TORCH_INDEX (the CUDA build brings nvidia-*
+# packages the lock does not list); then the locked set with --no-deps and --require-hashes, so nothing
+# unlocked enters; then Locus itself without build isolation (setuptools is locked too); `pip check`
+# proves the result consistent and the freeze puts the installed versions in the log.
+define install_set
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==$(TORCH_VERSION)
-	$(PY) -m pip install -e '.[test,plots]'
-	touch $(STAMP)
+	$(PY) -m pip install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --require-hashes --no-deps -r requirements/$(1).txt
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	@echo "locked environment ($(1)):"; $(PY) -m pip freeze --exclude-editable | tr '\n' ' '; echo
+endef
+
+$(SERVE_STAMP): requirements/serve.txt pyproject.toml Makefile
+	$(call install_set,serve)
+	touch $(SERVE_STAMP)
+
+# The test set is a superset of the serving set: once it is in, serving needs nothing more.
+$(TEST_STAMP): requirements/test.txt pyproject.toml Makefile
+	$(call install_set,test)
+	touch $(TEST_STAMP) $(SERVE_STAMP)
+
+# Re-resolve every set to the newest releases (a deliberate upgrade: commit the changed lock files with
+# the test result), then rebuild the venv from them and run the fast tests. uv resolves (it writes
+# hashed requirement files plain pip installs); it runs from a throwaway tool venv.
+LOCK_TOOL ?= /tmp/locus-lock-tool
+LOCK_ARGS ?=
+lock:
+	test -x $(LOCK_TOOL)/bin/uv || (python3 -m venv $(LOCK_TOOL) && $(LOCK_TOOL)/bin/pip install uv)
+	LOCK_UV=$(LOCK_TOOL)/bin/uv sh requirements/compile.sh --upgrade $(LOCK_ARGS)
+	rm -f $(TEST_STAMP) $(SERVE_STAMP)
+	$(MAKE) test-fast
 
 # The inner loop: everything but the tests marked slow (those that start servers, ranks or bench
 # scripts, or run long). One torch thread by default (FAST_THREADS=2 for two): where other processes
@@ -25,14 +57,14 @@ $(STAMP): pyproject.toml Makefile
 FAST_THREADS ?= 1
 FAST_WORKERS ?= 2
 FAST_PYTEST = OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "not slow" $(if $(filter-out 0,$(FAST_WORKERS)),-n $(FAST_WORKERS)) $(PYTEST_ARGS)
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(FAST_PYTEST)
 
 # CI's suite, every test: the fast ones as `make test-fast` runs them, then the slow ones (servers,
 # rank processes, bench scripts: timing-sensitive where they share 2 cores) one at a time in one
 # process with torch's default threads. Both halves always run; the target fails if either does
 # (pytest's 5, nothing selected, is not a failure: PYTEST_ARGS may select tests of one half only).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	@fast=0; $(FAST_PYTEST) || fast=$$?; [ $$fast = 5 ] && fast=0; \
 	slow=0; $(PY) -m pytest -q -m slow $(PYTEST_ARGS) || slow=$$?; [ $$slow = 5 ] && slow=0; \
 	echo "make test: fast tests exit $$fast, slow tests exit $$slow"; [ $$fast = 0 ] && [ $$slow = 0 ]
@@ -42,11 +74,11 @@ test: $(STAMP)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/locus serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # A short generation on the shipped trained model.
-generate: $(STAMP)
+generate: $(SERVE_STAMP)
 	$(VENV)/bin/locus generate --model mini --prompt "def fibonacci(n):" --max-tokens 48 --temperature 0.7 --top-k 40 --seed 0
 
 clean:

@@ -76,6 +76,10 @@ def check_spec(so, limits: GrammarLimits) -> None:
         if bad:
             raise InvalidParameter(so.param, f"the JSON schema uses {', '.join(bad)}, which the output constraint "
                                              "cannot enforce; remove it")
+        loop = empty_ref_loop(schema)
+        if loop:
+            raise InvalidParameter(so.param, f"the {so.kind} constraint accepts no output: its $ref chain "
+                                             f"{' -> '.join(loop)} never reaches a schema with content")
 
 
 def schema_shape(schema: Any) -> tuple[int, list[str]]:
@@ -101,6 +105,50 @@ def schema_shape(schema: Any) -> tuple[int, list[str]]:
                 children.extend(node[key])
         stack.extend((child, depth + 1) for child in children)
     return deepest, sorted(found)
+
+
+# Keywords that say nothing about the value: a schema made of these and "$ref" alone only refers on.
+_ANNOTATIONS = {"$ref", "title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                "writeOnly", "$id", "$schema", "$anchor"}
+
+
+def empty_ref_loop(schema: Any) -> list[str]:
+    """The local `$ref` chain that comes back to itself through schemas holding nothing but the
+    reference (`a -> b -> a`), as the list of references followed; [] if there is none. No output can
+    meet such a schema. Checked here rather than left to xgrammar, whose releases refuse it at
+    different stages with different words (a compile error in some, a grammar that admits no first
+    token in others)."""
+    if not isinstance(schema, dict):
+        return []
+    starts = [schema]
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            starts.extend(schema[key].values())
+    for start in starts:
+        node, seen, chain = start, set(), []
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) <= _ANNOTATIONS:
+            ref = node["$ref"]
+            chain.append(ref)
+            if ref in seen:
+                return chain
+            seen.add(ref)
+            node = _resolve_local(schema, ref)
+    return []
+
+
+def _resolve_local(schema: dict, ref: str) -> Any:
+    """The subschema a local JSON pointer (`#/$defs/a`) names; None for a remote or broken one."""
+    if ref == "#":
+        return schema
+    if not ref.startswith("#/"):
+        return None
+    node: Any = schema
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 class CompilePools:
