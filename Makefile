@@ -16,24 +16,27 @@ venv: $(TEST_STAMP)
 venv-serve: $(SERVE_STAMP)
 
 # torch first, pinned, with its own dependencies from TORCH_INDEX (the CUDA build brings nvidia-*
-# packages the lock does not list); then the locked set with --no-deps and --require-hashes, so nothing
-# unlocked enters; then Locus itself without build isolation (setuptools is locked too); `pip check`
+# packages and its own triton, which the lock does not list); the locked triton where torch brought
+# none (requirements/triton.in says why it is locked apart); then the locked set with --no-deps and
+# --require-hashes, so nothing unlocked enters; then Locus itself without build isolation (setuptools is locked too); `pip check`
 # proves the result consistent and the freeze puts the installed versions in the log.
 define install_set
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	if $(PY) -c "import importlib.metadata as m, sys; sys.exit(any(r.startswith('triton') for r in m.requires('torch') or []))"; \
+		then $(PY) -m pip install --require-hashes --no-deps -r requirements/triton.txt; fi
 	$(PY) -m pip install --require-hashes --no-deps -r requirements/$(1).txt
 	$(PY) -m pip install --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	@echo "locked environment ($(1)):"; $(PY) -m pip freeze --exclude-editable | tr '\n' ' '; echo
 endef
 
-$(SERVE_STAMP): requirements/serve.txt pyproject.toml Makefile
+$(SERVE_STAMP): requirements/serve.txt requirements/triton.txt pyproject.toml Makefile
 	$(call install_set,serve)
 	touch $(SERVE_STAMP)
 
 # The test set is a superset of the serving set: once it is in, serving needs nothing more.
-$(TEST_STAMP): requirements/test.txt pyproject.toml Makefile
+$(TEST_STAMP): requirements/test.txt requirements/triton.txt pyproject.toml Makefile
 	$(call install_set,test)
 	touch $(TEST_STAMP) $(SERVE_STAMP)
 

@@ -22,9 +22,19 @@ def step(core: EngineCore, outputs: dict) -> None:
         got = outputs.setdefault(out.request_id, {"ids": [], "text": "", "logprobs": []})
         got["ids"] += c.delta_token_ids
         got["text"] += c.delta_text
-        got["logprobs"] += [(lp.token_id, round(lp.logprob, 5)) for lp in c.delta_logprobs or []]
+        got["logprobs"] += [(lp.token_id, lp.logprob) for lp in c.delta_logprobs or []]
         if out.finished:
             got["finish"] = c.finish_reason
+
+
+def same_output(got: dict, want: dict) -> bool:
+    """Token for token, and logprobs within float32 noise: the target batches the moved request with
+    other work, and a float32 sum over another batch shape may differ in its last bits, which a fixed
+    rounding of the logprob can turn into a last-digit difference."""
+    ids = [t for t, _ in got["logprobs"]] == [t for t, _ in want["logprobs"]]
+    close = [lp for _, lp in got["logprobs"]] == pytest.approx([lp for _, lp in want["logprobs"]], abs=1e-4)
+    rest = {k: v for k, v in got.items() if k != "logprobs"} == {k: v for k, v in want.items() if k != "logprobs"}
+    return ids and close and rest
 
 
 def run_to_end(core: EngineCore, outputs: dict) -> None:
@@ -70,7 +80,7 @@ def test_a_moved_request_generates_what_it_would_have_without_the_move(tiny, tok
     assert not source.has_unfinished() and source.blocks.num_free_blocks == source.blocks.num_blocks > free_before
     run_to_end(target, got)
     for name in CASES:
-        assert got[name] == want[name], name
+        assert same_output(got[name], want[name]), (name, got[name], want[name])
     assert target.blocks.num_free_blocks == target.blocks.num_blocks
 
 
@@ -89,7 +99,7 @@ def test_a_move_into_a_full_pool_recomputes_instead(tiny, tok):
     step(source, got)
     assert not take_in(target, take_out(source, "r"))  # no room for its 5 blocks: it waits and is recomputed
     run_to_end(target, got)
-    assert got["r"] == want["r"]
+    assert same_output(got["r"], want["r"]), (got["r"], want["r"])
 
 
 def test_requests_with_a_grammar_or_n_choices_do_not_move(tiny, tok):
