@@ -42,10 +42,17 @@ class ErrorResponse(_Doc):
     error: ErrorObject
 
 
+class PromptTokensDetails(_Doc):
+    cached_tokens: int = Field(description="prompt tokens whose KV the prefix cache served (a multiple of the "
+                                           "KV block size)")
+
+
 class Usage(_Doc):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, description="only when the prefix cache "
+                                                                              "served some of the prompt")
 
 
 class PromptLogprob(_Doc):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import InvalidParameter, TokenLogprob
@@ -20,10 +20,21 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seen_prompts: frozenset = frozenset()
+    # per prompt: its tokens the prefix cache served, counted once however many choices (n) share it
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+
+    def note_cached(self, prompt_index: int, out: RequestOutput) -> None:
+        """Keep a prompt's first known count (a request counts its first admission, as vLLM's)."""
+        if out.num_cached_tokens is not None:
+            self.cached_tokens.setdefault(prompt_index, out.num_cached_tokens)
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        cached = sum(self.cached_tokens.values())
+        if cached:  # OpenAI's field; vLLM sends it only with --enable-prompt-tokens-details, Locus when > 0
+            body["prompt_tokens_details"] = {"cached_tokens": cached}
+        return body
 
 
 def completion_prompts(prompt, tokenizer: Tokenizer, add_special_tokens: bool = True) -> list[list[int]]:
@@ -90,6 +101,7 @@ class _Format:
         choices = []
         for i, out in enumerate(finals):
             usage.prompt_tokens += len(out.prompt_token_ids)
+            usage.note_cached(i, out)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(self.full_choice(i * n + c.index, c, i, out))
@@ -124,6 +136,7 @@ class _Format:
         if prompt_index not in usage.seen_prompts:
             usage.seen_prompts = usage.seen_prompts | {prompt_index}
             usage.prompt_tokens += len(out.prompt_token_ids)
+        usage.note_cached(prompt_index, out)
         frames = []
         for c in out.outputs:
             usage.completion_tokens += len(c.delta_token_ids)

@@ -21,6 +21,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # the tokenizer's own end-of-text (tokenizer_config's eos_token), one of eos_token_ids: a
+    # sequence it ends reports stop_reason null, the others their id (as vLLM's)
+    eos_token_id: int | None
     # the longest text one token stands for, in characters: a text of C characters has at least
     # C / max_token_chars tokens, so an oversized prompt is refused without tokenizing it
     max_token_chars: int
@@ -54,6 +57,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.bos_token_id = self.BOS
         self.eos_token_ids = (self.EOS,)
+        self.eos_token_id = self.EOS
         self._names = {v: k for k, v in self.SPECIALS.items()}
         self.max_token_chars = max(len(name) for name in self.SPECIALS)
         self.chat_template: str | None = None  # a Jinja template (--chat-template) instead of the built-in format
@@ -125,8 +129,9 @@ class HFTokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_ids = set(eos_from_config)
-        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
-            eos_ids.add(self._tok.token_to_id(self.eos_token))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        if self.eos_token_id is not None:
+            eos_ids.add(self.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos_ids))
         self.vocab_size = vocab_size
         self.chat_template = _find_chat_template(model_dir, cfg)

@@ -138,7 +138,7 @@ class EngineCore:
                                                                 config.num_micro_batches), grouping)
         self.graphs = self._decode_graphs(model, config)
         self.runner = ModelRunner(model, self.cache, self.graphs)
-        self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids, tokenizer.eos_token_id)
         overlap = bool(config.async_scheduling)
         self.pipeline = StepPipeline(self, overlap)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
@@ -534,7 +534,7 @@ class EngineCore:
         reason = self.sampler.finish_reason(seq.sampling)
         stop_string = None
         if reason == "stop":
-            seq.stop_reason = token
+            seq.stop_reason = self.sampler.stop_reason(seq.sampling)
         else:
             step = seq.detokenizer.add(token)
             seq.pending_text += step.text_delta
@@ -573,7 +573,7 @@ class EngineCore:
         if final or not request.prompt_logprobs_reported:
             prompt_logprobs, request.prompt_logprobs_reported = request.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt_ids, outs, request.finished, request.metrics,
-                             request.error, prompt_logprobs)
+                             request.error, prompt_logprobs, request.num_cached_tokens)
 
     # --- trace recording ------------------------------------------------------------------------
     def start_recording(self, path: str | Path, model_name: str = "locus", max_bytes: int | None = None) -> None:

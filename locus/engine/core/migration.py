@@ -45,6 +45,7 @@ class Migrant:
     trace: object | None = None  # the source recorder's rows of it (trace_recorder._SeqTrace), when recording
     kv: torch.Tensor | None = None  # [layers, 2, T, Hkv, D]: the K and V rows of its first T positions
     queued: float | None = None  # seconds it waited on the source before it first ran (clocks differ per host)
+    num_cached_tokens: int | None = None  # what the source's prefix cache served of its prompt
 
     @property
     def kv_tokens(self) -> int:
@@ -53,7 +54,8 @@ class Migrant:
     def state(self) -> "Migrant":
         """Everything but the KV rows (what is pickled; the rows travel as a tensor)."""
         return Migrant(self.request_id, self.prompt_ids, self.params, self.domain, self.output_ids, self.logprobs,
-                       self.generator_state, self.prompt_logprobs, self.trace, None, self.queued)
+                       self.generator_state, self.prompt_logprobs, self.trace, None, self.queued,
+                       self.num_cached_tokens)
 
 
 def why_not_movable(request: Request) -> str | None:
@@ -105,7 +107,7 @@ def take_out(core, request_id: str) -> Migrant | None:
     queued = None if metrics.first_scheduled_time is None else metrics.first_scheduled_time - metrics.arrival_time
     migrant = Migrant(request_id, list(request.prompt_ids), request.params, request.domain, list(seq.output_ids),
                       list(seq.logprobs), generator.get_state() if generator is not None else None,
-                      request.prompt_logprobs, trace, kv, queued)
+                      request.prompt_logprobs, trace, kv, queued, request.num_cached_tokens)
     core.scheduler.finish(seq)  # its blocks go back; the recorder was handed its rows above
     del core.requests[request_id]
     return migrant
@@ -116,7 +118,8 @@ def take_in(core, migrant: Migrant) -> bool:
     has no room for them (or no sequence slot is free), waiting, to be recomputed from its tokens like
     a preempted sequence. Returns whether its KV rows were kept."""
     params = migrant.params
-    request = Request(migrant.request_id, list(migrant.prompt_ids), params, migrant.domain, forked=True)
+    request = Request(migrant.request_id, list(migrant.prompt_ids), params, migrant.domain, forked=True,
+                      num_cached_tokens=migrant.num_cached_tokens)
     seq = core._new_sequence(request, 0)
     request.seqs.append(seq)
     core._resume(seq, Resumed(list(migrant.output_ids), list(migrant.logprobs)))

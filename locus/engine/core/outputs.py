@@ -34,6 +34,7 @@ class RequestOutput:
     error: Exception | None = None  # set when the request failed (RequestFailedError); finished is True
     # the first and the last output, when asked for: one entry per prompt token (None for the first), as vLLM's
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (None: not admitted yet)
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -47,5 +48,6 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
             delta_logprobs=a.delta_logprobs + b.delta_logprobs, logprobs=b.logprobs,
             finish_reason=b.finish_reason, stop_reason=b.stop_reason))
     prompt_logprobs = later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs
+    cached = later.num_cached_tokens if later.num_cached_tokens is not None else earlier.num_cached_tokens
     return RequestOutput(later.request_id, later.prompt_token_ids, merged, later.finished, later.metrics, later.error,
-                         prompt_logprobs)
+                         prompt_logprobs, cached)

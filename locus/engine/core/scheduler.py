@@ -167,6 +167,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = hit, len(hit) * bs
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = seq.num_computed
             seq.block_hashes = self._hashes_of(tokens, len(hit), parent)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_order = self._next_admission()

@@ -141,6 +141,9 @@ class Request:
     # when params.prompt_logprobs is set: one entry per prompt token scored so far (the first, None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_reported: bool = False  # in an output already (they go with the first and the last)
+    # prompt tokens whose KV the prefix cache gave at its first admission (vLLM's num_cached_tokens;
+    # a re-admission after preemption does not count: the client's prompt was served once)
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -108,8 +108,9 @@ class SampleLaunch:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, eos_token_ids: tuple[int, ...] = (), eos_token_id: int | None = None):
         self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_id = eos_token_id  # the tokenizer's own end-of-text, one of eos_token_ids (or None)
 
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, states: list[SequenceSamplingState],
@@ -230,6 +231,13 @@ class Sampler:
         if p.max_tokens is not None and len(out) >= p.max_tokens:
             return "length"
         return None
+
+    def stop_reason(self, state: SequenceSamplingState) -> int | None:
+        """What a sequence its last token stopped reports as stop_reason, as vLLM's check_stop: None
+        for the tokenizer's own end-of-text (unless ignore_eos), else the token id (a stop_token_ids
+        entry, or one of the model's other end ids, which vLLM adds to stop_token_ids)."""
+        token = state.output_ids[-1]
+        return None if token == self.eos_token_id and not state.params.ignore_eos else token
 
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:

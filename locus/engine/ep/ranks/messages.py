@@ -125,12 +125,13 @@ def pack_output(out: RequestOutput) -> tuple:
     if out.finished and m.first_scheduled_time is not None:
         queued = m.first_scheduled_time - m.arrival_time
     error = str(out.error) if out.error is not None else None
-    return (out.request_id, out.finished, error, choices, out.prompt_logprobs, queued)
+    return (out.request_id, out.finished, error, choices, out.prompt_logprobs, queued,
+            out.num_cached_tokens)
 
 
 def unpack_output(packed: tuple, prompt_ids: list[int], metrics: RequestMetrics, now: float) -> RequestOutput:
     """A RequestOutput on rank 0, its timings measured there (`metrics` is rank 0's for the request)."""
-    request_id, finished, error, choices, prompt_logprobs, queued = packed
+    request_id, finished, error, choices, prompt_logprobs, queued, num_cached_tokens = packed
     outs = []
     for index, delta_text, delta_ids, delta_logprobs, finish_reason, stop_reason, final in choices:
         text, token_ids, logprobs = final if final is not None else ("", [], None)
@@ -144,6 +145,7 @@ def unpack_output(packed: tuple, prompt_ids: list[int], metrics: RequestMetrics,
         if queued is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = metrics.arrival_time + queued
     return RequestOutput(request_id, prompt_ids, outs, finished, metrics,
-                         RequestFailedError(error) if error is not None else None, prompt_logprobs)
+                         RequestFailedError(error) if error is not None else None, prompt_logprobs,
+                         num_cached_tokens)
 
 
