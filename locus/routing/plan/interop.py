@@ -14,8 +14,9 @@ experts, E logical experts, X replicas of the most replicated expert.
                "logical_replica_count": [L, E]}  (vLLM EplbModelState's three tensors)
     deepseek  (phy2log [L, P], log2phy [L, E, X], logcnt [L, E])  (deepseek-ai/EPLB rebalance_experts)
 
-What does not survive a trip through these formats: the model name, the grouping and the provenance
-(the engines' files have no place for them); slots, topology, MoE layers and expert count do.
+What does not survive a trip through these formats: the model name, the grouping, the provenance and
+which model layers are MoE layers (the engines' files have no place for them: an import is told the
+MoE layers, never guesses 0..L-1); slots, topology and expert count do.
 """
 
 from __future__ import annotations
@@ -124,9 +125,10 @@ class ImportedPlan:
     notes: list[str] = field(default_factory=list)  # what was inferred, for the user to check
 
 
-def import_plan(src: str | Path, fmt: str, topology: str, model: str, moe_layers: tuple[int, ...] | None = None,
+def import_plan(src: str | Path, fmt: str, topology: str, model: str, moe_layers: tuple[int, ...],
                 num_experts: int | None = None) -> ImportedPlan:
-    """A placement plan from an engine's map file; slots per GPU = physical experts / ranks."""
+    """A placement plan from an engine's map file; slots per GPU = physical experts / ranks. `moe_layers`:
+    the model's MoE layer indices (sglang: which rows to take; vllm/deepseek: the layer of each row)."""
     if fmt not in FORMATS:
         raise LocusError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if num_experts is not None and num_experts < 1:
@@ -136,7 +138,7 @@ def import_plan(src: str | Path, fmt: str, topology: str, model: str, moe_layers
     data = load_map_file(src)
     notes: list[str] = []
     if fmt == "sglang":
-        p2l, layers = _sglang_rows(src, data, moe_layers, notes)
+        p2l, layers = _sglang_rows(src, data, moe_layers)
         l2p = count = None
     else:
         p2l, l2p, count = _triple(src, data, fmt)
@@ -157,8 +159,8 @@ def _topology_shape(text: str) -> tuple[int, int]:
 
 
 def _check_layer_list(moe_layers: tuple[int, ...] | None) -> None:
-    if moe_layers is None:
-        return
+    if moe_layers is None:  # every format's rows leave it open; 0..L-1 would be a guess
+        raise LocusError("the map does not say which model layers are MoE layers; pass --moe-layers")
     layers = list(moe_layers)
     if not layers:
         raise LocusError("--moe-layers names no layer")
@@ -166,18 +168,13 @@ def _check_layer_list(moe_layers: tuple[int, ...] | None) -> None:
         raise LocusError(f"--moe-layers must be strictly increasing non-negative layer indices, got {layers}")
 
 
-def _sglang_rows(src, data: Any, moe_layers, notes: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
+def _sglang_rows(src, data: Any, moe_layers: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
     """The MoE rows of SGLang's [NL, P] map (rows are model layers) and their layer indices."""
     # The recorder's per_token / per_pass dumps carry the map in force as last_physical_to_logical_map.
     key = P2L if isinstance(data, dict) and P2L in data else SGLANG_DUMP_P2L
     if not isinstance(data, dict) or key not in data:
         raise LocusError(f"{src}: not an SGLang expert-location file (no {P2L!r} or {SGLANG_DUMP_P2L!r} key)")
     rows = int_array(data[key], src, key, 2)
-    if moe_layers is None:
-        layers = tuple(range(rows.shape[0]))
-        notes.append(f"no --moe-layers: all {rows.shape[0]} rows taken as MoE layers (SGLang keeps a row "
-                     "for dense layers too; pass --moe-layers to drop them)")
-        return rows, layers
     if max(moe_layers) >= rows.shape[0]:
         raise LocusError(
             f"{src}: --moe-layers names layer {max(moe_layers)}, but the map has rows for layers "
@@ -204,10 +201,8 @@ def _triple(src, data: Any, fmt: str) -> tuple[np.ndarray, np.ndarray | None, np
     return p2l, l2p, count
 
 
-def _row_layers(src, rows: int, moe_layers) -> tuple[int, ...]:
+def _row_layers(src, rows: int, moe_layers: tuple[int, ...]) -> tuple[int, ...]:
     """Model layer index of each row of a vLLM / DeepSeek map (their rows are the MoE layers only)."""
-    if moe_layers is None:
-        return tuple(range(rows))
     if len(moe_layers) != rows:
         raise LocusError(f"{src}: the map has {rows} MoE layer rows, but --moe-layers names {len(moe_layers)} layers")
     return tuple(moe_layers)

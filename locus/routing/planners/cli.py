@@ -298,10 +298,32 @@ def run_export(args: argparse.Namespace) -> int:
     if args.fmt == "sglang":
         print(f"SGLang: --ep-size {ranks} --ep-num-redundant-experts {P - plan.num_experts} "
               f"--init-expert-location {args.output}")
+    elif args.fmt == "vllm":
+        print(*vllm_flags(plan, args.output), sep="\n")
     warning = placement_warning(plan.model, args.fmt)
     if warning:
         print(warning, file=sys.stderr)
     return 0
+
+
+# vLLM rebalances every step_interval steps, replacing the plan with its own; the largest int32 outlasts any run
+VLLM_KEEP_PLAN_STEPS = 2**31 - 1
+
+
+def vllm_flags(plan, output: str) -> list[str]:
+    """The `vllm serve` flags that size expert parallelism and EPLB for `plan`, and how the file gets in:
+    vLLM (0.33.0 and main) has no flag that loads a placement (docs/interop.md, "Taking a Locus plan to vLLM")."""
+    topology = plan.topology
+    ranks, redundant = topology.ranks, topology.total_slots - plan.num_experts
+    if ranks < 2:  # ParallelConfig refuses EPLB with TP x DP = 1
+        return ["vLLM: EPLB needs an expert-parallel size above 1 (tensor x data parallel); this plan has 1 rank"]
+    eplb = json.dumps({"num_redundant_experts": redundant, "step_interval": VLLM_KEEP_PLAN_STEPS},
+                      separators=(",", ":"))
+    local = f" --data-parallel-size-local {topology.gpus_per_node}" if topology.nodes > 1 else ""
+    return [f"vLLM: --tensor-parallel-size 1 --data-parallel-size {ranks}{local} --enable-expert-parallel "
+            f"--enable-eplb --eplb-config '{eplb}'",
+            f"vLLM has no flag that loads {output}: load it on every EP rank with the patch in docs/interop.md "
+            "(\"Taking a Locus plan to vLLM\")"]
 
 
 def import_parser() -> argparse.ArgumentParser:
@@ -313,9 +335,12 @@ def import_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="map file: SGLang --init-expert-location file, vLLM EPLB state, DeepSeek EPLB triple")
     p.add_argument("--from", dest="fmt", required=True, choices=MAP_FORMATS)
     p.add_argument("--topology", required=True, help="NODESxGPUS the map was made for, e.g. 4x8")
-    p.add_argument("--model", required=True, help="model name to record in the plan")
-    p.add_argument("--moe-layers", help="sglang: which rows (model layers) are MoE layers (default: every row); "
-                   "vllm/deepseek: the model layer index of each row (default 0..L-1); '1,3,5' or 'start:stop[:step]'")
+    p.add_argument("--model", required=True, help="model name to record in the plan; a Llama-4 checkpoint directory "
+                   "(its config.json) or a trace preset name (llama4-maverick, deepseek-v3, ...) also gives the MoE "
+                   "layers")
+    p.add_argument("--moe-layers", help="the model's MoE layer indices, '1,3,5' or 'start:stop[:step]' (sglang: which "
+                   "rows to take; vllm/deepseek: the layer of each row); required unless --model gives them: no "
+                   "format says which layers are MoE layers")
     p.add_argument("--num-experts", type=int, help="expert count, to check the map against (default: from the map's "
                    "logical-side shapes, or the largest id + 1)")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write (atomically)")
@@ -330,10 +355,13 @@ def run_import(args: argparse.Namespace) -> int:
     parent = Path(args.output).parent
     if not parent.is_dir():
         raise LocusError(f"cannot write {args.output}: directory {parent} does not exist")
-    try:
-        layers = parse_layers(args.moe_layers) if args.moe_layers is not None else None
-    except TraceFormatError as exc:
-        raise LocusError(str(exc)) from None
+    if args.moe_layers is not None:
+        try:
+            layers = parse_layers(args.moe_layers)
+        except TraceFormatError as exc:
+            raise LocusError(str(exc)) from None
+    else:
+        layers = _model_moe_layers(args.model, args.fmt)
     result = import_plan(args.src, args.fmt, args.topology, args.model, layers, args.num_experts)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -342,6 +370,19 @@ def run_import(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {plan.num_experts} experts, MoE layers {list(plan.moe_layers)}, topology "
           f"{plan.topology}")
     return 0
+
+
+def _model_moe_layers(model: str, fmt: str) -> tuple[int, ...]:
+    """The MoE layers --model gives (a checkpoint directory or a trace preset); without them an import would
+    have to guess 0..L-1, which puts a Llama-4 Maverick plan (MoE on odd layers) on the wrong layers."""
+    from locus.routing.plan.model_layers import model_moe_layers
+
+    layers = model_moe_layers(model)
+    if layers is None:
+        raise LocusError(f"--from {fmt} maps do not say which model layers are MoE layers: pass --moe-layers, or "
+                         f"--model as a Llama-4 checkpoint directory or trace preset that gives them ({model!r} is "
+                         "neither)")
+    return layers
 
 
 def _knobs(specs: list[str]) -> dict:

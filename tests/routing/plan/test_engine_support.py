@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import numpy as np
 import pytest
 
@@ -28,6 +31,27 @@ def test_a_llama4_plan_exported_to_sglang_warns_naming_the_family(tmp_path, caps
     assert "warning: SGLang 0.5.23 does not place experts for Llama-4 models" in captured.err
     assert "Llama4ForCausalLM" in captured.err and repr(model) in captured.err
     assert "SGLang: --ep-size 4" in captured.out and "warning" not in captured.out
+
+
+def test_a_plan_exported_to_vllm_prints_the_vllm_serve_flags(tmp_path, capsys):
+    """As for SGLang: the flags that size vLLM's expert parallelism and EPLB to the plan (4 ranks on 2 nodes,
+    8 physical experts for 6), and how the file gets in, since vLLM has no flag that loads one."""
+    out = export(tmp_path, capsys, "llama4-scout", "vllm").out.splitlines()
+    flags = out[1]
+    assert flags == ("vLLM: --tensor-parallel-size 1 --data-parallel-size 4 --data-parallel-size-local 2 "
+                     "--enable-expert-parallel --enable-eplb "
+                     "--eplb-config '{\"num_redundant_experts\":2,\"step_interval\":2147483647}'")
+    args = shlex.split(flags.removeprefix("vLLM: "))
+    assert json.loads(args[args.index("--eplb-config") + 1]) == {"num_redundant_experts": 2, "step_interval": 2**31 - 1}
+    assert out[2] == (f"vLLM has no flag that loads {tmp_path / 'map-vllm.json'}: load it on every EP rank with the "
+                      "patch in docs/interop.md (\"Taking a Locus plan to vLLM\")")
+
+
+def test_a_one_rank_plan_exported_to_vllm_says_eplb_needs_more(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    PlacementPlan("m", 6, (0,), Topology(1, 1, 8), SLOTS.reshape(1, 1, 8).copy(), provenance={"planner": "t"}).save(plan)
+    assert main(["plan", "export", str(plan), "--to", "vllm", "-o", str(tmp_path / "v.json")]) == 0
+    assert "vLLM: EPLB needs an expert-parallel size above 1" in capsys.readouterr().out
 
 
 def test_a_mixtral_plan_exported_to_sglang_warns(tmp_path, capsys):

@@ -69,24 +69,86 @@ def test_cli_round_trip_keeps_the_placement(plan_file, tmp_path, capsys, fmt, ex
     assert "8 physical experts (6 experts + 2 redundant) on 4 ranks" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "deepseek"])
-def test_default_layers_are_row_numbers(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "deepseek"])
+def test_an_import_is_told_the_moe_layers_never_guesses_them(tmp_path, fmt):
+    """No format says which model layers are MoE layers: 0..L-1 put a plan for layers 1 and 3 on 0 and 1."""
     out = tmp_path / "map.pt"
     export_plan(make_plan(), fmt, out)
-    imported = import_plan(out, fmt, "2x2", "m")
-    assert imported.plan.moe_layers == (0, 1)
-    assert np.array_equal(imported.plan.slots, SLOTS)
-    assert imported.notes == []  # the expert count comes from the logical-side shapes
+    with pytest.raises(LocusError, match="does not say which model layers are MoE layers; pass --moe-layers"):
+        import_plan(out, fmt, "2x2", "m", None)
+    imported = import_plan(out, fmt, "2x2", "m", LAYERS)
+    assert imported.plan.moe_layers == LAYERS and np.array_equal(imported.plan.slots, SLOTS)
 
 
-def test_sglang_without_moe_layers_takes_every_row_and_says_so(tmp_path):
+def test_sglang_takes_the_rows_of_the_moe_layers(tmp_path):
     out = tmp_path / "map.json"
     export_plan(make_plan(), "sglang", out)  # rows 0..3; rows 0 and 2 are dense
-    imported = import_plan(out, "sglang", "2x2", "m")
-    assert imported.plan.moe_layers == (0, 1, 2, 3)
-    assert np.array_equal(imported.plan.slots[[1, 3]], SLOTS)
-    assert any("all 4 rows taken as MoE layers" in n for n in imported.notes)
+    imported = import_plan(out, "sglang", "2x2", "m", LAYERS)
+    assert imported.plan.moe_layers == LAYERS and np.array_equal(imported.plan.slots, SLOTS)
     assert any("num_experts inferred as 6" in n for n in imported.notes)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "deepseek"])
+def test_cli_import_without_moe_layers_or_a_model_that_gives_them_is_refused(plan_file, tmp_path, capsys, fmt):
+    src = tmp_path / "map.pt"
+    assert main(["plan", "export", str(plan_file), "--to", fmt, "-o", str(src)]) == 0
+    capsys.readouterr()
+    err = run_import(tmp_path, capsys, src, fmt, layers=None, model="tiny-moe")
+    assert err == (f"locus: error: --from {fmt} maps do not say which model layers are MoE layers: pass --moe-layers, "
+                   "or --model as a Llama-4 checkpoint directory or trace preset that gives them ('tiny-moe' is "
+                   "neither)\n")
+
+
+def llama4_checkpoint(tmp_path, **text) -> str:
+    """A checkpoint directory whose config.json is a multimodal Llama-4 config (text fields in text_config)."""
+    model = tmp_path / "llama4-ckpt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "num_hidden_layers": 4, **text}, "vision_config": {}}))
+    return str(model)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "deepseek"])
+def test_cli_round_trip_takes_the_moe_layers_from_the_model_directory(plan_file, tmp_path, capsys, fmt):
+    """MoE on every 2nd layer (interleave_moe_layer_step 2, as Llama-4 Maverick): layers 1 and 3, not 0 and 1."""
+    out, back = tmp_path / "map.json", tmp_path / "back.json"
+    assert main(["plan", "export", str(plan_file), "--to", fmt, "-o", str(out)]) == 0
+    model = llama4_checkpoint(tmp_path, interleave_moe_layer_step=2)
+    assert main(["plan", "import", str(out), "--from", fmt, "--topology", "2x2", "--model", model,
+                 "--num-experts", str(E), "-o", str(back)]) == 0
+    assert_same_placement(load_plan(back), make_plan())
+    assert "MoE layers [1, 3]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "deepseek"])
+def test_cli_round_trip_of_a_maverick_plan_takes_the_preset_layers(tmp_path, capsys, fmt):
+    """llama4-maverick (a trace preset): 128 experts on the 24 odd layers of 48."""
+    rng = np.random.default_rng(0)
+    layers = tuple(range(1, 48, 2))
+    slots = np.stack([rng.permutation(128).reshape(4, 32) for _ in layers])
+    want = PlacementPlan("llama4-maverick", 128, layers, Topology(2, 2, 32), slots, provenance={"planner": "test"})
+    plan, out, back = tmp_path / "plan.json", tmp_path / "map.pt", tmp_path / "back.json"
+    want.save(plan)
+    assert main(["plan", "export", str(plan), "--to", fmt, "-o", str(out)]) == 0
+    assert main(["plan", "import", str(out), "--from", fmt, "--topology", "2x2", "--model", "llama4-maverick",
+                 "-o", str(back)]) == 0
+    assert_same_placement(load_plan(back), want)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "deepseek_v3", "num_hidden_layers": 61}, "model_type 'deepseek_v3' is not a Llama-4 model"),
+    ({"model_type": "llama4_text"}, "no num_hidden_layers: cannot tell the MoE layers; pass --moe-layers"),
+    ({"num_hidden_layers": 4, "moe_layers": [1, 7]}, "moe_layers [1, 7] names no layer, or one outside 0..3"),
+    (None, "missing config.json"),
+])
+def test_a_model_directory_that_does_not_give_the_moe_layers_is_one_line(tmp_path, capsys, config, message):
+    src = tmp_path / "map.pt"
+    export_plan(make_plan(), "vllm", src)
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    if config is not None:
+        (model / "config.json").write_text(json.dumps(config))
+    assert message in run_import(tmp_path, capsys, src, "vllm", layers=None, model=str(model))
 
 
 def test_multi_node_topology_keeps_rank_major_order(tmp_path):
@@ -183,7 +245,7 @@ def test_deepseek_triple_in_replica_rank_order_and_wider_padding_is_accepted(tmp
 def test_vllm_dict_with_only_the_physical_map_is_enough(tmp_path):
     path = tmp_path / "p2l.json"
     path.write_text(json.dumps({"physical_to_logical_map": SLOTS.reshape(2, 8).tolist()}))
-    assert np.array_equal(import_plan(path, "vllm", "2x2", "m").plan.slots, SLOTS)
+    assert np.array_equal(import_plan(path, "vllm", "2x2", "m", LAYERS).plan.slots, SLOTS)
 
 
 def test_sglang_recorder_dump_map_is_read(tmp_path):
@@ -198,15 +260,16 @@ def test_sglang_recorder_dump_map_is_read(tmp_path):
 def test_deepseek_accepts_a_dict_with_vllm_key_names(tmp_path):
     path = tmp_path / "state.pt"
     torch.save({k: torch.tensor(v) for k, v in vllm_document(make_plan()).items()}, path)
-    assert np.array_equal(import_plan(path, "deepseek", "2x2", "m").plan.slots, SLOTS)
+    assert np.array_equal(import_plan(path, "deepseek", "2x2", "m", LAYERS).plan.slots, SLOTS)
 
 
 # ---------------------------------------------------------------- errors: one line, exit 2, no file
 
 
-def run_import(tmp_path, capsys, src, fmt, *extra, topology="2x2"):
+def run_import(tmp_path, capsys, src, fmt, *extra, topology="2x2", layers: str | None = "0,1", model="m"):
     out = tmp_path / "out.json"
-    code = main(["plan", "import", str(src), "--from", fmt, "--topology", topology, "--model", "m",
+    layer_args = ["--moe-layers", layers] if layers is not None else []
+    code = main(["plan", "import", str(src), "--from", fmt, "--topology", topology, "--model", model, *layer_args,
                  *extra, "-o", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
@@ -227,7 +290,7 @@ def vllm_doc_lists(**changes):
 
 def test_physical_count_not_divisible_by_ranks(tmp_path, capsys):
     src = save_json(tmp_path / "s.json", {"physical_to_logical_map": [[0, 1, 2, 3, 4, 5]]})
-    err = run_import(tmp_path, capsys, src, "sglang", topology="2x2")
+    err = run_import(tmp_path, capsys, src, "sglang", topology="2x2", layers="0")
     assert "6 physical experts per layer do not divide among the 4 ranks of topology 2x2" in err
     assert str(src) in err
 
@@ -242,7 +305,7 @@ def test_expert_missing_in_a_layer(tmp_path, capsys, fmt):
         full = np.tile(np.arange(8) % E, (4, 1))
         full[[1, 3]] = rows
         src = save_json(tmp_path / "m.json", {"physical_to_logical_map": full.tolist()})
-    err = run_import(tmp_path, capsys, src, fmt, "--moe-layers", layers, "--num-experts", str(E))
+    err = run_import(tmp_path, capsys, src, fmt, "--num-experts", str(E), layers=layers)
     assert "layer 3: expert(s) 2 have no physical slot" in err
 
 
@@ -250,14 +313,14 @@ def test_expert_missing_in_a_layer(tmp_path, capsys, fmt):
 def test_row_count_differs_from_moe_layers(tmp_path, capsys, fmt):
     src = tmp_path / "m.pt"
     export_plan(make_plan(), fmt, src)
-    err = run_import(tmp_path, capsys, src, fmt, "--moe-layers", "1,3,5")
+    err = run_import(tmp_path, capsys, src, fmt, layers="1,3,5")
     assert "the map has 2 MoE layer rows, but --moe-layers names 3 layers" in err
 
 
 def test_sglang_moe_layer_beyond_the_rows(tmp_path, capsys):
     src = tmp_path / "m.json"
     export_plan(make_plan(), "sglang", src)  # 4 rows
-    err = run_import(tmp_path, capsys, src, "sglang", "--moe-layers", "1,9")
+    err = run_import(tmp_path, capsys, src, "sglang", layers="1,9")
     assert "--moe-layers names layer 9, but the map has rows for layers 0..3 only" in err
 
 
@@ -269,7 +332,7 @@ def test_sglang_moe_layer_beyond_the_rows(tmp_path, capsys):
 def test_bad_moe_layer_list(tmp_path, capsys, spec, message):
     src = tmp_path / "m.pt"
     export_plan(make_plan(), "vllm", src)
-    assert message in run_import(tmp_path, capsys, src, "vllm", "--moe-layers", spec)
+    assert message in run_import(tmp_path, capsys, src, "vllm", layers=spec)
 
 
 def test_vllm_replica_count_disagrees(tmp_path, capsys):
@@ -284,7 +347,7 @@ def test_vllm_logical_to_physical_disagrees(tmp_path, capsys):
     l2p = vllm_document(make_plan())["logical_to_physical_map"].copy()
     l2p[0, 1, 0], l2p[0, 2, 0] = l2p[0, 2, 0], l2p[0, 1, 0]  # experts 1 and 2 swap their physical slot
     src = save_json(tmp_path / "v.json", vllm_doc_lists(logical_to_physical_map=l2p.tolist()))
-    err = run_import(tmp_path, capsys, src, "vllm", "--moe-layers", "1,3")
+    err = run_import(tmp_path, capsys, src, "vllm", layers="1,3")
     assert ("layer 1, expert 1: logical_to_physical_map lists physical [2], "
             "physical_to_logical_map places it at [1]") in err
 
@@ -310,7 +373,7 @@ def test_logical_id_out_of_range(tmp_path, capsys, fmt, value, message):
     rows = np.tile(np.arange(8) % E, (2, 1))
     rows[1, 3] = value
     src = save_json(tmp_path / "m.json", {"physical_to_logical_map": rows.tolist()})
-    assert message in run_import(tmp_path, capsys, src, fmt, "--moe-layers", "0,1", "--num-experts", str(E))
+    assert message in run_import(tmp_path, capsys, src, fmt, "--num-experts", str(E))
 
 
 def test_physical_id_out_of_range_in_logical_to_physical(tmp_path, capsys):
@@ -411,7 +474,8 @@ def import_with_memory_cap(tmp_path, *args: str):
 
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "locus.cli", "plan", "import", *args, "--topology", "1x1", "--model",
-                           "m", "-o", str(out)], capture_output=True, text=True, timeout=120, preexec_fn=cap)
+                           "m", "--moe-layers", "0", "-o", str(out)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=cap)
     assert not out.exists()
     return proc
 
