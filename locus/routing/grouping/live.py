@@ -113,6 +113,16 @@ def default_arrivals(requests: LiveRequests) -> str:
     return "recorded" if requests.admitted is not None else "closed"
 
 
+def describe_arrivals(arrivals: str, concurrency: int = 16, client_delay: int = 1) -> str:
+    """An arrival model in words, for tables and logs (`concurrency` and `client_delay`: closed's)."""
+    if arrivals == "recorded":
+        return "arrivals as the server recorded them"
+    if arrivals == "batch":
+        return "all admitted in trace order, none finishing"
+    return (f"a closed-loop client of {concurrency} requests in flight, the next sent {client_delay} "
+            f"step{'s' if client_delay != 1 else ''} after each release")
+
+
 def run_live(grouper: Grouper, requests: LiveRequests, arrivals: str = "closed", concurrency: int = 16,
              prompts: list | None = None, prefill_bytes: np.ndarray | None = None,
              untagged: bool = False, request_start: int = 0, client_delay: int = 1,

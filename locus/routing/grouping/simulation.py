@@ -1,5 +1,7 @@
-"""Run the online grouper over recorded requests, in trace order: what `--assign grouper` replays and
-what the locality planner iterates on.
+"""Run the online grouper over recorded requests, in trace order: what the locality planner iterates on
+(the planner's offline view of its grouper). It is not what a server admits: `locus replay --assign
+grouper`, `locus plan evaluate` and `locus plan sweep` run the live admission (live.py), with the stream
+cap and requests finishing.
 
 Each request is admitted with its domain tag and token count (the same count the `balanced`
 baseline assigns by), then, once its prompt's routing is known, offered to `observe_prefill` with its

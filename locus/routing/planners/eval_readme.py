@@ -6,11 +6,12 @@ The table sits between two marker lines in the README; everything else in the fi
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
-from locus.routing.planners.evaluate import rule_note
+from locus.routing.planners.evaluate import grouper_note, rule_note
 
 BEGIN = "<!-- plan-eval:begin (written by `locus plan evaluate --readme`; do not edit by hand) -->"
 END = "<!-- plan-eval:end -->"
@@ -20,10 +21,12 @@ SHOWN = ("round_robin", "eplb", "eplb (hierarchical", "locality placement only",
 def readme_table(results, settings: dict) -> str:
     """Markdown rows for every case: bytes, reduction, in-sample ceiling, balance, plan time."""
     note = rule_note(settings)
-    lines = [f"{note[0].upper()}{note[1:]}; expert-load cap "
-             f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}; in-sample = the "
-             "same planner planned on the replayed half itself (what a perfect forecast gives this heuristic under the "
-             "same caps; not a result, and not a bound: docs/traces.md).", "",
+    note = (f"{note[0].upper()}{note[1:]}; expert-load cap {settings['caps']['expert']:.2f}, attention cap "
+            f"{settings['caps']['attention']:.2f}; + grouper = {grouper_note(results)}; in-sample = the same planner "
+            "planned on the replayed half itself (what a perfect forecast gives this heuristic under the same caps; "
+            "not a result, and not a bound: docs/traces.md).")
+    # the README keeps its prose lines short enough to read without scrolling
+    lines = [textwrap.fill(note, width=110, break_long_words=False, break_on_hyphens=False), "",
              "| Case | Plan | Inter-node B/token | vs EPLB | in-sample vs EPLB | Locality | Expert imb. mean / worst "
              "| Attention imb. | Plan time |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:

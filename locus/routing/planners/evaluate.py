@@ -7,11 +7,16 @@ evaluation's dispatch rule except EPLB's, which route by `position`, the rule EP
   eplb [policy]                    balanced assignment (DeepSeek-V3 also with the hierarchical policy)
   eplb, node-aware rule            under the node-aware rule, the same EPLB plan also routed by it
   locality placement only          the locality plan, balanced assignment
-  locality placement + grouper     the locality plan, requests grouped online by the plan's grouper
+  locality placement + grouper     the locality plan, requests admitted by the plan's grouper as a live
+                                   expert-parallel server admits them: `locus replay --assign grouper`
+                                   with its default arrivals (grouping/live.py's simulate_live)
 Every row also carries its in-sample figure: the same planner planned on the replayed half itself, so a
 reader sees how much of the gap is forecasting and how much is structure.
-The reduction column compares with the eplb row that sends the fewest inter-node bytes. KV cache the
-grouper migrates is reported in its own column and is not part of the dispatch bytes.
+The reduction column compares with the eplb row that sends the fewest inter-node bytes.
+
+The grouper row is the live admission, not the planner's own offline view of it (every request admitted
+in trace order, none finishing, no stream cap: grouping/simulation.py), because the offline view credits
+the grouper with savings a server does not make (docs/planner.md, "Replaying with the grouper").
 """
 
 from __future__ import annotations
@@ -32,8 +37,7 @@ from locus.routing.dispatch_rule import DEFAULT_RULE, PLANNER_RULES
 from locus.routing.replay.assignment import assign_balanced
 from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
-from locus.routing.grouping.grouper import Grouper
-from locus.routing.grouping.simulation import simulate_grouper
+from locus.routing.grouping.live import describe_arrivals, simulate_live
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.routing.replay.simulator import parse_request_range, replay
 from locus.routing.plan.topology import parse_topology
@@ -62,9 +66,6 @@ class EvalRow:
     expert_imbalance_worst: float
     attention_imbalance: float
     plan_seconds: float
-    kv_migration_bytes_per_token: float = 0.0
-    migrations: int = 0
-    reduction_incl_migration: float = 0.0
     in_sample_bytes_per_token: float = 0.0  # the same planner planned on the replayed requests themselves
     in_sample_reduction_vs_eplb: float = 0.0  # against in-sample eplb
 
@@ -78,6 +79,7 @@ class CaseResult:
     replay_range: tuple[int, int]
     rows: list[EvalRow] = field(default_factory=list)
     planning_summary: dict = field(default_factory=dict)
+    arrivals: str = ""  # how the grouper row's requests arrived: live.ARRIVALS, `locus replay`'s default
 
 
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
@@ -97,10 +99,10 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
 
     options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
                           load_model=load_model)
-    reports, result.planning_summary = _replays(reader, case, topology, plan_range, replay_range, balanced, options,
-                                                batch_tokens, log)
+    reports, result.planning_summary, result.arrivals = _replays(reader, case, topology, plan_range, replay_range,
+                                                                 balanced, options, batch_tokens, log)
     # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).
-    ceiling, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, options, batch_tokens,
+    ceiling, _, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, options, batch_tokens,
                           lambda text: log(text + " (in-sample)"))
 
     def best_eplb(rows) -> float:
@@ -108,14 +110,11 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
 
     eplb_best, eplb_in = best_eplb(reports), best_eplb(ceiling)
     for (label, r, seconds), (_, r_in, _) in zip(reports, ceiling):
-        total = r.inter_node_bytes_per_token + r.migrated_kv_bytes_per_token
         result.rows.append(EvalRow(
             case=case.name, variant=label, inter_node_bytes_per_token=r.inter_node_bytes_per_token,
             reduction_vs_eplb=1 - r.inter_node_bytes_per_token / eplb_best, locality=r.locality,
             expert_imbalance_mean=r.expert_imbalance_mean, expert_imbalance_worst=r.expert_imbalance_worst,
             attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
-            kv_migration_bytes_per_token=r.migrated_kv_bytes_per_token, migrations=r.migrations,
-            reduction_incl_migration=1 - total / eplb_best,
             in_sample_bytes_per_token=r_in.inter_node_bytes_per_token,
             in_sample_reduction_vs_eplb=1 - r_in.inter_node_bytes_per_token / eplb_in,
         ))
@@ -123,10 +122,9 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
 
 
 def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balanced, options: PlanOptions,
-             batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict]:
+             batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict, str]:
     """(label, replay report, plan seconds) of every row, planned on plan_range, replayed on replay_range;
-    and the locality plan's planning summary."""
-    meta = reader.meta
+    the locality plan's planning summary; the grouper row's arrival model."""
     variants = [("round_robin", "round_robin", None), ("eplb", "eplb", None)]
     if case.expert_groups:
         variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
@@ -153,13 +151,12 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
     report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
     reports.append(("locality placement only (balanced assignment)", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality, balanced: {report.inter_node_bytes_per_token:,.0f} B/token")
-    grouper = Grouper.from_plan(planned.plan, moe_layers=meta.moe_layers)
-    grouped = simulate_grouper(grouper, reader, *replay_range)
-    report = replay(reader, planned.plan, topology, grouped, batch_tokens=batch_tokens)
+    live = simulate_live(planned.plan, reader, *replay_range)  # `locus replay --assign grouper`'s defaults
+    report = replay(reader, planned.plan, topology, live.assignment, batch_tokens=batch_tokens)
     reports.append(("locality placement + grouper", report, planned.summary.plan_seconds))
-    log(f"  {case.name}: locality + grouper: {report.inter_node_bytes_per_token:,.0f} B/token, "
-        f"{grouped.migrations} moves")
-    return reports, planned.summary.to_dict()
+    log(f"  {case.name}: locality + grouper (live admission, {describe_arrivals(live.arrivals)}): "
+        f"{report.inter_node_bytes_per_token:,.0f} B/token")
+    return reports, planned.summary.to_dict(), live.arrivals
 
 
 def format_markdown(results: list[CaseResult], settings: dict) -> str:
@@ -177,20 +174,30 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
         lines.append(f"## {c.name}: {c.topology}, {c.slots} slots/GPU")
         lines.append("")
         lines.append(f"Trace `{c.trace}` ({c.source}): {res.requests:,} requests, {res.tokens:,} tokens; planned on "
-                     f"{res.plan_range[0]}:{res.plan_range[1]}, replayed {res.replay_range[0]}:{res.replay_range[1]}.")
+                     f"{res.plan_range[0]}:{res.plan_range[1]}, replayed {res.replay_range[0]}:{res.replay_range[1]}. "
+                     f"The grouper row: {grouper_note([res])}.")
         lines.append("")
         lines.append("| plan | inter-node B/token | vs eplb | locality | expert imb. mean / worst | attention imb. "
-                     "| plan s | KV migration B/token | vs eplb incl. migration | in-sample B/token (vs eplb) |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                     "| plan s | in-sample B/token (vs eplb) |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in res.rows:
             lines.append(
                 f"| {r.variant} | {r.inter_node_bytes_per_token:,.0f} | {_pct(-r.reduction_vs_eplb)} | "
                 f"{100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
-                f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.kv_migration_bytes_per_token:,.0f} | "
-                f"{_pct(-r.reduction_incl_migration)} | {r.in_sample_bytes_per_token:,.0f} "
+                f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.in_sample_bytes_per_token:,.0f} "
                 f"({_pct(-r.in_sample_reduction_vs_eplb)}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def grouper_note(results: list[CaseResult]) -> str:
+    """What the grouper rows of `results` are, for the tables' headers: the live admission, and the
+    arrivals `locus replay --assign grouper` defaults to for each case's trace."""
+    arrivals = sorted({r.arrivals for r in results})
+    models = "; ".join(describe_arrivals(a) + (f" ({', '.join(r.case.name for r in results if r.arrivals == a)})"
+                                               if len(arrivals) > 1 else "") for a in arrivals)
+    return (f"the plan's grouper admitting requests as a live expert-parallel server does (`locus replay --assign "
+            f"grouper`, no moves after prefill), {models}")
 
 
 def rule_note(settings: dict) -> str:

@@ -1,6 +1,7 @@
 """The memory-for-traffic curve (`locus plan sweep`): for every slot count per GPU, plan eplb and locality
 on the first half of a trace's requests and replay the second half, as `locus plan evaluate` does
-(eplb with balanced assignment, locality with its grouper), so a user sees what each extra expert slot
+(eplb with balanced assignment, locality with its grouper admitting requests as a live server does:
+`locus replay --assign grouper`'s default arrivals), so a user sees what each extra expert slot
 per GPU buys in inter-node bytes and what it costs in balance.
 
 Rows: one per (slots, planner). Slot counts that cannot hold every expert once, or where the locality
@@ -18,8 +19,7 @@ from typing import Callable
 from locus.errors import LocusError
 from locus.files import write_text_atomic
 from locus.routing.dispatch_rule import DEFAULT_RULE
-from locus.routing.grouping.grouper import Grouper
-from locus.routing.grouping.simulation import simulate_grouper
+from locus.routing.grouping.live import simulate_live
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.topology import parse_topology
 from locus.routing.planners.planner import PlanOptions, make_plan
@@ -84,7 +84,7 @@ def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: 
         except LocusError as exc:  # the cap cannot be met at this slot count: a point the curve lacks
             skipped.append((slots, str(exc)))
             continue
-        grouped = simulate_grouper(Grouper.from_plan(local_plan, moe_layers=meta.moe_layers), reader, *replay_range)
+        grouped = simulate_live(local_plan, reader, *replay_range).assignment
         local = replay(reader, local_plan, topology, grouped, batch_tokens=batch_tokens)
         for name, report in (("eplb", eplb), ("locality", local)):
             rows.append(SweepRow(slots, name, report.inter_node_bytes_per_token, report.locality,
@@ -104,6 +104,8 @@ def format_sweep(rows: list[SweepRow], title: str) -> str:
         lines.append(f"| {r.slots} | {r.planner} | {r.inter_node_bytes_per_token:,.0f} | {vs} "
                      f"| {100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} "
                      f"| {r.attention_imbalance:.3f} |")
+    lines += ["", "locality: the plan's grouper admitting requests as a live expert-parallel server does "
+              "(`locus replay --assign grouper` with its default arrivals)."]
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,26 @@ def test_evaluate_command_writes_json_and_markdown(tmp_path, capsys):
     assert "locality placement + grouper" in capsys.readouterr().out
 
 
+def test_the_grouper_row_is_what_locus_replay_assign_grouper_reports(tmp_path, capsys):
+    """One figure for the grouper: the row is the live admission `locus replay --assign grouper` runs with
+    its default arrivals (a closed-loop client on a trace without recorded admissions), on the plan
+    `locus plan` makes from the same half with the same defaults."""
+    trace = synth_trace(tmp_path / "t", requests=120, seed=3)
+    result = evaluate_case(EvalCase("toy", str(trace), "2x2", 10), Caps(), log=lambda _: None)
+    grouped = {r.variant: r for r in result.rows}["locality placement + grouper"]
+    assert result.arrivals == "closed"
+    plan, report = tmp_path / "plan.json", tmp_path / "replay.json"
+    assert main(["plan", str(trace), "--topology", "2x2", "--slots", "10", "--requests", "0:0.5", "-o", str(plan)]) == 0
+    assert main(["replay", str(trace), "--plan", str(plan), "--assign", "grouper", "--requests", "0.5:1",
+                 "--json", str(report)]) == 0
+    replayed = json.loads(report.read_text())
+    assert grouped.inter_node_bytes_per_token == replayed["inter_node_bytes_per_token"]
+    assert grouped.attention_imbalance == replayed["attention_imbalance"]
+    assert "closed loop, 16 in flight" in capsys.readouterr().err  # what `locus replay` said it ran
+    text = format_markdown([result], {"caps": Caps().to_dict(), "seed": 0, "batch_tokens": 4096})
+    assert "live expert-parallel server" in text and "closed-loop client of 16 requests in flight" in text
+
+
 def test_evaluate_rejects_unknown_presets_and_bad_trace_specs(tmp_path, capsys):
     assert main(["plan", "evaluate", "--cases", "gpt-5", "--out", str(tmp_path / "r")]) == 2
     assert "unknown synthetic preset 'gpt-5'" in capsys.readouterr().err
