@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from locus.engine.cli import add_model_args
+from locus.engine.cli import SHIPPED_DEFAULT_HELP, add_model_args
 from locus.errors import LocusError
 from locus.routing.cli import PAYLOAD_FORMATS as EP_PAYLOAD_FORMATS  # the replay's copy: no torch at parse time
 
@@ -19,9 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Serve a model over an OpenAI-compatible HTTP API. Without --model, the "
                                           "shipped trained 'mini' checkpoint is served (locus/assets/mini; where it is "
                                           "missing, the 'tiny' preset with RANDOM weights). No download.")
-    add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_model_args(p, SHIPPED_DEFAULT_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address or name to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port, 1-65535; 0 takes any free port, which the 'running on' line names (default 8000)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: the model dir's name)")
     p.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one decode batch")
@@ -126,7 +127,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="overlap the host's work with the device's: schedule and prepare step N + 1 while step N runs, "
                         "then detokenize and stream step N (default: off; it has not yet measured faster, on CPU or on "
                         "an H200). See docs/engine.md")
-    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish after SIGTERM (SIGINT ends them at once with an "
+                        "error; a second SIGINT exits on the spot)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run_serve)
 
@@ -138,19 +141,6 @@ def bucket_list(text: str) -> tuple[int, ...]:
         return tuple(parse_buckets(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def cut_at_deadline(engine, graceful_timeout: float) -> None:
-    """Shortly before uvicorn's drain deadline, end every request still running with an error, so
-    that each open stream closes with an SSE error frame (and a whole response with a 503) instead
-    of being cut mid-body by uvicorn's cancellation."""
-    from locus.engine.frontend.async_engine import ShuttingDownError
-
-    margin = min(1.0, graceful_timeout / 2)
-    timer = threading.Timer(max(0.0, graceful_timeout - margin), engine.fail_all,
-                            [ShuttingDownError("the server shut down before this request finished")])
-    timer.daemon = True
-    timer.start()
 
 
 def engine_config_of(args: argparse.Namespace):
@@ -225,12 +215,15 @@ def stop_children(children) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:  # the OS would take it modulo 65536 and listen somewhere else
+        raise LocusError(f"--port must be between 1 and 65535, or 0 for any free port (got {args.port})")
     import uvicorn
 
     from locus.engine.checkpoint.loader import default_serve_model
     from locus.engine.core.engine_core import parse_memory
     from locus.engine.ep.ranks.launch import SPAWNED, setup_from, spawn_local_ranks
     from locus.server.app import create_app
+    from locus.server.lifecycle import ListenError, LocusServer, bind_listeners
     from locus.server.state import ServerConfig
 
     if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
@@ -257,6 +250,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and setup.rank != 0:
         return run_rank(args, setup)
+    try:  # before any thread or rank starts, so that failing here is one line and a plain exit
+        sockets = bind_listeners(args.host, args.port)
+    except ListenError as exc:
+        print(f"locus: error: {exc}", file=sys.stderr)
+        return 1
     children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []
     engine = engine_config_of(args)
     app = create_app(ServerConfig(
@@ -268,23 +266,10 @@ def run_serve(args: argparse.Namespace) -> int:
         limits=request_limits_of(args),
         quantize_experts=args.quantize_experts))
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            # SIGTERM/SIGINT: stop admitting at once, then let uvicorn drain in-flight requests
-            # (up to --graceful-timeout). Unlike uvicorn's own handler this does not re-raise the
-            # signal after the drain, so a clean shutdown exits 0; a second SIGINT forces the exit.
-            state = app.state.locus
-            if state.engine is not None and not self.should_exit:
-                state.engine.stop_admitting()
-                cut_at_deadline(state.engine, args.graceful_timeout)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_timeout)
-    server = Server(config)
     state = app.state.locus
+    server = LocusServer(config, state, args.graceful_timeout, children)
 
     def stop_on_load_failure() -> None:  # a model that cannot load is fatal, as in vLLM
         server.should_exit = True
@@ -297,8 +282,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.on_load_failed = stop_on_load_failure
     state.on_engine_dead = stop_on_engine_death
-    server.run()
     code = 0
+    try:
+        server.run(sockets=sockets)
+    except SystemExit:  # uvicorn gave up at start-up (it logged why); exit below, as every other way out does
+        code = 1
+    # uvicorn put back Python's handler: a KeyboardInterrupt now would unwind past the ranks and threads
+    signal.signal(signal.SIGINT, lambda sig, frame: server.exit_now())
     if state.load_error:
         print(f"locus: error: the model failed to load: {state.load_error}", file=sys.stderr)
         code = 1
