@@ -92,8 +92,12 @@ def recording_metrics(core, model_name: str):
 def ep_metrics(driver, model_name: str):
     """Expert parallelism: exchange bytes summed over ranks by tier and direction (docs/design.md's
     definitions, as GET /ep/stats and `locus replay`), and per rank its tokens, expert load and step
-    time split, as of the last iteration every rank reported."""
-    counters, times = [r.counters for r in driver.ranks], [r.times for r in driver.ranks]
+    time split, as of the last iteration every rank reported. Every rank that served counts, the ones
+    a regroup lost included (frozen at their last report), and a rank's series is labelled with the
+    rank it was started as, which a regroup never renumbers: no counter runs backwards."""
+    records = driver.records
+    counters, times = [r.counters for r in records], [r.times for r in records]
+    labels = [str(r.identity) for r in records]
     b = CounterMetricFamily("locus_ep_bytes", "Expert-parallel payload bytes sent, summed over ranks.",
                             labels=["model_name", "tier", "direction"])
     for tier in ("inter_node", "intra_node"):
@@ -115,22 +119,23 @@ def ep_metrics(driver, model_name: str):
     yield wire
     rank_families = [
         ("locus_ep_rank_tokens", "Tokens this rank ran through the MoE layers (its requests' tokens).",
-         driver.rank_tokens),
+         lambda i: driver.tokens_of(records[i])),
         ("locus_ep_rank_expert_pairs", "(token, slot) pairs this rank's experts computed, summed over MoE layers: its expert load.",
-         lambda r: counters[r].expert_pairs),
-        ("locus_ep_rank_steps", "Iterations in which this rank ran a step.", lambda r: times[r].steps),
+         lambda i: counters[i].expert_pairs),
+        ("locus_ep_rank_steps", "Iterations in which this rank ran a step.", lambda i: times[i].steps),
     ]
     for name, doc, value in rank_families:
-        c = CounterMetricFamily(name, doc, labels=["model_name", "rank"])
-        for r in range(driver.world):
-            c.add_metric([model_name, str(r)], value(r))
+        c = CounterMetricFamily(name, doc + " rank: the rank it was started as.", labels=["model_name", "rank"])
+        for i, label in enumerate(labels):
+            c.add_metric([model_name, label], value(i))
         yield c
     seconds = CounterMetricFamily("locus_ep_rank_step_seconds", "Wall time of this rank's steps, by part: compute, "
-                                  "exchange (MoE all-to-all, less expert compute), control (gloo control collectives).",
+                                  "exchange (MoE all-to-all, less expert compute), control (gloo control collectives). "
+                                  "rank: the rank it was started as.",
                                   labels=["model_name", "rank", "part"])
-    for r, tm in enumerate(times):
+    for label, tm in zip(labels, times):
         for part, value in (("compute", tm.compute_s), ("exchange", tm.exchange_s), ("control", tm.control_s)):
-            seconds.add_metric([model_name, str(r), part], value)
+            seconds.add_metric([model_name, label, part], value)
     yield seconds
 
 

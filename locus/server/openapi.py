@@ -245,7 +245,7 @@ class EPStats(BaseModel):
     epochs: Any
     replan: dict[str, Any] | None
     recoveries: Any
-    retired: dict[str, int]
+    retired: dict[str, Any]  # the lost ranks: their summed figures, and "per_rank" (each as it last reported)
 
 
 class ReplanRequest(_Doc):

@@ -19,6 +19,7 @@ import pytest
 
 from locus.engine.frontend.llm import LLM
 from locus.engine.sampling.sampler import SamplingParams
+from tests.engine.ep.counter_checks import assert_never_backwards, closed_epochs, metrics_counters, stats_counters
 from tests.server.server_process import running_server
 from tests.server.test_expert_parallel_serving import alive, children_of
 
@@ -43,6 +44,22 @@ def wait_for_recoveries(base: str, count: int, timeout: float = 60) -> dict:
         time.sleep(0.1)
 
 
+def every_counter(base: str) -> tuple[dict, dict[str, float]]:
+    """/ep/stats, and every counter it and /metrics show."""
+    stats = httpx.get(f"{base}/ep/stats", timeout=10).json()
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    return stats, {**stats_counters(stats), **metrics_counters(metrics)}
+
+
+def reported_since(base: str, stats: dict, timeout: float = 60) -> dict:
+    """/ep/stats once every rank of `stats` has reported a step run after it (after a regroup: every
+    survivor's counts of the epoch the regroup ended have reached rank 0)."""
+    steps = {r["identity"]: r["steps"] for r in stats["per_rank"]}
+    return wait_for(lambda: (now := httpx.get(f"{base}/ep/stats", timeout=10).json())
+                    and all(r["steps"] > steps[r["identity"]] for r in now["per_rank"]) and now,
+                    timeout, "a survivor never reported a step after the regroup")
+
+
 def streams_through_a_kill(base: str, pid: int, recovery_timeout: float = 60) -> tuple[list, dict, float]:
     """Stream every prompt, SIGKILL `pid` once all have started, wait for the first recovery:
     the streams' results, /ep/stats after it, and the seconds from the kill to the recovery."""
@@ -58,6 +75,8 @@ def streams_through_a_kill(base: str, pid: int, recovery_timeout: float = 60) ->
 
 
 def test_two_lost_ranks_lose_no_stream_and_no_token():
+    """Two SIGKILLs mid-stream: every stream's tokens kept, and no counter of /ep/stats or /metrics runs
+    backwards (issue 55, item 2)."""
     want = greedy_texts(PROMPTS, TOKENS)
     with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2", "--ep-elastic",
                         "--ep-timeout", "20") as proc:
@@ -87,14 +106,31 @@ def test_two_lost_ranks_lose_no_stream_and_no_token():
             streams = [pool.submit(stream, i) for i in range(len(PROMPTS))]
             for event in decoding:  # every stream is decoding, on every rank (balanced assignment)
                 assert event.wait(60), "a stream did not start"
+            _, before_first = every_counter(base)
             os.kill(ranks[2], signal.SIGKILL)
             first = wait_for_recoveries(base, 1)
             assert httpx.get(f"{base}/health").status_code == 200
-            time.sleep(0.5)
+            regrouped = time.monotonic()
+            reported_since(base, first)  # every survivor's counts of epoch 0 have reached rank 0: it is closed
+            time.sleep(max(0.0, 0.5 - (time.monotonic() - regrouped)))
+            between, before_second = every_counter(base)
             os.kill(ranks[3], signal.SIGKILL)
             second = wait_for_recoveries(base, 2)
             got = [s.result() for s in streams]
         assert got == want
+        # issue 55, item 2: no counter of /ep/stats or /metrics ran backwards through either regroup (rank 0's
+        # own and the survivors' counts used to restart at zero, and the lost ranks' to leave the totals),
+        # and an epoch's figure is what it was once the epoch ended
+        final, at_end = every_counter(base)
+        assert_never_backwards(before_first, before_second, slack=1e-6)
+        assert_never_backwards(before_second, at_end, slack=1e-6)
+        assert closed_epochs(between) == {0: closed_epochs(final)[0]} and sorted(closed_epochs(final)) == [0, 1]
+        assert [r["identity"] for r in final["per_rank"]] == [0, 1]
+        assert [r["identity"] for r in final["retired"]["per_rank"]] == [2, 3]
+        assert at_end["locus_ep_rank_tokens_total{model_name=tiny,rank=3}"] > 0  # labelled as started, kept
+        for tier in ("inter_node", "intra_node"):
+            assert sum(v for k, v in at_end.items() if k.startswith("locus_ep_bytes_total{") and f"tier={tier}" in k) \
+                == final[f"{tier}_bytes"] > 0
         assert first["recoveries"][0]["lost_ranks"] == [2] and first["recoveries"][0]["readmitted"] >= 1
         assert second["ranks"] == 2 and second["recoveries"][1]["survivors"] == 2
         assert second["topology"]["nodes"] * second["topology"]["gpus_per_node"] == 2

@@ -77,6 +77,15 @@ class DeviceTally:
     def add(self, name: str, value: torch.Tensor | int) -> None:
         self.pending[name].append(value)
 
+    def mark(self) -> dict[str, int]:
+        """Where each name's values stand now (rewind goes back here)."""
+        return {name: len(values) for name, values in self.pending.items()}
+
+    def rewind(self, mark: dict[str, int]) -> None:
+        """Drop what was added since `mark` (no drain in between)."""
+        for name, values in self.pending.items():
+            del values[mark[name]:]
+
     def drain(self) -> dict[str, int]:
         """The counts since the last drain, then zero."""
         counts = {}

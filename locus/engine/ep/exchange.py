@@ -38,6 +38,7 @@ tier's group, C rows of capacity per member.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -126,6 +127,17 @@ class TwoTierExchange:
         self.tally.add("expert_pairs", (local_slots >= 0).sum())
         self.counters.expert_s += time.perf_counter() - start
         return out
+
+    def mark(self) -> tuple[ExchangeCounters, dict[str, int]]:
+        """What this lane has counted so far (host and device side), for `rewind`."""
+        return replace(self.counters), self.tally.mark()
+
+    def rewind(self, mark: tuple[ExchangeCounters, dict[str, int]]) -> None:
+        """Forget what was counted since `mark`: a step that failed half-way (a lost peer) is run again
+        after the regroup and counted then, so its first attempt must not count too."""
+        counters, tally = mark
+        self.counters = replace(counters)
+        self.tally.rewind(tally)
 
     def drain(self) -> ExchangeCounters:
         """The counters, with the device-side row counts folded in (one host read)."""

@@ -54,6 +54,11 @@ class EPRuntime:
         self.dispatch_format, self.combine_format = dispatch_format, combine_format  # payload.py
         self.transports = {name: cls() for name, cls in TRANSPORTS.items()}
         self.lanes = self._lanes(groups, device)
+        # What lanes a regroup dropped had counted in the current epoch (it closes with the regroup),
+        # and each lane's mark at the start of the step under way (None between steps): a step that
+        # fails half-way is rewound to it, so a regroup keeps every completed step's counts, no more.
+        self._dropped = ExchangeCounters()
+        self._step_marks: list | None = None
         self.layers: list = []  # the ExpertParallelMoE layers, in forward order (set by apply_expert_parallel)
         self.capacity = 0  # the step's largest token count on any rank (the fixed transport's block size)
         self.times = StepTimes()
@@ -79,7 +84,12 @@ class EPRuntime:
         self.capacity = capacity
         for lane in self.lanes:
             lane.transport = self.transports[name]
+        self._step_marks = [lane.mark() for lane in self.lanes]
         return name
+
+    def end_step(self) -> None:
+        """The step's forwards all ran: what they counted stays, whatever fails next."""
+        self._step_marks = None
 
     # --- the engine's Lockstep ------------------------------------------------------------------
     def run_forwards(self, micro_batches: list, forward: Callable[[list], R]) -> list[R]:
@@ -176,7 +186,19 @@ class EPRuntime:
         total = self._lanes_total()
         for lane in self.lanes:
             lane.counters = ExchangeCounters()
+        self._dropped = ExchangeCounters()
         return total
+
+    def drop_lanes(self) -> None:
+        """A regroup leaves the old process groups, and with them the lanes; what the lanes counted is
+        kept for the epoch that the regroup closes (counters never run backwards), less a step that
+        failed half-way (run again after the regroup, and counted then)."""
+        if self._step_marks is not None:
+            for lane, mark in zip(self.lanes, self._step_marks):
+                lane.rewind(mark)
+            self._step_marks = None
+        self._dropped = self._lanes_total()
+        self.lanes = []
 
     def regroup(self, groups: Groups, plan, rank: int, epoch: int, device: torch.device | str = "cpu") -> None:
         """After a lost rank: the survivors' process groups (new lanes), and their plan with this rank's
@@ -185,6 +207,11 @@ class EPRuntime:
         self.state.regroup(plan, rank, epoch, self.take_lane_counters())
         self.groups = groups
         self.lanes = self._lanes(groups, device)
+        # What lanes a regroup dropped had counted in the current epoch (it closes with the regroup),
+        # and each lane's mark at the start of the step under way (None between steps): a step that
+        # fails half-way is rewound to it, so a regroup keeps every completed step's counts, no more.
+        self._dropped = ExchangeCounters()
+        self._step_marks: list | None = None
 
     def _lanes(self, groups: Groups, device: torch.device | str) -> list[TwoTierExchange]:
         return [TwoTierExchange(groups, lane, self.transports["exact"], device, self.dispatch_format, self.combine_format)
@@ -192,7 +219,8 @@ class EPRuntime:
 
     # --- counters -------------------------------------------------------------------------------
     def _lanes_total(self) -> ExchangeCounters:
-        return ExchangeCounters.total(lane.drain() for lane in self.lanes)
+        """What the current epoch has counted so far: its lanes', and those of lanes a regroup dropped."""
+        return ExchangeCounters.total([self._dropped, *(lane.drain() for lane in self.lanes)])
 
     def counters(self) -> ExchangeCounters:
         """Every lane's counters over every epoch, summed (device-side counts read now)."""

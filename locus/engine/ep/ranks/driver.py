@@ -15,11 +15,14 @@ Requests are assigned to a rank at admission and stay there (their KV cache live
   the source and a MoveIn to the target in one iteration (migrate.py; docs/planner.md).
 
 Per rank, rank 0 keeps one record (`RankRecord`): what its last report said (engine counters,
-exchange counters in all and per epoch, step times, expert memory, its placement move) and the
-tokens charged to it; per unfinished request one record (`AdmittedRequest`): its rank (a moving
-request's is its target's), charge, prompt, parameters, the grouper that admitted it and what it has
-streamed. The expert load of every rank is kept summed (what /metrics shows). The grouper that admits
-is derived from the placement state (placement_state.py): the plan whose grouping admits requests.
+exchange counters in all and per epoch, step times, expert memory, its placement move), the tokens
+charged to it, and the rank it was started as (its identity: a regroup renumbers ranks, never
+identities). A lost rank's record is kept as its last report left it: what it counted stays in every
+total, so no counter of /ep/stats or /metrics runs backwards after a regroup. Per unfinished request
+one record (`AdmittedRequest`): its rank (a moving request's is its target's), charge, prompt,
+parameters, the grouper that admitted it and what it has streamed. The expert load of every rank is
+kept summed (what /metrics shows). The grouper that admits is derived from the placement state
+(placement_state.py): the plan whose grouping admits requests.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from locus.routing.grouping.live import serving_grouper
 from locus.traces.admissions import AdmissionLog
 
 log = logging.getLogger("locus.engine")
+# EngineStats fields that say how things stand now (the others count since start-up)
+GAUGES = frozenset({"num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_blocks"})
 
 
 class SummedExpertLoad:
@@ -74,6 +79,7 @@ class RankRecord:
     """What rank 0 knows of one rank: its last report, and the tokens its unfinished requests are charged.
     A regroup renumbers the records with their ranks."""
 
+    identity: int = 0  # the rank it was started as (what /metrics labels its counters with)
     stats: EngineStats | None = None  # None: not heard from yet
     counters: ExchangeCounters = field(default_factory=ExchangeCounters)
     times: StepTimes = field(default_factory=StepTimes)
@@ -110,7 +116,10 @@ class EPDriver:
                              "(make it with locus plan --planner locality)")
         self._move_number = 0
         self.moved_requests = 0  # moves commanded (the source may have had the request finish first)
-        self.ranks = [RankRecord() for _ in range(worker.world)]
+        # (the serving ranks' records in rank order, the lost ranks' as their last report left them):
+        # swapped as one by a regroup, so a reader in another thread (/metrics) never sees a lost rank
+        # counted twice, or not at all
+        self.roster: tuple[list[RankRecord], list[RankRecord]] = ([RankRecord(i) for i in worker.members], [])
         self.ranks[0].expert_bytes = worker.expert_bytes
         self._requests: dict[str, AdmittedRequest] = {}  # the unfinished ones
         self._pending: dict[int, Commands] = {}  # rank -> commands of the next iteration
@@ -129,7 +138,6 @@ class EPDriver:
         self.stopping = threading.Event()  # the server is stopping: a regroup under way gives up
         if worker.elastic is not None:
             worker.elastic.cancelled = self.stopping.is_set
-        self.retired = ExchangeCounters()  # what ranks lost since counted
         # Recording: the order of admissions and releases, which the replay's grouper runs through again
         self.admissions = AdmissionLog() if self.core.recorder is not None else None
 
@@ -137,6 +145,23 @@ class EPDriver:
     def world(self) -> int:
         """The ranks serving now (fewer after a regroup)."""
         return len(self.ranks)
+
+    @property
+    def ranks(self) -> list[RankRecord]:
+        """The serving ranks' records, in rank order."""
+        return self.roster[0]
+
+    @property
+    def lost(self) -> list[RankRecord]:
+        """The lost ranks' records, as their last report left them."""
+        return self.roster[1]
+
+    @property
+    def records(self) -> list[RankRecord]:
+        """Every rank that served: the serving ones in rank order, then the lost ones (what they counted
+        is part of every total)."""
+        ranks, lost = self.roster
+        return ranks + lost
 
     @property
     def grouper(self) -> Grouper | None:
@@ -232,7 +257,9 @@ class EPDriver:
         # iteration has its source's last tokens in a report and its next ones in rank 0's own outputs
         prefills, moved = [(0, p) for p in it.prefills], [(0, m) for m in it.moved]
         own = self.ranks[0]
-        own.stats, own.times, own.counters = self.core.stats(), self.worker.times, self.runtime.counters()
+        # (a copy of the step times: the worker updates its own field by field, and a reader in another
+        # thread must never see a split that a later update takes back)
+        own.stats, own.times, own.counters = self.core.stats(), replace(self.worker.times), self.runtime.counters()
         own.epochs, own.move = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
         for rank, report in sorted(it.reports.items()):
@@ -357,9 +384,9 @@ class EPDriver:
         finally:
             self.recovering = False
         lost = [r for r in range(old_world) if r not in mapping]
-        for r in lost:
-            self.retired.add(self.ranks[r].counters)
-        self.ranks = [self.ranks[r] for r in sorted(mapping, key=mapping.get)]  # old ranks, in new rank order
+        ranks, gone = self.roster
+        self.roster = ([ranks[r] for r in sorted(mapping, key=mapping.get)],  # old ranks, in new rank order
+                       gone + [ranks[r] for r in lost])
         self.ranks[0].expert_bytes = self.worker.expert_bytes
         # the survivors' plan has no grouping (the placement state regrouped): balanced from now on, and
         # no grouper of the old plan is told about requests any more
@@ -458,16 +485,18 @@ class EPDriver:
         self.grouper  # built now, as at start-up
 
     def tokens_run(self) -> int:
-        """Tokens every rank has run through the MoE layers so far."""
-        return sum(self.rank_tokens(r) for r in range(self.world))
+        """Tokens every rank (lost ones included) has run through the MoE layers so far."""
+        return sum(self.tokens_of(record) for record in self.records)
 
     def epoch_totals(self) -> list[dict]:
-        """Per placement epoch, summed over ranks: bytes (docs/design.md's) and tokens."""
+        """Per placement epoch, summed over every rank that ran in it (lost ones included, so an epoch's
+        figure stays as it was once it has ended): bytes (docs/design.md's) and tokens."""
         layers = max(1, len(self.runtime.layers))
-        epochs = sorted({e for record in self.ranks for e in record.epochs})
+        records = self.records
+        epochs = sorted({e for record in records for e in record.epochs})
         out = []
         for epoch in epochs:
-            parts = [record.epochs[epoch] for record in self.ranks if epoch in record.epochs]
+            parts = [record.epochs[epoch] for record in records if epoch in record.epochs]
             out.append({"epoch": epoch, "inter_node_bytes": sum(c.inter_node for c in parts),
                         "intra_node_bytes": sum(c.intra_node for c in parts),
                         "tokens": sum(c.token_layers for c in parts) // layers})
@@ -495,15 +524,20 @@ class EPDriver:
         self.worker.iterate(stop=True)
         dist.barrier(group=self.worker.control.group)
 
-    def rank_tokens(self, rank: int) -> int:
-        """Tokens `rank` ran through the MoE layers (its exchange counts each token once per layer)."""
-        return self.ranks[rank].counters.token_layers // max(1, len(self.runtime.layers))
+    def tokens_of(self, record: RankRecord) -> int:
+        """Tokens the rank of `record` ran through the MoE layers (its exchange counts each token once per
+        layer)."""
+        return record.counters.token_layers // max(1, len(self.runtime.layers))
 
     def stats(self) -> EngineStats:
-        """Counters summed over ranks (a rank not heard from yet counts as empty)."""
-        known = [r.stats for r in self.ranks if r.stats is not None] or [self.core.stats()]
-        fields = EngineStats.__dataclass_fields__
-        summed = {name: sum(getattr(s, name) for s in known) for name in fields}
+        """Counters summed over ranks (a rank not heard from yet counts as empty). A lost rank's counters
+        stay in the sums (they must never run backwards); its gauges do not (it holds nothing now)."""
+        ranks, lost = self.roster
+        known = [r.stats for r in ranks if r.stats is not None] or [self.core.stats()]
+        gone = [r.stats for r in lost if r.stats is not None]
+        summed = {name: sum(getattr(s, name) for s in known) for name in EngineStats.__dataclass_fields__}
+        for name in summed.keys() - GAUGES:
+            summed[name] += sum(getattr(s, name) for s in gone)
         summed["kv_usage"] = 1.0 - summed["num_free_blocks"] / max(1, summed["num_blocks"])
         return EngineStats(**summed)
 

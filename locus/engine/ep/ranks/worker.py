@@ -167,6 +167,7 @@ class RankWorker:
         if agreement.any_work:
             it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
             outputs += core.step()
+            self.runtime.end_step()
             it.stepped = True
         exchange_s = self.runtime.counters().exchange_s
         if it.stepped:

@@ -294,7 +294,8 @@ def leave_groups(worker, timeout: timedelta | None = None) -> timedelta:
     runtime = worker.runtime
     if runtime.groups is not None:
         timeout = runtime.groups.timeout
-    runtime.groups, runtime.lanes, worker.control = None, [], None
+    runtime.drop_lanes()  # (what they counted stays with the runtime)
+    runtime.groups, worker.control = None, None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -1,15 +1,23 @@
 """Rank 0's driver keeps one record per rank and one per unfinished request (locus/engine/ep/ranks/
 driver.py). After a regroup the records follow the survivors' numbering: a lost rank's request is
 re-admitted to the least-loaded survivor counted in that numbering (on the old code it was picked from
-the old ranks' loads indexed by new rank numbers). No process is launched: the worker is a stand-in
+the old ranks' loads indexed by new rank numbers), and a lost rank's record stays in every total (no
+counter runs backwards). No process is launched: the worker is a stand-in
 whose regroup returns the survivors' mapping."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 
-from locus.engine.ep.ranks.driver import EPDriver
+from locus.engine.core.engine_core import EngineStats
+from locus.engine.ep.counters import ExchangeCounters, StepTimes
+from locus.engine.ep.ranks.driver import GAUGES, EPDriver
+from locus.engine.ep.ranks.stats import ep_stats_of
 from locus.engine.sampling.sampler import SamplingParams
+from locus.routing.plan.topology import Topology
+from locus.server.metrics import ep_metrics
+from tests.engine.ep.counter_checks import assert_never_backwards, closed_epochs, families_counters, stats_counters
 
 
 class StandInWorker:
@@ -73,3 +81,46 @@ def test_a_lost_request_that_cannot_resume_fails_and_leaves_the_survivors_counts
     assert driver.recover(RuntimeError("rank 3 lost"))
     assert driver.take_refused() == [("n2", "its rank was lost and a request with n = 2 cannot be resumed")]
     assert [r.in_flight for r in driver.ranks] == [10, 20, 30] and driver.requests() == ["a", "b", "c"]
+
+
+# --- issue 55, item 2: no counter runs backwards after a regroup ---------------------------------------
+def counted(n: int) -> ExchangeCounters:
+    """Exchange counters with every field `n` (distinct per rank, so a renumbering shows)."""
+    return ExchangeCounters(*[n] * len(fields(ExchangeCounters)))
+
+
+def engine_stats(n: int) -> EngineStats:
+    return EngineStats(*[n] * len(fields(EngineStats)))
+
+
+def every_counter(driver: EPDriver) -> dict[str, float]:
+    """/ep/stats' and /metrics' EP counters, and the engine counters /metrics sums over ranks."""
+    engine = {f"engine {k}": v for k, v in asdict(driver.stats()).items() if k not in GAUGES}
+    return {**stats_counters(ep_stats_of(driver)), **families_counters(ep_metrics(driver, "tiny")), **engine}
+
+
+def test_no_counter_of_ep_stats_or_metrics_runs_backwards_after_a_regroup():
+    """SIGKILL of rank 2 of 4, idle: the totals of /ep/stats, its epoch-0 entry and locus_ep_bytes_total
+    went down (only the lost rank's bytes were kept, as `retired`, outside every total), the engine
+    counters /metrics sums over ranks lost the rank's share, and per-rank series, labelled with the
+    new rank numbers, showed rank 3's counts as rank 2's (fewer)."""
+    worker = StandInWorker(4, lost=[2])
+    worker.runtime.mode, worker.runtime.overlap = "exact", False
+    worker.runtime.placement.plan.topology = Topology(2, 2, 2)
+    driver = EPDriver(worker)
+    for rank, n in enumerate((40, 30, 20, 10)):  # the lost rank counted more than the one renumbered in its place
+        record = driver.ranks[rank]
+        record.counters, record.epochs, record.stats = counted(n), {0: counted(n)}, engine_stats(n)
+        record.times = StepTimes(steps=n, step_s=3.0 * n, control_s=float(n), exchange_s=float(n))
+    before, epochs_before = every_counter(driver), ep_stats_of(driver)["epochs"]
+    assert driver.recover(RuntimeError("rank 2 lost"))
+    worker.runtime.placement.epoch = 1  # the survivors' placement (what the regroup made)
+    after = every_counter(driver)
+    assert_never_backwards(before, after)
+    assert after == before  # nothing ran since: every figure is what it was
+    stats = ep_stats_of(driver)
+    assert closed_epochs(stats) == {0: epochs_before[0]}
+    assert [r["identity"] for r in stats["per_rank"]] == [0, 1, 3] and [r["rank"] for r in stats["per_rank"]] == [0, 1, 2]
+    assert [r["identity"] for r in stats["retired"]["per_rank"]] == [2]
+    assert stats["retired"]["inter_node_bytes"] == 2 * 20 and stats["inter_node_bytes"] == 2 * (40 + 30 + 20 + 10)
+    assert driver.tokens_run() == 40 + 30 + 20 + 10  # (one MoE layer)
