@@ -153,6 +153,10 @@ class RequestRecord:
     observed: int | None = None
     decode_rank: int | None = None
     moved_tokens: int | None = None
+    # Its client went away (or it was cancelled) before it finished: its rows are those that ran (a
+    # prefill cut short has fewer than its prompt, and `prompt_tokens` is then `tokens`). Kept, as the
+    # server counted their routing; written only when true, absent read as false.
+    aborted: bool = False
 
     @property
     def decode_tokens(self) -> int:
@@ -163,6 +167,8 @@ class RequestRecord:
         for key in ("rank", *ADMISSION_FIELDS):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.aborted:
+            out["aborted"] = True
         return out
 
 
@@ -249,12 +255,13 @@ def parse_request(line: str, path: str | Path, lineno: int) -> RequestRecord:
     admitted, released = d.get("admitted"), d.get("released")
     if admitted is not None and released is not None and released <= admitted:
         raise TraceFormatError(f"{where}: released {released} is not after admitted {admitted} (request {d['id']!r})")
+    _expect(d, "aborted", bool, where, optional=True)
     moved = d.get("moved_tokens")
     if moved is not None and (d.get("decode_rank") is None or moved > d["tokens"]):
         raise TraceFormatError(f"{where}: moved_tokens {moved} needs a decode_rank and at most tokens {d['tokens']} "
                                f"(request {d['id']!r})")
     return RequestRecord(d["id"], d["domain"], d["prompt_tokens"], d["tokens"], d.get("rank"), admitted, released,
-                         d.get("charge"), d.get("observed"), d.get("decode_rank"), moved)
+                         d.get("charge"), d.get("observed"), d.get("decode_rank"), moved, d.get("aborted", False))
 
 
 def read_meta_json(trace_dir: str | Path) -> dict[str, Any]:
@@ -287,6 +294,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+KIND_NAMES = {int: "an integer", bool: "true or false"}
+
+
 def _expect(d: dict, key: str, kind: type, where: Any, optional: bool = False) -> None:
     if key not in d and optional:
         return
@@ -294,5 +304,5 @@ def _expect(d: dict, key: str, kind: type, where: Any, optional: bool = False) -
     ok = _is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
         raise TraceFormatError(
-            f"{where}: field {key!r} must be {'an integer' if kind is int else 'a string'}, got {value!r}"
+            f"{where}: field {key!r} must be {KIND_NAMES.get(kind, 'a string')}, got {value!r}"
         )

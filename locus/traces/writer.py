@@ -125,12 +125,13 @@ class TraceWriter:
         expert_weights: np.ndarray | None = None,
         epochs: np.ndarray | None = None,
         token_ids: np.ndarray | None = None,
+        aborted: bool = False,
     ) -> None:
         """Append one request; expert_ids [n, L, K] int (n = its tokens), expert_weights same shape,
         epochs [n] the placement epoch of each row (with_epochs writers), token_ids [n] the token each
-        row fed the model (with_tokens writers)."""
+        row fed the model (with_tokens writers); `aborted`: it ended before finishing (RequestRecord)."""
         n = int(np.shape(expert_ids)[0]) if np.ndim(expert_ids) == 3 else -1
-        record = RequestRecord(str(id), str(domain), int(prompt_tokens), n)
+        record = RequestRecord(str(id), str(domain), int(prompt_tokens), n, aborted=bool(aborted))
         self.add_requests([record], expert_ids, expert_weights, epochs, token_ids)
 
     def add_requests(
@@ -236,9 +237,10 @@ class TraceWriter:
         """Bytes of the trace once everything added is written (plans apart)."""
         return self._meta_bytes + self._requests_bytes + sum(f.nbytes for f in self._streams())
 
-    def request_bytes(self, id: str, domain: str, prompt_tokens: int, tokens: int) -> int:
+    def request_bytes(self, id: str, domain: str, prompt_tokens: int, tokens: int, aborted: bool = False) -> int:
         """What add_request with these fields and `tokens` rows adds to nbytes."""
-        line = json.dumps(RequestRecord(str(id), str(domain), int(prompt_tokens), int(tokens)).to_json()) + "\n"
+        record = RequestRecord(str(id), str(domain), int(prompt_tokens), int(tokens), aborted=bool(aborted))
+        line = json.dumps(record.to_json()) + "\n"
         return len(line.encode()) + tokens * sum(f.row_bytes for f in self._streams())
 
     def flush(self) -> None:

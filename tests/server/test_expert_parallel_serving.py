@@ -345,3 +345,98 @@ def test_a_plan_for_other_layers_is_refused_naming_the_layer(tmp_path):
             pass
     message = str(info.value)
     assert "does not fit the model" in message and "layer" in message and "no expert slice" not in message
+
+
+def stream_and_leave(base: str, prompt: str, kind: str, chunks: int | None, leave_when=None) -> str:
+    """One greedy stream tagged `kind` (the trace's domain): read to its end (`chunks` None), or leave
+    after `chunks` chunks (0: before any token, once the response has started and `leave_when()`)."""
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:  # its own connection: closing it is the disconnect
+        with client.stream("POST", f"{base}/v1/completions", json=body, headers={"x-locus-domain": kind}) as r:
+            assert r.status_code == 200, r.read()
+            if chunks == 0:
+                leave_when()
+                return "left"
+            seen = 0
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    return "done"
+                if line.startswith("data: {"):
+                    assert "error" not in line, line
+                    seen += 1
+                    if chunks is not None and seen >= chunks:
+                        return "left"
+    return "cut"
+
+
+def tokens_grew(base: str, by: int, timeout: float = 60):
+    """A wait until /ep/stats' tokens have grown by `by` from now."""
+    start = httpx.get(f"{base}/ep/stats").json()["tokens"]
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while httpx.get(f"{base}/ep/stats").json()["tokens"] < start + by:
+            assert time.monotonic() < deadline, "the prefill did not start"
+            time.sleep(0.005)
+    return wait
+
+
+def quiet_stats(base: str, timeout: float = 60) -> dict:
+    """/ep/stats once no request runs or waits and the ranks' counts have stopped moving."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        metrics = httpx.get(f"{base}/metrics").text
+        busy = [line for line in metrics.splitlines()
+                if line.startswith(("locus_num_requests_running{", "locus_num_requests_waiting{"))
+                and float(line.rsplit(" ", 1)[1]) > 0]
+        stats = httpx.get(f"{base}/ep/stats").json()
+        if not busy and last is not None and stats["tokens"] == last["tokens"]:
+            return stats
+        assert time.monotonic() < deadline, "the server never went quiet"
+        last = stats
+        time.sleep(0.3)
+
+
+def test_a_recorded_trace_keeps_aborted_requests_and_replays_to_ep_stats(tmp_path):
+    """Issue 55, item 3: `--ep-ranks 2 --record-trace`, streams of which some disconnect mid-stream and
+    two (long prompts, prefilled in 32-token chunks) before their first token. /ep/stats counted the
+    aborted requests' routing but the trace left them out, so `locus replay --assign recorded` came out
+    short of /ep/stats. Now every request the ranks routed is in the trace, an aborted one marked
+    `"aborted": true` with the rows that ran (a cut prefill's: fewer than its prompt), and the replay
+    equals /ep/stats to the byte."""
+    from locus.traces.reader import TraceReader
+
+    long_prompt = " ".join(f"w{i}" for i in range(600))  # 2889 byte tokens: about ninety 32-token prefill chunks
+    streams = [(f"stream number {i} of the aborted mix", "cut" if i % 3 == 0 else "done", 4 if i % 3 == 0 else None)
+               for i in range(12)]
+    trace = tmp_path / "trace"
+    with running_server("--model", "tiny", "--ep-ranks", "2", "--record-trace", str(trace),
+                        "--max-num-batched-tokens", "32") as proc:
+        base = proc.base_url
+        for i in range(2):  # each alone, its client gone once two of its chunks have run
+            assert stream_and_leave(base, f"{long_prompt} {i}", "prefill", 0, tokens_grew(base, 64)) == "left"
+        with ThreadPoolExecutor(len(streams)) as pool:
+            ends = list(pool.map(lambda job: stream_and_leave(base, *job), streams))
+        assert ends == ["left" if chunks is not None else "done" for _, _, chunks in streams]
+        stats = quiet_stats(base)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    out = tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "-m", "locus.cli", "replay", str(trace), "--plan", "embedded",
+                           "--assign", "recorded", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    replayed = json.loads(out.read_text())
+    assert (replayed["inter_node_bytes"], replayed["intra_node_bytes"], replayed["tokens"]) == (
+        stats["inter_node_bytes"], stats["intra_node_bytes"], stats["tokens"])
+
+    records = TraceReader(trace).requests
+    by_kind = {kind: [r for r in records if r.domain == kind] for kind in ("done", "cut", "prefill")}
+    assert len(by_kind["done"]) == 8 and not any(r.aborted for r in by_kind["done"])
+    assert all(r.tokens == r.prompt_tokens + 39 for r in by_kind["done"])
+    # the streams left after 4 chunks: aborted mid-decode, their prompt and the tokens that ran kept
+    assert len(by_kind["cut"]) == 4 and all(r.aborted and r.prompt_tokens < r.tokens < r.prompt_tokens + 39
+                                            for r in by_kind["cut"])
+    # the long prompts left before their first token: aborted mid-prefill, the chunks that ran kept
+    assert len(by_kind["prefill"]) == 2 and all(r.aborted and 64 <= r.prompt_tokens == r.tokens < len(long_prompt)
+                                                for r in by_kind["prefill"])
+    assert all(r.rank in (0, 1) and r.admitted is not None and r.released is not None for r in records)

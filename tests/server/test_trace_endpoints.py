@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from contextlib import contextmanager
 
 import httpx
@@ -45,12 +46,28 @@ def test_start_stop_dump_over_http(tmp_path):
 
 
 def test_record_trace_flag_writes_at_shutdown(tmp_path):
+    """With a stream whose client leaves after 3 chunks: kept, marked aborted (issue 55, item 3, the
+    single-process server as the expert-parallel one), so the trace holds every row the engine routed,
+    which the expert-load counters of /metrics count."""
+    from tests.server.test_expert_parallel_serving import stream_and_leave
+
     with running_server("--model", "tiny", "--record-trace", str(tmp_path / "rec")) as proc:
         for i in range(3):
             complete(proc.base_url, f"prompt {i}")
+        assert stream_and_leave(proc.base_url, "a stream whose client leaves", "cut", 3) == "left"
+        deadline, idle = time.monotonic() + 30, 'locus_num_requests_running{model_name="tiny"} 0.0'
+        while idle not in (metrics := httpx.get(f"{proc.base_url}/metrics").text):
+            assert time.monotonic() < deadline, "the aborted stream never ended"
+            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    assert len(TraceReader(tmp_path / "rec").requests) == 3
+    trace = TraceReader(tmp_path / "rec")
+    assert [r.aborted for r in trace.requests] == [False] * 3 + [True]
+    cut = trace.requests[3]
+    assert cut.domain == "cut" and cut.prompt_tokens + 2 <= cut.tokens < cut.prompt_tokens + 39
+    routed = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("locus_expert_tokens_total{"))
+    assert routed == int((trace.expert_ids[:] >= 0).sum())
 
 
 def test_the_trace_api_is_off_unless_enabled_and_writes_only_inside_its_directory(tmp_path):

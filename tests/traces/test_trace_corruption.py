@@ -162,6 +162,8 @@ def test_bad_json_line(trace):
         ('{"id": 7, "domain": "code", "prompt_tokens": 0, "tokens": 4}', "field 'id' must be a string"),
         ('{"id": "req-2", "domain": "code", "prompt_tokens": -1, "tokens": 4}', "negative"),
         ('[1, 2]', "expected a JSON object"),
+        ('{"id": "req-2", "domain": "code", "prompt_tokens": 0, "tokens": 4, "aborted": 1}',
+         "field 'aborted' must be true or false"),
     ],
 )
 def test_bad_request_line(trace, line, fragment):

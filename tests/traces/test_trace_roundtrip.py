@@ -32,6 +32,19 @@ def test_round_trip_is_exact(tmp_path):
     assert np.load(path / "expert_weights.npy").dtype == np.float16
 
 
+def test_an_aborted_request_is_marked_and_the_mark_is_optional(tmp_path):
+    """Issue 55, item 3: `"aborted": true` marks a request that ended before finishing; it is written
+    only when true, and a line without it reads as not aborted."""
+    meta = tiny_meta()
+    with TraceWriter(tmp_path / "t", meta) as w:
+        w.add_request("cut", "chat", 2, random_rows(np.random.default_rng(0), 2, meta), aborted=True)
+        w.add_request("whole", "chat", 1, random_rows(np.random.default_rng(1), 3, meta))
+    lines = [json.loads(line) for line in (tmp_path / "t" / "requests.jsonl").read_text().splitlines()]
+    assert lines[0]["aborted"] is True and "aborted" not in lines[1]
+    assert [(r.id, r.aborted) for r in TraceReader(tmp_path / "t").requests] == [("cut", True), ("whole", False)]
+    assert RequestRecord("x", "", 0, 1, aborted=True).to_json()["aborted"] is True
+
+
 def test_meta_json_has_the_contract_fields(tmp_path):
     write_tiny_trace(tmp_path / "t")
     d = json.loads((tmp_path / "t" / "meta.json").read_text())

@@ -3,9 +3,11 @@
 For each sequence it keeps, per absolute position, the top-k expert ids and weights of every MoE
 layer, as the runner saw them (prefill, chunked prefill and decode alike). A finished sequence
 becomes one trace request: its prompt rows, then one row per generated token that went through the
-model (the last sampled token never does). Choices of an `n > 1` request are separate trace requests
-(`id#index`) sharing the prompt rows. The writer streams finished requests to disk, so a long
-recording never sits in memory.
+model (the last sampled token never does). An aborted sequence (its client went away) becomes one
+too, marked `aborted`, with the rows that ran before the abort (a cut prefill's fewer than its
+prompt): the engine routed them, and an expert-parallel server's exchanges counted them. Choices of an
+`n > 1` request are separate trace requests (`id#index`) sharing the prompt rows. The writer streams
+finished requests to disk, so a long recording never sits in memory.
 
 While recording, prefix-cache reuse is off: a reused block's tokens would not go through the model,
 and the trace needs every token's routing.
@@ -171,14 +173,20 @@ class TraceRecorder:
 
     def finish(self, seq: Sequence) -> None:
         trace = self._active.pop(seq.seq_id, None)
-        if trace is None or seq.finish_reason == "abort" or self.failure is not None:
+        if trace is None or self.failure is not None:
             return
-        rows = seq.num_tokens - 1  # the last sampled token was never fed to the model
+        # An aborted sequence is kept too, with the rows seen before the abort (a cut prefill's fewer than
+        # its prompt): they went through the model, and through an expert-parallel server's exchanges,
+        # which counted them, so a replay of the trace must count them as well.
+        aborted = seq.finish_reason == "abort"
+        # (finished: every token but the last sampled one, which was never fed to the model)
+        rows = ran_rows(trace.ids, seq.num_tokens) if aborted else seq.num_tokens - 1
         ids, weights = trace.ids[:rows], trace.weights[:rows]
         if rows <= 0 or (ids[:, 0, 0] < 0).any():
             return  # incomplete (cannot happen with prefix reuse off; kept as a guard)
         epochs = trace.epochs[:rows] if self.placement is not None else None
-        size = self._writer.request_bytes(trace.request_id, trace.domain, trace.prompt_tokens, rows)
+        prompt_tokens = min(trace.prompt_tokens, rows)
+        size = self._writer.request_bytes(trace.request_id, trace.domain, prompt_tokens, rows, aborted)
         if self.max_bytes is not None and self._writer.nbytes + size > self.max_bytes:
             if self.accepting or self.stop_reason != "budget":
                 log.warning("trace %s: the next request would pass the %d-byte budget (--trace-max-bytes); "
@@ -188,7 +196,8 @@ class TraceRecorder:
             return
         try:
             tokens = np.asarray(seq.token_slice(0, rows), dtype=np.int32)  # the token each row fed the model
-            self._writer.add_request(trace.request_id, trace.domain, trace.prompt_tokens, ids, weights, epochs, tokens)
+            self._writer.add_request(trace.request_id, trace.domain, prompt_tokens, ids, weights, epochs, tokens,
+                                     aborted=aborted)
             self._writer.flush()  # on disk now, or refused now: a later failure keeps this request
         except Exception as exc:  # noqa: BLE001 - a full disk stops the recording, never the request
             self._fail(exc)
@@ -253,6 +262,14 @@ class TraceRecorder:
     def _request_id(seq: Sequence) -> str:
         rid = seq.request.request_id
         return rid if seq.request.params.n == 1 else f"{rid}#{seq.index}"
+
+
+def ran_rows(ids: np.ndarray, limit: int) -> int:
+    """How many leading rows of a sequence's trace (`ids` [capacity, L, K], -1 = not seen) were seen,
+    at most `limit`: an aborted sequence's rows that ran (rows of a step it was aborted during are
+    never published)."""
+    seen = ids[:limit, 0, 0] >= 0
+    return int(limit if seen.all() else np.argmin(seen))
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -83,6 +85,53 @@ def test_recording_controls(tiny, tmp_path):
     assert summary.requests == 1 and summary.tokens == 3 + 2
     assert [r.id for r in TraceReader(tmp_path / "t").requests] == ["a"]
     assert core.blocks.enable_prefix_caching  # restored
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborted_requests_stay_in_the_trace_with_the_rows_that_ran(tiny, tok, tmp_path, overlap):
+    """Issue 55, item 3: an aborted request (its client went away) was left out of the trace, though the
+    engine had routed its rows (and an expert-parallel server had counted their bytes). Now it is kept,
+    marked aborted, with the rows whose routing was seen before the abort: a prefill cut after two
+    16-token chunks (fewer rows than its prompt; overlapped, the chunk in flight at the abort is not
+    seen), a stream cut after 4 tokens. Every row the engine published is in the trace: the trace's
+    expert counts equal the engine's expert-load counters (what /metrics shows)."""
+    core = EngineCore(tiny, tok, EngineConfig(block_size=8, num_kv_blocks=64, max_num_batched_tokens=16,
+                                              async_scheduling=overlap))
+    core.start_recording(tmp_path / "trace", model_name="tiny")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = {"long": [1 + i % 250 for i in range(100)], "cut": list(range(40, 50)), "done": list(range(60, 66))}
+    core.add_request("long", prompts["long"], params)
+    core.step()
+    core.step()
+    assert core.abort("long").outputs[0].finish_reason == "abort"  # two chunks launched, 84 prompt tokens to go
+    core.add_request("cut", prompts["cut"], params)
+    core.add_request("done", prompts["done"], params)
+    outs = {}
+    while core.has_unfinished():
+        for out in core.step():
+            outs[out.request_id] = out
+        if "cut" in core.requests and len(core.requests["cut"].seqs[0].output_ids) >= 4:
+            core.abort("cut")
+    core.dump_recording()
+
+    reader = TraceReader(tmp_path / "trace")
+    records = {r.id: (i, r) for i, r in enumerate(reader.requests)}
+    assert sorted(records) == ["cut", "done", "long"]
+    long, cut, done = (records[k][1] for k in ("long", "cut", "done"))
+    assert long.aborted and long.prompt_tokens == long.tokens == (16 if overlap else 32)
+    assert cut.aborted and cut.prompt_tokens == 10 and 10 + 3 <= cut.tokens < 10 + 19
+    assert not done.aborted and done.tokens == 6 + 19
+    lines = [json.loads(line) for line in (tmp_path / "trace" / "requests.jsonl").read_text().splitlines()]
+    assert [line.get("aborted") for line in lines] == [True, True, None]  # (written only when true)
+    for rid, (r, record) in records.items():
+        tokens = reader.token_ids[reader.offsets[r]:reader.offsets[r + 1]].tolist()
+        assert tokens[:min(len(prompts[rid]), record.tokens)] == prompts[rid][:record.tokens]
+        assert np.array_equal(reader.request_rows(r), recompute(tiny, tokens)[0].astype(np.int16)), rid
+    counts = np.zeros_like(core.expert_load.totals())
+    ids = np.asarray(reader.expert_ids)
+    for layer in range(ids.shape[1]):
+        counts[layer] = np.bincount(ids[:, layer].ravel(), minlength=counts.shape[1])
+    assert np.array_equal(counts, core.expert_load.totals())
 
 
 # ---------------------------------------------------------------- recording failures never fail serving (issue 41)
