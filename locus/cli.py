@@ -18,7 +18,7 @@ from pathlib import Path
 from locus.errors import DEBUG_ENV, LocusError, debug_enabled, one_line
 
 # Lowest layer first; the order only affects --help.
-PACKAGES = ("kernels", "traces", "routing", "engine", "training", "server")
+PACKAGES = ("kernels", "traces", "routing", "engine", "training", "server", "router")
 
 
 def build_parser() -> argparse.ArgumentParser:

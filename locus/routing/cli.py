@@ -16,7 +16,7 @@ PAYLOAD_FORMATS = ("model", "mxfp8", "mxint8")  # locus.kernels.formats.PAYLOAD_
 ASSIGN_HELP = ("request->rank assignment: balanced (default), round_robin, grouper (the plan's micro-batch grouper "
                "admitting requests as a live expert-parallel server does: needs a plan with a grouping; see "
                "--arrivals), recorded (the rank each request ran on, from a trace an expert-parallel server "
-               "recorded), or a {request_id: rank} JSON file")
+               "recorded), a {request_id: rank} JSON file, or the assignment log `locus route --assignment-log` wrote")
 
 
 def register(subparsers) -> None:

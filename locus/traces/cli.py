@@ -1,4 +1,4 @@
-"""`locus trace ...`: synth, stats, import, export, validate.
+"""`locus trace ...`: synth, stats, import, export, validate, merge.
 
 Kept light for `locus --help`: numpy and the rest load inside the handlers.
 """
@@ -79,6 +79,19 @@ def register(subparsers) -> None:
     p.add_argument("trace", type=Path)
     p.set_defaults(func=cmd_validate)
 
+    p = sub.add_parser("merge", help="merge the traces several engines recorded (say, `locus route`'s backends) "
+                       "into one, each request marked with the rank it ran on",
+                       description="Write the requests of every source trace into one trace. Each source's "
+                       "requests are marked as run on its rank (--ranks); with --route-log they also carry the "
+                       "admission and release the router logged for them and are written in admission order, so "
+                       "that `locus replay --assign grouper` runs the grouper through the router's sequence.")
+    p.add_argument("sources", nargs="+", type=Path, help="trace directories, one per rank")
+    p.add_argument("-o", "--output", required=True, type=Path)
+    p.add_argument("--ranks", help="the rank each source ran as, e.g. 0,1,2,3 (default: their order)")
+    p.add_argument("--route-log", type=Path, help="the assignment log `locus route --assignment-log` wrote")
+    p.add_argument("--force", action="store_true", help="replace an existing trace at -o")
+    p.set_defaults(func=cmd_merge)
+
 
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
@@ -114,6 +127,42 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except (TraceFormatError, ValueError) as exc:
         return _fail(str(exc))
     print(f"wrote {result.path}: {result.num_requests} requests, {result.num_tokens} tokens in {result.seconds:.1f}s")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    import shutil
+
+    from locus.traces.format import TraceFormatError
+    from locus.traces.merge import merge_traces
+    from locus.traces.reader import TraceReader
+    from locus.traces.route_log import read_route_log
+
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(len(args.sources)))
+    except ValueError:
+        return _fail(f"--ranks {args.ranks!r}: expected comma-separated integers, e.g. 0,1,2,3")
+    if len(ranks) != len(args.sources):
+        return _fail(f"--ranks names {len(ranks)} ranks for {len(args.sources)} source traces")
+    if args.output.exists() and not args.force:
+        return _fail(f"{args.output} exists (use --force to replace it)")
+    try:
+        admissions = None
+        if args.route_log is not None:
+            log = read_route_log(args.route_log)
+            admissions = {}
+            for source in args.sources:
+                for record in TraceReader(source).requests:
+                    found = log.match(record.id)
+                    if found is None:
+                        return _fail(f"{args.route_log}: the router logged no request for {record.id!r} of {source}")
+                    admissions[record.id] = found.admission
+        if args.output.exists():
+            shutil.rmtree(args.output)
+        count = merge_traces(args.sources, args.output, ranks, admissions)
+    except TraceFormatError as exc:
+        return _fail(str(exc))
+    print(f"wrote {args.output}: {count} requests from {len(args.sources)} traces")
     return 0
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from locus.chat_template import find_chat_template, read_chat_template, render_chat_template  # noqa: F401 (re-exported)
 from locus.errors import LocusError
 
 
@@ -134,7 +134,7 @@ class HFTokenizer:
             eos_ids.add(self.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos_ids))
         self.vocab_size = vocab_size
-        self.chat_template = _find_chat_template(model_dir, cfg)
+        self.chat_template = find_chat_template(model_dir, cfg)
         # vocabulary strings are at least as long as the text they decode to (byte-level and
         # sentencepiece alphabets spell one character with one or more symbols)
         self.max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
@@ -152,43 +152,6 @@ class HFTokenizer:
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
-def read_chat_template(value: str) -> str:
-    """--chat-template: a file's contents if `value` names a file, else the template itself; its
-    Jinja syntax is checked here, so a broken template fails at start-up, not on the first request."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    path = Path(value)
-    try:
-        template = path.read_text() if len(value) < 4096 and path.is_file() else value
-    except OSError as exc:
-        raise LocusError(f"--chat-template {value}: cannot read it ({exc.strerror})") from None
-    if "{" not in template:
-        raise LocusError(f"--chat-template {value!r}: no such file, and not a Jinja template")
-    try:
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise LocusError(f"--chat-template: Jinja syntax error at line {exc.lineno}: {exc.message}") from None
-    return template
-
-
-def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise LocusError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
-    except jinja2.TemplateError as exc:
-        raise LocusError(f"chat template failed to render: {exc}") from None
-
-
 def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -202,19 +165,6 @@ def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
-
-
-def _find_chat_template(model_dir: Path, cfg: dict) -> str | None:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    template = cfg.get("chat_template")
-    if template is None:
-        template = (_read_json(model_dir / "chat_template.json") or {}).get("chat_template")
-    if isinstance(template, list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -28,6 +28,11 @@ can take a request, it goes to the least-loaded rank (what a load-balancing fron
 anyway). Loads are the tokens charged to a rank: `num_tokens` at admission, the not-yet-computed part
 moving with a request.
 
+Unavailable ranks (`admit(..., unavailable=...)`: a router's backends that are down, or one a request
+just failed on). They take no admission, and the caps count the others only: the mean, and the stream
+ceiling, are over the ranks that can take the request. The domain still picks the node where one of
+its ranks is up.
+
 Stream cap (`balance_streams`, what expert-parallel serving uses). Ranks step in lockstep, so a decode
 step lasts as long as the rank with the most sequences takes: one stream above the others costs every
 rank. With the cap, an admission may also never leave a rank with more live sequences than
@@ -59,6 +64,15 @@ class _Live:
     streams: int = 1
 
 
+@dataclass(frozen=True)
+class AdmissionChoice:
+    """Why the last admission went where it did (a router logs it beside the rank)."""
+
+    how: str  # "tagged" (a domain the plan knows), "predicted" (the prompt predictor), "least-loaded"
+    domain: str | None  # the domain that placed it: the tag, or the one the predictor classified; None else
+    overflowed: bool = False  # no preferred rank fitted the caps: it went to the least-loaded rank
+
+
 @dataclass
 class GrouperStats:
     admitted: int = 0
@@ -88,6 +102,7 @@ class Grouper:
         self.domain_tokens = {d: np.zeros(self.N) for d in spec.domain_nodes}
         self.live: dict[str, _Live] = {}
         self.stats = GrouperStats()
+        self.last_choice: AdmissionChoice | None = None
 
     @classmethod
     def from_plan(cls, plan, attention_cap: float | None = None, moe_layers=None, balance_streams: bool = False,
@@ -115,12 +130,13 @@ class Grouper:
     # --- the three calls -------------------------------------------------------------------------
     def admit(self, request_id: str, domain: str | None = None, num_tokens: float = 1,
               prompt_tokens: int | None = None, streams: int = 1, node_bytes: np.ndarray | None = None,
-              prompt_ids=None) -> int:
+              prompt_ids=None, unavailable=()) -> int:
         """`node_bytes` [N]: the request's predicted inter-node bytes per token on every node, used
         when its domain is not one the plan knows; or `prompt_ids`, for the plan's predictor to
-        predict them."""
+        predict them. `unavailable`: ranks that take nothing now (module docstring)."""
         if request_id in self.live:
             raise LocusError(f"grouper: request {request_id!r} is already admitted")
+        closed = self._closed(unavailable)
         w = float(max(num_tokens, 0))
         rank = None
         weights = self.domain_weights.get(domain) if domain else None
@@ -147,16 +163,17 @@ class Grouper:
             self.stats.admitted_by_prediction += 1
             preferred = np.argsort(cost, kind="stable").tolist()
         for node in preferred:
-            rank = self._fits(int(node), w, admission=True, streams=streams)
+            rank = self._fits(int(node), w, admission=True, streams=streams, closed=closed)
             if rank is not None:
                 break
-        if preferred and rank is None:
+        overflowed = bool(preferred) and rank is None
+        if overflowed:
             self.stats.overflowed += 1
         if rank is None:
-            if self.balance_streams:  # the fewest live sequences, then the fewest tokens
-                rank = int(np.lexsort((self.loads, self.streams))[0])
-            else:
-                rank = int(np.argmin(self.loads))
+            rank = self._least_loaded(closed)
+        how = ("predicted" if predicted else "tagged") if weights is not None else (
+            "predicted" if node_bytes is not None else "least-loaded")
+        self.last_choice = AdmissionChoice(how, domain if weights is not None else None, overflowed)
         if weights is not None:
             self.domain_tokens[domain][rank // self.G] += w
         self.loads[rank] += w
@@ -227,7 +244,33 @@ class Grouper:
         except KeyError:
             raise LocusError(f"grouper: request {request_id!r} was never admitted (or has finished)") from None
 
-    def _fits(self, node: int, w: float, admission: bool, streams: int = 1) -> int | None:
+    def _closed(self, unavailable) -> np.ndarray | None:
+        """[R] bool mask of the ranks that take nothing (None: every rank is open, the common case)."""
+        if not len(unavailable):
+            return None
+        closed = np.zeros(self.R, dtype=bool)
+        for rank in unavailable:
+            if not 0 <= int(rank) < self.R:
+                raise LocusError(f"grouper: unavailable rank {rank} is not one of the {self.R} ranks")
+            closed[int(rank)] = True
+        if closed.all():
+            raise LocusError(f"grouper: none of the {self.R} ranks can take a request (all unavailable)")
+        return closed
+
+    def _least_loaded(self, closed: np.ndarray | None) -> int:
+        """Where a request no preferred rank took goes: the fewest live sequences, then the fewest tokens
+        (with the stream cap), else the fewest tokens; ties to the lowest rank; open ranks only."""
+        if closed is None:
+            if self.balance_streams:
+                return int(np.lexsort((self.loads, self.streams))[0])
+            return int(np.argmin(self.loads))
+        open_ranks = np.flatnonzero(~closed)
+        if self.balance_streams:
+            return int(open_ranks[np.lexsort((self.loads[open_ranks], self.streams[open_ranks]))[0]])
+        return int(open_ranks[np.argmin(self.loads[open_ranks])])
+
+    def _fits(self, node: int, w: float, admission: bool, streams: int = 1,
+              closed: np.ndarray | None = None) -> int | None:
         """The node's least-loaded rank if taking `w` more tokens keeps it within the cap; else None.
 
         Within the cap means at most cap * mean; at admission also at most one request above the mean:
@@ -235,6 +278,8 @@ class Grouper:
         emptiest (max/mean of a handful of requests is never near 1), and domains would scatter. A move
         is optional, so it gets no such slack (and leaves the total unchanged)."""
         lo = node * self.G
+        if closed is not None:
+            return self._fits_open(node, w, admission, streams, closed)
         if self.balance_streams:
             ceiling = -(-(int(self.streams.sum()) + (streams if admission else 0)) // self.R)
             open_ranks = [r for r in range(lo, lo + self.G) if self.streams[r] + streams <= ceiling]
@@ -246,3 +291,22 @@ class Grouper:
         mean = (self.loads.sum() + (w if admission else 0.0)) / self.R
         limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
         return rank if self.loads[rank] + w <= limit else None
+
+    def _fits_open(self, node: int, w: float, admission: bool, streams: int, closed: np.ndarray) -> int | None:
+        """_fits when some ranks take nothing: the caps are those of the open ranks alone."""
+        lo = node * self.G
+        candidates = [r for r in range(lo, lo + self.G) if not closed[r]]
+        if not candidates:
+            return None
+        open_ranks = ~closed
+        count = int(open_ranks.sum())
+        if self.balance_streams:
+            ceiling = -(-(int(self.streams[open_ranks].sum()) + (streams if admission else 0)) // count)
+            candidates = [r for r in candidates if self.streams[r] + streams <= ceiling]
+            if not candidates:
+                return None
+        rank = min(candidates, key=lambda r: (self.loads[r], r))
+        mean = (self.loads[open_ranks].sum() + (w if admission else 0.0)) / count
+        limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
+        return rank if self.loads[rank] + w <= limit else None
+

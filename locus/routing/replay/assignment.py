@@ -5,8 +5,9 @@ Policies:
   balanced     each request, in trace order, to the rank with the fewest tokens assigned so far
                (ties: lowest rank), as a load-balancing DP-attention front end would do;
   round_robin  request i of the replayed range to rank i % R;
-  a file       JSON {request_id: rank} (what the micro-batch grouper writes); it must name every
-               replayed request;
+  a file       JSON {request_id: rank} (what `--save-assignment` writes), or the assignment log
+               `locus route` writes (locus/traces/route_log.py: each trace request takes the rank its
+               logged request was sent to, matched by id); either must name every replayed request;
   grouper      the plan's micro-batch grouper run online over the replayed requests
                (grouper_simulation.py): a request may run its prefill on one rank and, moved after it,
                its decode on another; `decode_ranks` then says where, and the KV cache that moved is
@@ -26,6 +27,8 @@ import numpy as np
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
+from locus.traces.format import TraceFormatError
+from locus.traces.route_log import is_route_log, read_route_log
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,11 @@ def assign_recorded(requests, num_ranks: int, request_start: int = 0, kv_bytes_p
 
 
 def load_assignment(path: str | Path, request_ids, num_ranks: int, request_start: int = 0) -> Assignment:
-    """Ranks for `request_ids` (the replayed requests, in order) from a {request_id: rank} JSON file."""
+    """Ranks for `request_ids` (the replayed requests, in order) from a {request_id: rank} JSON file or a
+    router's assignment log."""
     path = Path(path)
+    if is_route_log(path):
+        return _routed_assignment(path, request_ids, num_ranks, request_start)
     try:
         mapping = json.loads(path.read_text())
     except OSError as exc:
@@ -125,6 +131,24 @@ def load_assignment(path: str | Path, request_ids, num_ranks: int, request_start
             raise LocusError(f"{path}: request {rid!r} has rank {rank!r}, expected an integer in 0..{num_ranks - 1}")
         ranks[i] = rank
     return Assignment(f"file:{path.name}", request_start, ranks)
+
+
+def _routed_assignment(path: Path, request_ids, num_ranks: int, request_start: int) -> Assignment:
+    """The ranks `locus route` logged for the trace's requests."""
+    try:
+        log = read_route_log(path)
+    except TraceFormatError as exc:
+        raise LocusError(str(exc)) from None
+    ranks = np.empty(len(request_ids), dtype=np.int64)
+    for i, rid in enumerate(request_ids):
+        found = log.match(rid)
+        if found is None:
+            raise LocusError(f"{path}: the router logged no request for trace request {rid!r} (index "
+                             f"{request_start + i})")
+        if not 0 <= found.rank < num_ranks:
+            raise LocusError(f"{path}: request {found.id!r} went to rank {found.rank}, but the plan has {num_ranks} ranks")
+        ranks[i] = found.rank
+    return Assignment(f"route-log:{path.name}", request_start, ranks)
 
 
 def save_assignment(assignment: Assignment, request_ids, path: str | Path) -> None:

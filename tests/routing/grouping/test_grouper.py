@@ -161,3 +161,33 @@ def test_the_stream_cap_keeps_every_rank_within_one_sequence_of_the_others():
     assert g.streams.sum() == 7
     unbalanced = Grouper(TOPOLOGY, spec(cap=10.0))
     assert [unbalanced.admit(f"c{i}", "code", 10) for i in range(6)] == [0, 1, 0, 1, 0, 1]  # all on node 0
+
+
+def test_unavailable_ranks_take_nothing_and_the_caps_count_the_others():
+    """A router's backends that are down: the grouper places around them, its caps over the open ranks."""
+    g = Grouper(TOPOLOGY, spec(), balance_streams=True)
+    assert [g.admit(f"c{i}", "code", 10, unavailable=(1,)) for i in range(3)] == [0, 2, 3]
+    assert g.last_choice.how == "tagged" and g.last_choice.domain == "code" and g.last_choice.overflowed
+    # with rank 1 back, the stream ceiling is over all four ranks again: rank 1 is the only one under it
+    assert g.admit("c3", "code", 10) == 1 and not g.last_choice.overflowed
+    with pytest.raises(LocusError, match="none of the 4 ranks"):
+        g.admit("x", None, 1, unavailable=range(4))
+    with pytest.raises(LocusError, match="not one of the 4 ranks"):
+        g.admit("x", None, 1, unavailable=(7,))
+    assert "x" not in g.live
+    g.admit("u", None, 1, unavailable=(0, 1, 2))
+    assert g.rank_of("u") == 3 and g.last_choice.how == "least-loaded" and g.last_choice.domain is None
+
+
+def test_no_unavailable_rank_changes_nothing():
+    """Every rank open: the same choices as a grouper never told of unavailable ranks."""
+    rng = np.random.default_rng(1)
+    a, b = Grouper(TOPOLOGY, spec(), balance_streams=True), Grouper(TOPOLOGY, spec(), balance_streams=True)
+    for i in range(200):
+        d = rng.choice(["code", "math", "chat", "other"])
+        w = int(rng.integers(5, 200))
+        assert a.admit(f"r{i}", d, w) == b.admit(f"r{i}", d, w, unavailable=())
+        if i > 10 and rng.random() < 0.5:
+            victim = f"r{int(rng.integers(0, i))}"
+            a.finish(victim)
+            b.finish(victim)

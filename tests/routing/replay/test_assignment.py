@@ -37,3 +37,23 @@ def test_file_round_trip_and_errors(tmp_path):
         load_assignment(path, ["a"], num_ranks=2)
     with pytest.raises(LocusError, match="cannot read assignment"):
         load_assignment(tmp_path / "absent.json", ["a"], num_ranks=2)
+
+
+def test_the_router_s_assignment_log_is_an_assignment(tmp_path):
+    """`locus replay --assign FILE` reads `locus route`'s log: each trace request takes the rank its
+    logged request last went to, matched through the engine's id for it (cmpl-<id>-<i>)."""
+    from locus.traces.route_log import RouteLogWriter
+
+    path = tmp_path / "route.jsonl"
+    log = RouteLogWriter(path, {})
+    log.admit("a", 1, "code", "tagged", 10, 5, 1)
+    log.admit("b", 0, None, "least-loaded", 10, 5, 1)
+    log.release("b")
+    log.admit("b", 3, None, "least-loaded", 10, 5, 1)  # retried elsewhere
+    log.close()
+    loaded = load_assignment(path, ["cmpl-a-0", "cmpl-b-0", "b"], num_ranks=4, request_start=2)
+    assert loaded.ranks.tolist() == [1, 3, 3] and loaded.policy == "route-log:route.jsonl"
+    with pytest.raises(LocusError, match=r"logged no request for trace request 'c' \(index 5\)"):
+        load_assignment(path, ["a", "b", "a", "c"], num_ranks=4, request_start=2)
+    with pytest.raises(LocusError, match="went to rank 3, but the plan has 2 ranks"):
+        load_assignment(path, ["b"], num_ranks=2)

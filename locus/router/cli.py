@@ -1,0 +1,89 @@
+"""`locus route`: the plan's grouper in front of data-parallel engines (docs/router.md)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from locus.errors import LocusError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "route", help="a locality-aware OpenAI router: send each request to the data-parallel rank the plan's "
+                      "grouper chooses",
+        description="Serve the OpenAI completion endpoints in front of one engine endpoint per data-parallel "
+                    "rank (or one per group of ranks, pinned with X-Data-Parallel-Rank), sending each request to "
+                    "the rank the plan's grouper chooses: its domain tag, else the plan's prompt predictor on its "
+                    "tokenized prompt, under the plan's caps. docs/router.md.")
+    p.add_argument("--plan", required=True, help="placement plan JSON with a grouping (`locus plan --planner locality`)")
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="an engine's base URL, once per data-parallel rank in rank order (rank r on node r // G)")
+    p.add_argument("--backend-kind", choices=("locus", "vllm", "sglang"), default="locus",
+                   help="what the backends run: how the request id and a rank pin are passed (default locus)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's directory (tokenizer.json, tokenizer_config.json; config.json to check the "
+                        "plan's predictor against); default: the plan's model when it is `mini` or a directory")
+    p.add_argument("--chat-template", metavar="FILE", help="the chat template the backends use, if not the tokenizer's")
+    p.add_argument("--assignment-log", metavar="FILE",
+                   help="write every admission and release as JSON lines (`locus replay --assign FILE`, "
+                        "`locus trace merge --route-log FILE`)")
+    p.add_argument("--max-model-len", type=int, help="the context limit a request without max_tokens is charged "
+                                                    "up to (default: the backends' /v1/models max_model_len)")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="how often every backend's /health is asked (default 1)")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long a backend may take to answer at start (default 5)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 takes any free port, which the 'running on' line names")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run_route)
+
+
+def run_route(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from locus.router.setup import RouterConfig, assemble
+
+    if not 0 <= args.port <= 65535:
+        raise LocusError(f"--port {args.port}: expected 0-65535")
+    sock = bind(args.host, args.port)
+    router = assemble(RouterConfig(args.plan, args.backend, args.backend_kind, args.tokenizer,
+                                   read_template(args.chat_template), args.assignment_log, args.max_model_len,
+                                   args.health_interval, args.connect_timeout))
+    host, port = sock.getsockname()[:2]
+    print(f"locus route: running on http://{host}:{port} in front of {len(router.relay.pool.backends)} backend(s)",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(router.app(), log_level=args.log_level, access_log=False, loop="uvloop",
+                            http="httptools", lifespan="on", timeout_keep_alive=30)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        router.close()
+    return 0
+
+
+def read_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    from locus.chat_template import read_chat_template
+
+    return read_chat_template(value)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Listen before anything else, so a busy port is one line naming it."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise LocusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise LocusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
