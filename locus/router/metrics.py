@@ -16,9 +16,20 @@ requests sent to it; per admission reason, where the grouper's choices came from
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from locus.router.backends import Backend
+
+
+@dataclass(frozen=True)
+class RankSeries:
+    """One rank's per-request series."""
+
+    in_flight: Gauge
+    requests: Counter
+    retries: Counter
 
 
 class RouterMetrics:
@@ -39,13 +50,13 @@ class RouterMetrics:
                                   "that placed them.", ["how", "domain"], registry=r)
         self.overflowed = Counter("locus_route_overflowed", "Admissions whose preferred ranks were all full.", registry=r)
         self._labels = {}
+        self.rank: dict[int, RankSeries] = {}  # bound once: labels() takes a lock and a lookup per call
         for b in backends:
             self.backend_changed(b)
             for rank in b.ranks:
-                self._labels[rank] = (b.url, str(rank))
-                self.in_flight.labels(*self._labels[rank]).set(0)
-                self.requests.labels(*self._labels[rank])
-                self.retries.labels(*self._labels[rank])
+                labels = self._labels[rank] = (b.url, str(rank))
+                self.rank[rank] = RankSeries(self.in_flight.labels(*labels), self.requests.labels(*labels),
+                                             self.retries.labels(*labels))
 
     def labels(self, rank: int) -> tuple[str, str]:
         return self._labels[rank]

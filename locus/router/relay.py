@@ -76,19 +76,26 @@ class Exchange(Response):
         self.upstream: aiohttp.ClientResponse | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        work = asyncio.ensure_future(self.run(send))
+        # the exchange runs in Starlette's task; a watcher cancels that task if the client leaves first
+        task, state = asyncio.current_task(), {"over": False, "gone": False}
+
+        def client_left(watcher: asyncio.Future) -> None:
+            if not watcher.cancelled() and not state["over"]:
+                state["gone"] = True
+                task.cancel()
+
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        watcher.add_done_callback(client_left)
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client left: close the backend request, which aborts it there
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-            else:
-                work.result()
+            await self.run(send)
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # our own cancel, handled: the task goes on (Starlette's end of the request)
         finally:
+            state["over"] = True
             watcher.cancel()
-            self.close_upstream()
+            self.close_upstream()  # the client left: closing the backend request aborts it there
             self.end()
 
     # --- the attempts -------------------------------------------------------------------------------
@@ -103,7 +110,7 @@ class Exchange(Response):
             except LocusError:
                 break  # no rank left to try
             if tried:
-                relay.metrics.retries.labels(*relay.metrics.labels(tried[-1])).inc()
+                relay.metrics.rank[tried[-1]].retries.inc()
             self.count_admission()
             try:
                 await self.attempt(send)
@@ -133,9 +140,9 @@ class Exchange(Response):
         """Send to the placement's backend; pass the answer back. Failure: nothing reached the client."""
         relay, out, rank = self.relay, self.outbound, self.placement.rank
         backend = self.backend = relay.pool.by_rank[rank]
-        labels = relay.metrics.labels(rank)
-        relay.metrics.requests.labels(*labels).inc()
-        relay.metrics.in_flight.labels(*labels).inc()
+        series = relay.metrics.rank[rank]
+        series.requests.inc()
+        series.in_flight.inc()
         headers = out.headers
         pin = backend.pin(rank)
         if pin is not None:
@@ -230,7 +237,7 @@ class Exchange(Response):
         if self.placement is None:
             return
         self.relay.admissions.release(self.request.request_id)
-        self.relay.metrics.in_flight.labels(*self.relay.metrics.labels(self.placement.rank)).dec()
+        self.relay.metrics.rank[self.placement.rank].in_flight.dec()
         self.placement = None
 
 

@@ -23,7 +23,6 @@ import numpy as np
 
 from locus.routing.plan.grouping_spec import GroupingSpec
 from locus.routing.planners.expected_load import node_replicas
-from locus.routing.replay.simulator import plan_in_trace_order
 
 # Requests scored per batch: keeps the [B, L, E] distributions near 16 MB for DeepSeek shapes.
 BATCH = 256
@@ -40,7 +39,11 @@ class NodeCostModel:
     @classmethod
     def from_plan(cls, plan, spec: GroupingSpec, moe_layers=None) -> "NodeCostModel":
         """`moe_layers`: the order of the signatures' layers (default: the plan's own order)."""
-        if moe_layers is not None:
+        if moe_layers is not None and tuple(int(x) for x in moe_layers) != tuple(plan.moe_layers):
+            # imported here: the simulator brings torch (its payload formats), which a grouper on
+            # the plan's own layer order (`locus route`'s) never needs
+            from locus.routing.replay.simulator import plan_in_trace_order
+
             plan = plan_in_trace_order(plan, moe_layers)
         N = plan.topology.nodes
         x = node_replicas(np.asarray(plan.slots), N, plan.num_experts).astype(np.float32)  # [L, N, E]
