@@ -66,3 +66,42 @@ def test_an_assignment_json_is_not_a_route_log(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps({"a": 1}))
     assert not is_route_log(path) and not is_route_log(tmp_path / "absent")
+
+
+def test_trace_merge_stamps_the_router_s_admissions(tmp_path, capsys):
+    """`locus trace merge --route-log`: the backends' traces as one, each request marked with the rank it
+    ran on and carrying its logged admission, in admission order."""
+    import numpy as np
+
+    from locus.cli import main
+    from locus.traces.reader import TraceReader
+    from locus.traces.writer import TraceWriter
+    from tests.traces.trace_fixtures import random_rows, tiny_meta
+
+    meta, rng = tiny_meta(), np.random.default_rng(0)
+    for rank, ids in enumerate((["cmpl-a-0", "cmpl-c-0"], ["chatcmpl-b"])):
+        with TraceWriter(tmp_path / f"t{rank}", meta) as w:
+            for rid in ids:
+                w.add_request(rid, "code", 2, random_rows(rng, 4, meta))
+    log = RouteLogWriter(tmp_path / "route.jsonl", {})
+    log.admit("b", 1, None, "least-loaded", 9, 2, 1)
+    log.admit("a", 0, "code", "tagged", 8, 2, 1)
+    log.release("b")
+    log.admit("c", 0, "code", "tagged", 7, 2, 1)
+    log.release("a")
+    log.close()
+    out = tmp_path / "merged"
+    assert main(["trace", "merge", str(tmp_path / "t0"), str(tmp_path / "t1"), "-o", str(out), "--route-log",
+                 str(tmp_path / "route.jsonl")]) == 0
+    assert "3 requests from 2 traces" in capsys.readouterr().out
+    records = TraceReader(out).requests
+    assert [(r.id, r.rank, r.admitted, r.released, r.charge) for r in records] == [
+        ("chatcmpl-b", 1, 0, 2, 9), ("cmpl-a-0", 0, 1, 4, 8), ("cmpl-c-0", 0, 3, None, 7)]
+    assert main(["trace", "merge", str(tmp_path / "t0"), "-o", str(out)]) == 2
+    assert "exists (use --force" in capsys.readouterr().err
+    assert main(["trace", "merge", str(tmp_path / "t0"), "-o", str(tmp_path / "m2"), "--ranks", "0,1"]) == 2
+    assert "--ranks names 2 ranks for 1 source traces" in capsys.readouterr().err
+    (tmp_path / "short.jsonl").write_text((tmp_path / "route.jsonl").read_text().splitlines()[0] + "\n")
+    assert main(["trace", "merge", str(tmp_path / "t0"), "-o", str(tmp_path / "m3"), "--route-log",
+                 str(tmp_path / "short.jsonl")]) == 2
+    assert "the router logged no request for 'cmpl-a-0'" in capsys.readouterr().err
