@@ -61,6 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="most characters a request's stop strings may hold, all of them together (default 4096)")
     p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
                    help="most entries one request's logit_bias may hold (default 1024)")
+    p.add_argument("--max-logprob-entries", type=int, default=1 << 20, metavar="N",
+                   help="most logprob entries one /v1/completions response may hold: prompts x n x (echoed prompt "
+                        "tokens + max_tokens) x (logprobs + 1), vLLM's prompt_logprobs counted the same way "
+                        "(default 1048576, about 32 MB of JSON)")
     p.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="placement plan (locus plan --planner locality): its grouper puts requests with similar "
                         "expert usage in the same micro-batch, one micro-batch per node")
@@ -160,11 +164,13 @@ def request_limits_of(args: argparse.Namespace):
     from locus.server.protocol import RequestLimits
 
     body = parse_memory(args.max_request_body_bytes)
-    if body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1 or args.max_logit_bias < 0:
+    if (body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1 or args.max_logit_bias < 0
+            or args.max_logprob_entries < 0):
         raise LocusError("--max-request-body-bytes, --max-prompts-per-request and --max-stop-chars must be positive, "
-                         "--max-logit-bias not negative")
+                         "--max-logit-bias and --max-logprob-entries not negative")
     return RequestLimits(max_body_bytes=body, max_prompts=args.max_prompts_per_request,
-                         max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias)
+                         max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
+                         max_logprob_entries=args.max_logprob_entries)
 
 
 def grammar_limits_of(args: argparse.Namespace):

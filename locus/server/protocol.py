@@ -34,6 +34,8 @@ class RequestLimits:
     max_prompts: int = 1024  # --max-prompts-per-request: prompts of one /v1/completions request
     max_stop_chars: int = 4096  # --max-stop-chars: the characters of all of a request's stop strings
     max_logit_bias: int = 1024  # --max-logit-bias: entries of one request's logit_bias
+    # --max-logprob-entries: the logprob entries one /v1/completions response may hold (about 32 MB of JSON)
+    max_logprob_entries: int = 1 << 20
 
     def check(self, body: BaseModel) -> None:
         """The checks that cost nothing: before the body is walked, tokenized or queued."""
@@ -50,6 +52,18 @@ class RequestLimits:
         if bias is not None and len(bias) > self.max_logit_bias:
             raise InvalidParameter("logit_bias", f"logit_bias has {len(bias)} entries; this server takes at most "
                                                  f"{self.max_logit_bias} (--max-logit-bias)")
+
+
+    def check_logprob_entries(self, body: "CompletionRequest", prompt_lengths: list[int], max_model_len: int) -> None:
+        """What the response will hold, known once the prompts are tokenized, checked before they are
+        queued: echo and n multiply a prompt's entries with no work from the engine (one ~40 KB body
+        asked for ~100 MB of JSON)."""
+        entries = body.logprob_entries(prompt_lengths, max_model_len)
+        if entries > self.max_logprob_entries:
+            param = "logprobs" if body.logprobs is not None else "prompt_logprobs"
+            raise InvalidParameter(param, f"the response would hold {entries} logprob entries (prompts x n x tokens x "
+                                          f"(logprobs + 1)); this server returns at most {self.max_logprob_entries} "
+                                          "in one response (--max-logprob-entries)")
 
 
 def check_messages(messages: list["ChatMessage"]) -> None:
@@ -275,6 +289,20 @@ class CompletionRequest(_Common):
             raise InvalidParameter("logprobs", f"logprobs must be in [0, 5] for completions, got {self.logprobs}")
         if self.max_tokens == 0 and not self.echo:
             raise InvalidParameter("max_tokens", "max_tokens must be >= 1 (0 is for scoring a prompt: with echo)")
+
+    def logprob_entries(self, prompt_lengths: list[int], max_model_len: int) -> int:
+        """The logprob entries the response holds at most: each of a prompt's n choices has one per
+        echoed prompt token and generated token, each with up to logprobs + 1 alternatives, and vLLM's
+        prompt_logprobs (prompt_logprobs + 1 per prompt token) on every choice. Without max_tokens a
+        choice may fill the context."""
+        per_token = 0 if self.logprobs is None else self.logprobs + 1
+        per_prompt_token = 0 if self.prompt_logprobs is None else self.prompt_logprobs + 1
+        entries = 0
+        for length in prompt_lengths:
+            generated = self.max_tokens if self.max_tokens is not None else max(0, max_model_len - length)
+            echoed = length if self.echo else 0
+            entries += self.n * ((echoed + generated) * per_token + length * per_prompt_token)
+        return entries
 
     def engine_prompt_logprobs(self) -> int | None:
         """What the engine scores of the prompt: the client's prompt_logprobs, or with echo and

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
@@ -57,6 +58,10 @@ _JSON = json.JSONEncoder(ensure_ascii=False)
 _encode_text = json.encoder.encode_basestring
 # Stands for the text while a template is rendered; no model text contains a NUL-framed name.
 _TEXT_MARK = "\x00locus-delta-text\x00"
+# A whole response written in parts: the bytes Starlette's JSONResponse writes (compact, no NaN).
+_BODY_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+# Where a body's choices go; a JSON string escapes its quotes, so only the key itself reads like this.
+_CHOICES_MARK = '"choices":[]'
 
 
 def sse(obj: dict) -> str:
@@ -76,19 +81,25 @@ class _Format:
     object_name = ""
     chunk_object = ""
     report_prompt_logprobs = True  # False when the engine scored the prompt for echo, not for the client
+    built_off_loop = False  # whether a whole response is built in a worker thread, written choice by choice
+    streamed_off_loop = False  # whether a stream's frames are built in a worker thread, written one by one
 
     def __init__(self, model_name: str, tokenizer: Tokenizer):
         self.model_name, self.tokenizer = model_name, tokenizer
         self.created = int(time.time())
         # A format serves one HTTP request (one request id), so its per-choice state is keyed by choice.
         self._templates: dict[int, tuple[str, str]] = {}  # choice -> the frame around its text
-        self._text_offsets: dict[int, int] = {}  # choice -> text_offset of its next streamed token
+        self._token_texts: dict[int, str] = {}  # token id -> token_text: a scoring response names each one often
+        self._vllm_prompt: tuple[int, list[dict | None]] | None = None  # the last prompt's prompt_logprobs
 
     def token_text(self, token_id: int) -> str:
         """A token's own text; a piece of a multi-byte character (not text on its own) is named
         `token_id:N` so that logprob alternatives never collide on U+FFFD."""
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return f"token_id:{token_id}" if "\ufffd" in text else text
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = f"token_id:{token_id}" if "\ufffd" in text else text
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
         raw = getattr(self.tokenizer, "token_bytes", None)
@@ -97,20 +108,48 @@ class _Format:
         return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
 
     def full_response(self, request_id: str, finals: list[RequestOutput], n: int) -> dict:
+        body, choices = self.response_parts(request_id, finals, n)
+        body["choices"] = list(choices)
+        return body
+
+    def json_chunks(self, request_id: str, finals: list[RequestOutput], n: int) -> Iterator[bytes]:
+        """The whole response's JSON (the bytes of JSONResponse(full_response(...))), one choice per
+        chunk, each built when it is asked for: n choices of a scored prompt can add up to tens of MB,
+        which built at once would hold the event loop for seconds and hundreds of MB at a time."""
+        body, choices = self.response_parts(request_id, finals, n)
+        body["choices"] = []
+        head, tail = _BODY_JSON.encode(body).split(_CHOICES_MARK, 1)
+        yield (head + '"choices":[').encode()
+        separator = ""
+        for choice in choices:
+            yield (separator + _BODY_JSON.encode(choice)).encode()
+            separator = ","
+        yield ("]" + tail).encode()
+
+    def response_parts(self, request_id: str, finals: list[RequestOutput], n: int) -> tuple[dict, Iterator[dict]]:
+        """The whole response's body with its "choices" to come, and those choices in index order,
+        each built as the iterator reaches it."""
         usage = Usage()
-        choices = []
         for i, out in enumerate(finals):
             usage.prompt_tokens += len(out.prompt_token_ids)
             usage.note_cached(i, out)
-            for c in out.outputs:
-                usage.completion_tokens += len(c.token_ids)
-                choices.append(self.full_choice(i * n + c.index, c, i, out))
-        choices.sort(key=lambda ch: ch["index"])
+            usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         body = {"id": request_id, "object": self.object_name, "created": self.created, "model": self.model_name,
-                "choices": choices, "usage": usage.as_dict()}
+                "choices": None, "usage": usage.as_dict()}
         if self.report_prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
-            self.attach_prompt_logprobs(body, [self.prompt_logprobs(out.prompt_logprobs) for out in finals], n)
-        return body
+            self.attach_prompt_logprobs(body, finals)
+        return body, self._full_choices(finals, n)
+
+    def _full_choices(self, finals: list[RequestOutput], n: int) -> Iterator[dict]:
+        for i, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                yield self.full_choice(i * n + c.index, c, i, out)
+
+    def vllm_prompt_logprobs(self, prompt_index: int, out: RequestOutput) -> list[dict | None]:
+        """A prompt's prompt_logprobs, built once for all its choices (they hold the same lists)."""
+        if self._vllm_prompt is None or self._vllm_prompt[0] != prompt_index:
+            self._vllm_prompt = (prompt_index, self.prompt_logprobs(out.prompt_logprobs))
+        return self._vllm_prompt[1]
 
     def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict | None]:
         """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
@@ -126,27 +165,30 @@ class _Format:
             out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": self.token_text(t)} for t, (lp, r) in ranked.items()})
         return out
 
-    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
-        raise NotImplementedError
+    def attach_prompt_logprobs(self, body: dict, finals: list[RequestOutput]) -> None:
+        """Where the body's prompt_logprobs go besides the choices' (chat's, at the top level)."""
 
     def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
         return []
 
     def stream_chunk(self, request_id: str, prompt_index: int, n: int, out: RequestOutput, usage: Usage) -> list[str]:
+        return list(self.stream_frames(request_id, prompt_index, n, out, usage))
+
+    def stream_frames(self, request_id: str, prompt_index: int, n: int, out: RequestOutput, usage: Usage) -> Iterator[str]:
+        """One output's SSE frames, each built when the iterator reaches it (an echoed prompt's frames
+        are large: routes/completions.py builds them one at a time off the event loop)."""
         if prompt_index not in usage.seen_prompts:
             usage.seen_prompts = usage.seen_prompts | {prompt_index}
             usage.prompt_tokens += len(out.prompt_token_ids)
         usage.note_cached(prompt_index, out)
-        frames = []
         for c in out.outputs:
             usage.completion_tokens += len(c.delta_token_ids)
             index = prompt_index * n + c.index
             if c.finish_reason is None and c.logprobs is None and self.plain(index):
                 if c.delta_text or c.delta_token_ids:
-                    frames.append(self._text_frame(request_id, index, c.delta_text))
+                    yield self._text_frame(request_id, index, c.delta_text)
             elif c.delta_text or c.delta_token_ids or c.finish_reason or not self.plain(index):
-                frames.append(sse(self._chunk(request_id, [self.delta_choice(index, c, prompt_index, out)])))
-        return frames
+                yield sse(self._chunk(request_id, [self.delta_choice(index, c, prompt_index, out)]))
 
     def plain(self, index: int) -> bool:
         """Whether choice `index`'s next chunk is its text delta alone (its frame can come from a template)."""
@@ -181,33 +223,52 @@ class _Format:
         raise NotImplementedError
 
 
+@dataclass
+class _Echo:
+    """A prompt's echo, shared by its n choices: its text, and its part of `logprobs` (when asked for)."""
+
+    text: str
+    logprobs: dict | None
+
+
 class CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, echo: "scoring.PromptEcho | None" = None,
-                 top_n: int | None = None):
+                 top_n: int | None = None, skip_special_tokens: bool = True):
         super().__init__(model_name, tokenizer)
         self.echo = echo  # echo: each choice's text (and logprobs) start with its prompt's
         self.top_n = top_n  # the request's logprobs: alternatives per token (the prompt's may have been scored wider)
+        self.skip_special_tokens = skip_special_tokens  # how the output text was decoded (text_offset follows it)
         self._echoed: set[int] = set()  # streamed choices whose prompt went out already
+        self._last_echo: tuple[int, _Echo] | None = None  # (prompt index, its echo): a prompt's n choices come together
+        self._offsets: dict[int, scoring.OutputOffsets] = {}  # streamed choice -> text_offset of its next tokens
 
     @classmethod
     def for_request(cls, model_name: str, tokenizer: Tokenizer, body) -> "CompletionFormat":
-        fmt = cls(model_name, tokenizer, scoring.PromptEcho.of(body, tokenizer), body.logprobs)
+        fmt = cls(model_name, tokenizer, scoring.PromptEcho.of(body, tokenizer), body.logprobs, body.skip_special_tokens)
         fmt.report_prompt_logprobs = body.prompt_logprobs is not None  # (echo scores the prompt for itself)
         return fmt
 
-    def logprobs(self, entries: list[scoring.Entry] | None, offset: int = 0) -> dict | None:
+    @property
+    def built_off_loop(self) -> bool:
+        """Whether a whole response carries logprob entries: prompts x n x tokens x (logprobs + 1) of
+        them, up to --max-logprob-entries, too many to build on the event loop."""
+        return self.top_n is not None or self.report_prompt_logprobs
+
+    @property
+    def streamed_off_loop(self) -> bool:
+        """Whether a stream's frames carry an echoed prompt's logprobs: its first frame per choice is
+        as large as a whole scoring response."""
+        return self.echo is not None and self.top_n is not None
+
+    def logprobs(self, entries: list[scoring.Entry], offsets: list[int]) -> dict:
         """OpenAI's completion logprobs: per token its text, logprob, the alternatives with the token
-        itself (so up to top_n + 1 of them, as OpenAI and vLLM give) and its text offset; a prompt's
-        first token has a null logprob and null alternatives."""
-        if entries is None:
-            return None
-        tokens, token_logprobs, top, offsets = [], [], [], []
+        itself (so up to top_n + 1 of them, as OpenAI and vLLM give) and where its piece of the text
+        starts; a prompt's first token has a null logprob and null alternatives."""
+        tokens, token_logprobs, top = [], [], []
         for token_id, logprob, alternatives in entries:
             text = self.token_text(token_id)
-            offsets.append(offset)
-            offset += len(text)
             tokens.append(text)
             token_logprobs.append(logprob)
             if alternatives is None:
@@ -218,41 +279,58 @@ class CompletionFormat(_Format):
             top.append(chosen)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _entries(self, c: CompletionOutput, items: list[TokenLogprob] | None, echo: bool,
-                 out: RequestOutput | None) -> list[scoring.Entry] | None:
-        """A choice's logprob entries: the prompt's first when it is echoed, then its own `items`."""
-        if c.logprobs is None:
-            return None
-        entries = scoring.output_entries(items or [])
-        if echo:
-            return scoring.prompt_entries(out.prompt_token_ids, out.prompt_logprobs) + entries
-        return entries
+    def _echo_of(self, prompt_index: int, out: RequestOutput) -> _Echo:
+        """A prompt's echo, built once for all its choices."""
+        if self._last_echo is not None and self._last_echo[0] == prompt_index:
+            return self._last_echo[1]
+        text = self.echo.text(prompt_index, out.prompt_token_ids)
+        lp = None
+        if self.top_n is not None:
+            entries = scoring.prompt_entries(out.prompt_token_ids, out.prompt_logprobs)
+            lp = self.logprobs(entries, self.echo.offsets(text, out.prompt_token_ids))
+        echo = _Echo(text, lp)
+        self._last_echo = (prompt_index, echo)
+        return echo
+
+    def _output_logprobs(self, echo: _Echo | None, items: list[TokenLogprob], offsets: "scoring.OutputOffsets") -> dict:
+        """A choice's logprobs for `items` (its generated tokens, or those of one chunk), after its
+        prompt's when `echo` is given."""
+        own = self.logprobs(scoring.output_entries(items), offsets.take([lp.token_id for lp in items]))
+        if echo is None:
+            return own
+        return {key: echo.logprobs[key] + own[key] for key in own}
 
     def full_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
-        echo = self.echo is not None
-        text = (self.echo.text(prompt_index, out.prompt_token_ids) + c.text) if echo else c.text
-        return {"index": index, "text": text, "logprobs": self.logprobs(self._entries(c, c.logprobs, echo, out)),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-
-    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
-        for choice in body["choices"]:  # as vLLM: on every choice, its own prompt's
-            choice["prompt_logprobs"] = per_prompt[choice["index"] // n]
+        echo = self._echo_of(prompt_index, out) if self.echo is not None else None
+        text = echo.text + c.text if echo is not None else c.text
+        lp = None
+        if c.logprobs is not None:
+            offsets = scoring.OutputOffsets(self.tokenizer, out.prompt_token_ids, self.skip_special_tokens,
+                                            len(echo.text) if echo is not None else 0)
+            lp = self._output_logprobs(echo, c.logprobs, offsets)
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if self.report_prompt_logprobs and out.prompt_logprobs is not None:  # as vLLM: on every choice, its own prompt's
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_index, out)
+        return choice
 
     def plain(self, index: int) -> bool:
         return self.echo is None or index in self._echoed
 
     def delta_choice(self, index: int, c: CompletionOutput, prompt_index: int = 0, out: RequestOutput | None = None) -> dict:
-        text, echo = c.delta_text, not self.plain(index)
-        if echo:  # this choice's first chunk: its prompt, then what it generated so far
+        text, echo = c.delta_text, None
+        if not self.plain(index):  # this choice's first chunk: its prompt, then what it generated so far
             self._echoed.add(index)
-            text = self.echo.text(prompt_index, out.prompt_token_ids) + text
+            echo = self._echo_of(prompt_index, out)
+            text = echo.text + text
         lp = None
         if c.logprobs is not None:
-            # text_offset continues across chunks, as in the whole response
-            start = self._text_offsets.get(index, 0)
-            lp = self.logprobs(self._entries(c, c.delta_logprobs, echo, out), start)
-            if lp["tokens"]:
-                self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            offsets = self._offsets.get(index)
+            if offsets is None:  # text_offset continues across chunks, as in the whole response
+                start = len(echo.text) if echo is not None else 0
+                offsets = self._offsets[index] = scoring.OutputOffsets(self.tokenizer, out.prompt_token_ids,
+                                                                       self.skip_special_tokens, start)
+            lp = self._output_logprobs(echo, c.delta_logprobs or [], offsets)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
@@ -274,8 +352,8 @@ class ChatFormat(_Format):
         return {"index": index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def attach_prompt_logprobs(self, body: dict, per_prompt: list[list[dict | None]], n: int) -> None:
-        body["prompt_logprobs"] = per_prompt[0]  # as vLLM: one prompt, at the top level
+    def attach_prompt_logprobs(self, body: dict, finals: list[RequestOutput]) -> None:
+        body["prompt_logprobs"] = self.vllm_prompt_logprobs(0, finals[0])  # as vLLM: one prompt, at the top level
 
     def stream_start(self, request_id: str, num_prompts: int, n: int) -> list[str]:
         # the first chunk of each choice carries the role, as OpenAI's do

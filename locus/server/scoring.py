@@ -5,6 +5,8 @@ score text through /v1/completions, as OpenAI's legacy API and vLLM define it.
   come first in `logprobs` (the first token's `token_logprobs` and `top_logprobs` are null: nothing
   precedes it), then the generated ones. Streamed, a choice's first chunk carries the prompt.
 - `max_tokens: 0` with `echo` scores the prompt and generates nothing (the engine samples nothing).
+- `text_offset` indexes the choice's text: token i's piece of it is text[offset_i:offset_{i+1}]
+  (token_pieces, echo_offsets).
 - `GET /tokenizer_info`: the tokenizer's configuration, as vLLM serves it (its tokenizer_config.json
   without file paths, with `tokenizer_class` and the chat template), which lm-eval's remote tokenizer
   reads, then /tokenize and /detokenize.
@@ -15,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from locus.engine.sampling.sampler import TokenLogprob
+from locus.engine.core.detokenizer import IncrementalDetokenizer
+from locus.engine.sampling.sampler import SamplingParams, TokenLogprob
 from locus.engine.checkpoint.tokenizer import ByteTokenizer, Tokenizer
 
 # (token id, its logprob, the alternatives best first); logprob and alternatives None for a prompt's first token
@@ -45,6 +48,59 @@ class PromptEcho:
         if self.texts is not None:
             return self.texts[prompt_index]
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    def offsets(self, text: str, prompt_ids: list[int]) -> list[int]:
+        """Where each prompt token's piece starts in the echoed `text`."""
+        return echo_offsets(token_pieces(self.tokenizer, prompt_ids, skip_special_tokens=False), text)
+
+
+def token_pieces(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool, context: list[int] = ()) -> list[str]:
+    """Each token's piece of the text `ids` decode to (after `context`, the tokens before them): the
+    characters it completes. A character whose bytes are split over tokens (byte-level BPE) belongs to
+    the token that completes it and the ones before get "", so the pieces add up to the text; a token's
+    own text (`tokens`, `token_id:N` for a partial character) is another thing. The engine's
+    detokenizer window decodes each token in context, as the output text is decoded."""
+    detokenizer = IncrementalDetokenizer(tokenizer, list(context), SamplingParams(skip_special_tokens=skip_special_tokens))
+    pieces = [detokenizer.add(t).text_delta for t in ids]
+    if pieces:
+        pieces[-1] += detokenizer.flush()  # bytes that never complete a character: U+FFFD, as decode gives
+    return pieces
+
+
+class OutputOffsets:
+    """text_offset of a choice's generated tokens, as they come (streamed or whole): each token's
+    piece decoded in the context of the prompt's last tokens and with the request's
+    skip_special_tokens, as the output text is; the first at `start` (the echoed prompt's length)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool, start: int = 0):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(skip_special_tokens=skip_special_tokens))
+        self.next = start  # where the next token's piece starts
+
+    def take(self, ids: list[int]) -> list[int]:
+        offsets = []
+        for token_id in ids:
+            offsets.append(self.next)
+            self.next += len(self._detokenizer.add(token_id).text_delta)
+        return offsets
+
+
+def text_offsets(pieces: list[str], start: int = 0) -> list[int]:
+    """Where each piece starts, the first at `start`."""
+    offsets = []
+    for piece in pieces:
+        offsets.append(start)
+        start += len(piece)
+    return offsets
+
+
+def echo_offsets(pieces: list[str], text: str) -> list[int]:
+    """text_offset of a prompt's tokens in its echoed `text`. A text prompt echoes the client's own
+    text, which does not hold the special tokens the tokenizer put before it (BOS): their pieces take
+    no room in it. A tokenizer that does not give back the text it was given (a normalizer) leaves
+    offsets into the decoded text, kept within `text`."""
+    decoded = "".join(pieces)
+    shift = len(decoded) - len(text) if decoded.endswith(text) else 0
+    return [min(len(text), max(0, offset - shift)) for offset in text_offsets(pieces)]
 
 
 def prompt_entries(prompt_ids: list[int], scored: list[TokenLogprob | None] | None) -> list[Entry]:

@@ -13,6 +13,14 @@ from contextlib import contextmanager
 import httpx
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident memory, in MB (Linux)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

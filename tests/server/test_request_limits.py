@@ -1,15 +1,18 @@
 """Issue 41's inputs that cost more than they should, and its 500s, each against a real server: the
 request limits (body size, prompts per request, stop text), chat text parts that are not strings,
-lone surrogates in `model` and in keys, and bodies nested 100,000 deep on every JSON endpoint."""
+lone surrogates in `model` and in keys, and bodies nested 100,000 deep on every JSON endpoint. Issue
+55: the logprob entries one scoring response may hold, and such a response built off the event loop."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
-from tests.server.server_process import running_server
+from tests.server.server_process import rss_mb, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +20,19 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
+    """The server (--max-logprob-entries left at its default) and a client of it."""
     with running_server("--model", "tiny", "--max-request-body-bytes", "1MiB", "--max-prompts-per-request", "8",
                         "--max-stop-chars", "64", "--enable-trace-api",
                         "--trace-dir", str(tmp_path_factory.mktemp("traces"))) as proc:
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
-            yield http
+            yield proc, http
         assert proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 def error_of(r: httpx.Response, status: int = 400, param: str | None = None) -> str:
@@ -72,6 +81,71 @@ def test_stop_text_is_bounded(server):
                                        json={**body, "messages": [{"role": "user", "content": "x"}]}), param="stop")
         assert message == "the stop strings hold 65 characters; this server takes at most 64 in all (--max-stop-chars)"
     assert server.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "stop": ["a" * 32] * 2}).status_code == 200
+
+
+# Issue 55, finding 1: a ~23 KB body that asked for ~100 MB of JSON (2 prompts x n 128 x 2,048 echoed
+# tokens x 6 entries), which blocked the event loop for seconds and grew the RSS by hundreds of MB
+SCORING = {"prompt": [[(7 * i + p) % 256 for i in range(2048)] for p in (0, 1)], "max_tokens": 0, "echo": True,
+           "logprobs": 5, "n": 128}
+DEFAULT_ENTRIES = 1 << 20  # --max-logprob-entries' default
+
+
+def test_logprob_entries_are_bounded(server):
+    """prompts x n x (echoed prompt + max_tokens) x (logprobs + 1), and vLLM's prompt_logprobs, before
+    anything is queued; chat's entries each come with a generated token and are not counted."""
+    message = error_of(server.post("/v1/completions", json=SCORING), param="logprobs")
+    assert message == ("the response would hold 3145728 logprob entries (prompts x n x tokens x (logprobs + 1)); this "
+                       f"server returns at most {DEFAULT_ENTRIES} in one response (--max-logprob-entries)")
+    # vLLM's prompt_logprobs go on every choice; without max_tokens a choice may fill the context (4,096)
+    for body, param, entries in (({"prompt": [65] * 2048, "max_tokens": 1, "n": 128, "prompt_logprobs": 4},
+                                  "prompt_logprobs", 128 * 2048 * 5),
+                                 ({"prompt": "ab", "max_tokens": None, "n": 128, "logprobs": 3}, "logprobs",
+                                  128 * (4096 - 3) * 4)):
+        assert f" {entries} logprob entries" in error_of(server.post("/v1/completions", json=body), param=param)
+    within = {**SCORING, "prompt": SCORING["prompt"][0], "n": DEFAULT_ENTRIES // (2048 * 6)}
+    r = server.post("/v1/completions", json=within)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 85
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 128, "logprobs": True, "top_logprobs": 20}
+    assert server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def health_while(http: httpx.Client, send) -> tuple[httpx.Response, float]:
+    """`send()`'s answer, and the longest /health took while it ran."""
+    longest, done = [0.0], threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=http.base_url, timeout=60) as other:
+            while not done.is_set():
+                started = time.monotonic()
+                assert other.get("/health").status_code == 200
+                longest[0] = max(longest[0], time.monotonic() - started)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        return send(), longest[0]
+    finally:
+        done.set()
+        poller.join()
+
+
+def test_a_scoring_response_is_built_off_the_event_loop(served):
+    """Finding 1: a response within the limit (1,032,192 entries, ~28 MB) was built on the event loop:
+    /health waited 3 s for it and each one left the RSS higher. Built choice by choice on one worker
+    thread, /health answers at once and the RSS stays near its baseline."""
+    proc, http = served
+    body = {**SCORING, "n": 42}
+    http.post("/v1/completions", json={**body, "n": 1}).raise_for_status()  # the engine's own scoring high-water mark
+    baseline = rss_mb(proc.pid)
+    for _ in range(3):
+        r, longest = health_while(http, lambda: http.post("/v1/completions", json=body))
+        assert longest < 1.5, f"/health took {longest:.2f} s while a scoring response was built"
+        assert r.status_code == 200
+        choices = r.json()["choices"]
+        assert len(choices) == 84 and all(len(c["logprobs"]["tokens"]) == 2048 for c in choices)
+    grown = rss_mb(proc.pid) - baseline
+    assert grown < 100, f"the server's RSS grew {grown:.0f} MB over three scoring responses"
 
 
 @pytest.mark.parametrize("part, got", [
@@ -125,6 +199,7 @@ def test_the_defaults_are_what_the_docs_say():
 
     args = build_parser().parse_args(["serve"])
     assert (args.max_request_body_bytes, args.max_prompts_per_request, args.max_stop_chars) == ("32MiB", 1024, 4096)
+    assert args.max_logprob_entries == DEFAULT_ENTRIES
 
 
 def test_a_deep_or_undecodable_body_on_ep_replan_is_a_400():

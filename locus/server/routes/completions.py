@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from locus.engine.frontend.async_engine import AsyncEngine
 from locus.engine.core.outputs import RequestOutput
@@ -23,6 +25,22 @@ from locus.server.event_stream import Block, EventStreamResponse, ListenedEventS
 from locus.server.prompts import check_text_size, off_loop_if_large, text_chars
 from locus.server.protocol import MAX_DOMAIN_CHARS, ChatCompletionRequest, CompletionRequest
 from locus.server.state import ServerState
+
+
+T = TypeVar("T")
+
+# The one thread that builds scoring responses (prompts x n x tokens x logprob entries, up to
+# --max-logprob-entries): off the event loop, which would answer nothing else for the seconds a large
+# one takes. One thread and not a pool: the memory a build frees is reused by the next build, where a
+# pool's threads each keep what they freed in their own malloc arena (docs/serving.md, "Request limits").
+_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="locus-build")
+
+
+async def built_off_loop(items: Iterator[T]) -> AsyncIterator[T]:
+    """`items`, each built on the builder thread while the event loop serves the others."""
+    loop = asyncio.get_running_loop()
+    while (item := await loop.run_in_executor(_BUILDER, next, items, None)) is not None:
+        yield item
 
 
 def routes(state: ServerState) -> APIRouter:
@@ -40,6 +58,7 @@ def routes(state: ServerState) -> APIRouter:
                 check_text_size(len(text), tok, engine.core.max_model_len, "prompt")
         prompts = await off_loop_if_large(chars, lambda: responses.completion_prompts(body.prompt, tok,
                                                                                       body.add_special_tokens))
+        state.config.limits.check_logprob_entries(body, [len(p) for p in prompts], engine.core.max_model_len)
         fmt = responses.CompletionFormat.for_request(state.model_name, tok, body)
         return await serve(raw, engine, prompts, params, body, "cmpl", fmt)
 
@@ -95,13 +114,18 @@ def routes(state: ServerState) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            if len(streams) == 1:  # the usual case: written from the engine's per-step delivery
+            # the usual case: written from the engine's per-step delivery
+            if len(streams) == 1 and not fmt.streamed_off_loop:
                 return ListenedEventStream(streams[0], frame_renderer(fmt, request_id, params.n, include_usage), sse_error,
                                            "".join(fmt.stream_start(request_id, 1, params.n)), headers)
-            return EventStreamResponse(stream_events(streams, params.n, request_id, fmt, include_usage), headers)
+            return EventStreamResponse(stream_events(streams, params.n, request_id, fmt, include_usage,
+                                                     fmt.streamed_off_loop), headers)
         finals = await until_disconnected(raw, collect_all(streams))
         if finals is None:
             return Response(status_code=499)  # client gone; nobody reads this
+        if fmt.built_off_loop:
+            return StreamingResponse(built_off_loop(fmt.json_chunks(request_id, finals, params.n)),
+                                     media_type="application/json")
         return JSONResponse(fmt.full_response(request_id, finals, params.n))
 
     return router
@@ -160,11 +184,13 @@ def stream_end(fmt, request_id: str, usage: "responses.Usage", include_usage: bo
     return (fmt.usage_chunk(request_id, usage) if include_usage else "") + "data: [DONE]\n\n"
 
 
-async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool) -> AsyncIterator[Block]:
+async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bool,
+                        off_loop: bool = False) -> AsyncIterator[Block]:
     """The SSE text of several prompts' output streams, one block per engine output (one write
     each); the block that ends the body carries the usage chunk and `[DONE]`. An error inside a
     stream becomes one error frame, which ends the body. Closing this generator (client gone)
-    closes the streams, which aborts their requests."""
+    closes the streams, which aborts their requests. `off_loop`: each frame is built in a worker
+    thread and written alone (an echoed prompt's logprobs: n large frames at once)."""
     usage = responses.Usage()
     start = "".join(fmt.stream_start(request_id, len(streams), n))
     if start:
@@ -176,6 +202,10 @@ async def stream_events(streams, n: int, request_id: str, fmt, include_usage: bo
                 yield sse_error(item), True
                 return
             try:
+                if off_loop:
+                    async for frame in built_off_loop(fmt.stream_frames(request_id, i, n, item, usage)):
+                        yield frame, False
+                    continue
                 text = "".join(fmt.stream_chunk(request_id, i, n, item, usage))
             except Exception as exc:  # noqa: BLE001 - sent to the client as an SSE error frame
                 yield sse_error(exc), True
