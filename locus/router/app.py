@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -44,6 +45,7 @@ def build_app(relay: Relay, intake: Intake, models: dict, on_shutdown=None) -> F
     app = FastAPI(title="locus route", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     async def relayed(raw: Request, endpoint: str):
+        arrived = time.perf_counter()
         try:
             request, outbound = intake.read(endpoint, await raw.body(), raw.headers)
         except Refused as refused:
@@ -51,7 +53,7 @@ def build_app(relay: Relay, intake: Intake, models: dict, on_shutdown=None) -> F
         if relay.admissions.in_flight(request.request_id):
             return error_response(400, f"request id {request.request_id!r} is already in flight; request ids must "
                                        "be unique", "invalid_request_error", "request_id")
-        return relay.exchange(request, outbound)
+        return relay.exchange(request, outbound, arrived)
 
     async def completions(raw: Request):
         return await relayed(raw, "completions")

@@ -12,15 +12,22 @@ requests sent to it; per admission reason, where the grouper's choices came from
                                                      and the domain that placed them ("" for none): the
                                                      predicted-domain counts are how="predicted"
     locus_route_overflowed_total                     admissions whose preferred ranks were all full
+    locus_route_overhead_seconds                     the router's own time on a stream's first token: from
+                                                     the request's arrival to its hand-over to the HTTP
+                                                     client, plus from the first chunk's arrival to its
+                                                     hand-over to the server (what it adds to TTFT, less
+                                                     the sockets' own time)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from locus.router.backends import Backend
+
+OVERHEAD_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class RouterMetrics:
         self.admissions = Counter("locus_route_admissions", "The grouper's admissions by reason and by the domain "
                                   "that placed them.", ["how", "domain"], registry=r)
         self.overflowed = Counter("locus_route_overflowed", "Admissions whose preferred ranks were all full.", registry=r)
+        self.overhead = Histogram("locus_route_overhead_seconds", "The router's own time on a stream's first token "
+                                  "(reading, tokenizing, admitting, relaying the first chunk).", registry=r,
+                                  buckets=OVERHEAD_BUCKETS)
         self._labels = {}
         self.rank: dict[int, RankSeries] = {}  # bound once: labels() takes a lock and a lookup per call
         for b in backends:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -60,16 +61,17 @@ class Relay:
         self.pool, self.admissions, self.metrics = pool, admissions, metrics
         self.session: aiohttp.ClientSession | None = None  # made on the server's loop (app.py)
 
-    def exchange(self, request: RoutedRequest, outbound: Outbound) -> "Exchange":
-        return Exchange(self, request, outbound)
+    def exchange(self, request: RoutedRequest, outbound: Outbound, arrived: float) -> "Exchange":
+        """`arrived`: time.perf_counter() when the request came in (the router's own time is measured)."""
+        return Exchange(self, request, outbound, arrived)
 
 
 class Exchange(Response):
     """The ASGI response of one request (returned by the endpoint, run by Starlette): its status is
     known only once a backend answers, so it sends the start of the response itself."""
 
-    def __init__(self, relay: Relay, request: RoutedRequest, outbound: Outbound):
-        self.relay, self.request, self.outbound = relay, request, outbound
+    def __init__(self, relay: Relay, request: RoutedRequest, outbound: Outbound, arrived: float):
+        self.relay, self.request, self.outbound, self.arrived = relay, request, outbound, arrived
         self.background = None  # Starlette's Response protocol: no background task
         self.placement: Placement | None = None
         self.backend: Backend | None = None
@@ -147,6 +149,7 @@ class Exchange(Response):
         pin = backend.pin(rank)
         if pin is not None:
             headers = {**headers, PIN_HEADER: pin}
+        before = time.perf_counter() - self.arrived  # the router's time before the backend has the request
         try:
             self.upstream = response = await relay.session.post(backend.url + out.path, data=out.body, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -179,12 +182,14 @@ class Exchange(Response):
             why = describe(error) if error is not None else "the stream ended empty"
             raise Failure("connect", 502, f"the backend of rank {rank} ({backend.url}) failed before its first "
                                           f"byte: {why}")
+        got = time.perf_counter()
         await send({"type": "http.response.start", "status": 200,
                     "headers": answer_headers(response, self.request.request_id)})
-        await self.pump(send, first)
+        await self.pump(send, first, lambda: relay.metrics.overhead.observe(before + time.perf_counter() - got))
 
-    async def pump(self, send, first: bytes) -> None:
-        """Pass the stream on at event boundaries; a failure after the first byte is an error frame."""
+    async def pump(self, send, first: bytes, first_sent) -> None:
+        """Pass the stream on at event boundaries; a failure after the first byte is an error frame.
+        `first_sent` is called once the first event is on its way to the client."""
         pending = first
         content = self.upstream.content
         while True:
@@ -192,6 +197,9 @@ class Exchange(Response):
             if cut >= 0:
                 await send({"type": "http.response.body", "body": pending[: cut + 2], "more_body": True})
                 pending = pending[cut + 2:]
+                if first_sent is not None:
+                    first_sent()
+                    first_sent = None
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
