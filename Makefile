@@ -63,14 +63,18 @@ FAST_PYTEST = OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "not slow" $
 test-fast: $(TEST_STAMP)
 	$(FAST_PYTEST)
 
-# CI's suite, every test: the fast ones as `make test-fast` runs them, then the slow ones (servers,
-# rank processes, bench scripts: timing-sensitive where they share 2 cores) one at a time in one
-# process with torch's default threads. Both halves always run; the target fails if either does
-# (pytest's 5, nothing selected, is not a failure: PYTEST_ARGS may select tests of one half only).
+# CI's suite, every test, in three parts that always all run: the fast tests as `make test-fast` runs
+# them; the slow tests that compute in the test process alone (marked by tests/conftest.py) over the
+# same two workers; then the slow tests that start servers, ranks or scripts (timing-sensitive where they
+# share 2 cores) one at a time in one process with torch's default threads. The target fails if any part
+# does (pytest's 5, nothing selected, is not a failure: PYTEST_ARGS may select tests of one part only).
+SLOW_INPROC_PYTEST = OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "slow and not processes" $(if $(filter-out 0,$(FAST_WORKERS)),-n $(FAST_WORKERS)) $(PYTEST_ARGS)
 test: $(TEST_STAMP)
 	@fast=0; $(FAST_PYTEST) || fast=$$?; [ $$fast = 5 ] && fast=0; \
-	slow=0; $(PY) -m pytest -q -m slow $(PYTEST_ARGS) || slow=$$?; [ $$slow = 5 ] && slow=0; \
-	echo "make test: fast tests exit $$fast, slow tests exit $$slow"; [ $$fast = 0 ] && [ $$slow = 0 ]
+	inproc=0; $(SLOW_INPROC_PYTEST) || inproc=$$?; [ $$inproc = 5 ] && inproc=0; \
+	slow=0; $(PY) -m pytest -q -m "slow and processes" $(PYTEST_ARGS) || slow=$$?; [ $$slow = 5 ] && slow=0; \
+	echo "make test: fast tests exit $$fast, slow in-process tests exit $$inproc, slow process tests exit $$slow"; \
+	[ $$fast = 0 ] && [ $$inproc = 0 ] && [ $$slow = 0 ]
 
 # The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
 # no download). --model tiny serves the random-weight preset instead.
