@@ -50,7 +50,8 @@ def register(subparsers) -> None:
                    "expert-parallel server logged in the trace; the default for such a trace), closed (a client "
                    "keeping --concurrency requests in flight, in trace order, lockstep steps; the default otherwise), "
                    "batch (all admitted in trace order, none finishing)")
-    g.add_argument("--concurrency", type=int, default=16, help="closed arrivals: requests in flight (default 16)")
+    g.add_argument("--concurrency", type=int, default=16,
+                   help="closed arrivals, and the decode step order: requests in flight (default 16)")
     g.add_argument("--client-delay", type=int, default=1, metavar="STEPS",
                    help="closed arrivals: steps between a request's end and the client's next request (default 1)")
     g.add_argument("--untagged", action="store_true",
@@ -64,12 +65,28 @@ def register(subparsers) -> None:
     p.add_argument("--requests", metavar="START:STOP",
                    help="requests to replay: indices (100:200) or fractions (0.5:1.0); default all")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
-    p.add_argument("--step-order", choices=("trace", "ranks"), default="trace",
+    p.add_argument("--step-order", choices=("trace", "ranks", "decode"), default="trace",
                    help="trace: a step is batch-tokens consecutive rows in trace order (default); ranks: every "
-                   "rank takes batch-tokens/ranks rows of its own request queue per step (DP attention)")
-    p.add_argument("--inter-gbps", type=float, default=50.0, help="inter-node GB/s per GPU (default 50)")
-    p.add_argument("--intra-gbps", type=float, default=450.0, help="intra-node GB/s per GPU (default 450)")
-    p.add_argument("--latency-us", type=float, default=5.0, help="all-to-all latency in microseconds (default 5)")
+                   "rank takes batch-tokens/ranks rows of its own request queue per step (DP attention); decode: a "
+                   "closed-loop client keeps --concurrency requests in flight, a step runs the next decode row of "
+                   "each (and the prompts of those just admitted)")
+    p.add_argument("--inter-gbps", type=float, default=None,
+                   help="inter-node GB/s per GPU (default 50; with --hardware, replaces the profile's)")
+    p.add_argument("--intra-gbps", type=float, default=None,
+                   help="intra-node GB/s per GPU (default 450; with --hardware, replaces the profile's)")
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="all-to-all latency in microseconds (default 5; with --hardware, replaces the profile's "
+                   "per-collective latency)")
+    h = p.add_argument_group("the decode step-time model (docs/replay.md, \"Predicted step time\")")
+    h.add_argument("--hardware", metavar="PROFILE",
+                   help="predict every step's time on a hardware profile (h200-ib400, h100-ib400, cpu-2core-tbf, or a "
+                   "locus-hardware JSON file) and print TPOT p50 / p99 and its split; use with --step-order decode")
+    h.add_argument("--model-shape", metavar="NAME|FILE",
+                   help="the model's shape for --hardware (default: the trace's model name; llama4-maverick, "
+                   "llama4-scout, deepseek-v3, qwen3-235b, mixtral-8x7b, mini, or a shape JSON file)")
+    h.add_argument("--two-batch-overlap", action="store_true",
+                   help="--hardware: the step runs two micro-batches, one's compute under the other's exchange "
+                   "(the server's --ep-overlap)")
     p.add_argument("--dispatch", choices=("position", "node-aware"),
                    help="dispatch rule to route by (default: the plan's `dispatch` field, else node-aware; the "
                    "built-in eplb plan's is position, the rule EPLB is made for; docs/replay.md)")
@@ -104,8 +121,27 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if args.batch_tokens < 1:
         raise LocusError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
-    if min(args.inter_gbps, args.intra_gbps) <= 0 or args.latency_us < 0:
+    given = {"inter": args.inter_gbps, "intra": args.intra_gbps, "latency": args.latency_us}
+    args.inter_gbps = 50.0 if args.inter_gbps is None else args.inter_gbps
+    args.intra_gbps = 450.0 if args.intra_gbps is None else args.intra_gbps
+    args.latency_us = 5.0 if args.latency_us is None else args.latency_us
+    if not (0 < args.inter_gbps < float("inf") and 0 < args.intra_gbps < float("inf")
+            and 0 <= args.latency_us < float("inf")):
         raise LocusError("--inter-gbps and --intra-gbps must be positive, --latency-us non-negative")
+    if args.concurrency < 1:
+        raise LocusError(f"--concurrency must be at least 1, got {args.concurrency}")
+    hardware = shape = None
+    if args.hardware:
+        from locus.routing.replay.hardware import load_hardware
+
+        hardware = load_hardware(args.hardware).with_links(
+            None if given["inter"] is None else given["inter"] * 1e9,
+            None if given["intra"] is None else given["intra"] * 1e9,
+            None if given["latency"] is None else given["latency"] * 1e-6)
+    else:
+        for flag, value in (("--model-shape", args.model_shape), ("--two-batch-overlap", args.two_batch_overlap)):
+            if value:
+                raise LocusError(f"{flag} applies to the step-time model: add --hardware PROFILE")
     if not 0 <= args.chakra_us_per_pair < float("inf"):
         raise LocusError(f"--chakra-us-per-pair must be a non-negative number, got {args.chakra_us_per_pair}")
     if args.chakra_us_per_pair and not args.chakra:
@@ -123,6 +159,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         raise LocusError(str(exc)) from None
     start, stop = parse_request_range(args.requests, len(reader.requests))
+    if hardware is not None:
+        from locus.routing.replay.model_shape import load_model_shape
+
+        shape = load_model_shape(args.model_shape or reader.meta.model)
+        shape.check_trace(reader.meta)  # before the replay runs
 
     epoch_plans = None
     if args.plan == "embedded" or args.plans:
@@ -163,7 +204,9 @@ def run_replay(args: argparse.Namespace) -> int:
               f"{args.plan} (use --plan embedded for the plans it ran under)", file=sys.stderr)
     report = replay(reader, plan, plan.topology, assignment, batch_tokens=args.batch_tokens, links=links,
                     progress=bar, step_order=args.step_order, pair_sink=pairs, epoch_plans=epoch_plans,
-                    dispatch_format=args.dispatch_format, combine_format=args.combine_format)
+                    dispatch_format=args.dispatch_format, combine_format=args.combine_format,
+                    concurrency=args.concurrency, hardware=hardware, model_shape=shape,
+                    two_batch_overlap=args.two_batch_overlap)
     if bar:
         bar.close()
     print(report.format_table())
@@ -302,7 +345,8 @@ def _assignment(args, reader, plan, start: int, stop: int):
               f"loaded rank{f', {sim.assignment.migrations:,} moves' if args.moves else ''}", file=sys.stderr)
         return sim.assignment
     for flag, given in (("--arrivals", args.arrivals), ("--untagged", args.untagged), ("--moves", args.moves),
-                        ("--predictor", args.predictor != "auto"), ("--concurrency", args.concurrency != 16),
+                        ("--predictor", args.predictor != "auto"),
+                        ("--concurrency", args.concurrency != 16 and args.step_order != "decode"),
                         ("--client-delay", args.client_delay != 1)):
         if given:
             raise LocusError(f"{flag} applies to --assign grouper")

@@ -28,7 +28,9 @@ All-to-all time, per step and layer (alpha-beta model, two collectives: dispatch
   NVLink and the NICs work concurrently, hence the max of the two rather than the sum; receive-side
   congestion (incast) is not modelled. Totals sum t over steps and layers.
 Per-(sender, receiver) rows of both tiers (PairChunk, for the Chakra traces of replay/chakra.py) are
-computed only for a meter given a `pair_sink`, from the same masks as the send counts above.
+computed only for a meter given a `pair_sink`, from the same masks as the send counts above; the same
+rows with each step's pairs per expert slot and its tokens' context lengths (StepChunk, for the decode
+step-time model of replay/step_time.py) only for a meter given a `step_sink`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 
 from locus.errors import LocusError
 from locus.kernels.formats import payload_row_bytes
-from locus.routing.dispatch_rule import DispatchTable, destinations, table_keys
+from locus.routing.dispatch_rule import DispatchTable, destination_slots, destinations, table_keys
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
@@ -113,6 +115,29 @@ class PairChunk:
 PairSink = Callable[[PairChunk], None]
 
 
+@dataclass(frozen=True)
+class StepChunk:
+    """What the decode step-time model needs of one chunk fed to a TrafficMeter (only with a `step_sink`).
+
+    Shape legend: n steps in the chunk (first_step .. first_step + n - 1), R ranks, M entries.
+        pairs     the chunk's PairChunk (rows per step, layer, sender and receiver of both tiers)
+        slots     [M, 4] int64 columns (step, layer, physical slot, pairs): the (token, k) pairs each
+                  expert slot computes (slot // slots_per_gpu is its rank); steps absolute
+        contexts  [n, R] int64 the context each home rank's rows attend over: sum of position + 1
+        decode    [n] int64 rows that decode (position at or past their request's prompt)
+    A step may continue in the next chunk: a sink sums what two chunks give for the same step.
+    """
+
+    first_step: int
+    pairs: PairChunk
+    slots: np.ndarray
+    contexts: np.ndarray
+    decode: np.ndarray
+
+
+StepSink = Callable[[StepChunk], None]
+
+
 def _pair_counts(keys: np.ndarray, first_step: int, L: int, R: int) -> np.ndarray:
     """Flat keys ((step * L + layer) * R + sender) * R + receiver, one per row -> [M, 5] counts."""
     keys, rows = np.unique(keys, return_counts=True)
@@ -134,16 +159,19 @@ class TrafficMeter:
     def __init__(self, table: DispatchTable, topology: Topology, hidden_size: int, dtype_bytes: int,
                  batch_tokens: int, links: LinkModel = LinkModel(), pair_sink: PairSink | None = None,
                  epoch_tables: dict[int, DispatchTable] | None = None, dispatch_format: str = "model",
-                 combine_format: str = "model"):
+                 combine_format: str = "model", step_sink: StepSink | None = None):
         """epoch_tables: one table per placement epoch (same topology); `add` then routes each row by
         the table of its epoch (a trace recorded across a live re-plan). dispatch_format / combine_format:
-        what a row travels in each way (formats.PAYLOAD_FORMATS; --ep-dispatch-format of the server)."""
+        what a row travels in each way (formats.PAYLOAD_FORMATS; --ep-dispatch-format of the server).
+        step_sink: receives a StepChunk per chunk (the step-time model's input); `add` then wants `decode`."""
         if batch_tokens < 1:
             raise LocusError(f"batch_tokens must be at least 1, got {batch_tokens}")
         self.table, self.batch_tokens, self.links = table, int(batch_tokens), links
         self.epoch_tables = epoch_tables
         self.epoch_sums: dict[int, np.ndarray] = {}  # epoch -> [tokens, inter sends, intra sends]
         self.pair_sink = pair_sink  # optional: per-(sender, receiver) rows, see PairChunk
+        self.step_sink = step_sink  # optional: StepChunk, for the step-time model
+        self.slots_per_gpu = topology.slots_per_gpu
         self.dispatch_bytes = payload_row_bytes(int(hidden_size), dispatch_format, int(dtype_bytes))
         self.combine_bytes = payload_row_bytes(int(hidden_size), combine_format, int(dtype_bytes))
         self.bytes_per_send = self.dispatch_bytes + self.combine_bytes
@@ -168,7 +196,8 @@ class TrafficMeter:
         self.a2a_seconds = 0.0
 
     def add(self, expert_ids: np.ndarray, src: np.ndarray, position: np.ndarray, step=None,
-            epochs: np.ndarray | None = None) -> None:
+            epochs: np.ndarray | None = None, decode: np.ndarray | None = None) -> None:
+        """decode [T] bool, only with a step sink: the rows at or past their request's prompt."""
         T, L, K = expert_ids.shape
         if L != self.L:
             raise LocusError(f"trace rows have {L} MoE layers, the plan has {self.L}")
@@ -219,11 +248,15 @@ class TrafficMeter:
         tokens = np.bincount(step * R + src, minlength=n * R).reshape(n, R)
         self.layer_loads += loads.sum(0)
         self.rank_tokens += tokens.sum(0)
-        if self.pair_sink is not None:
+        if self.pair_sink is not None or self.step_sink is not None:
             tier2_dest = distinct & (ranks < R)  # [T, L, K] each tier-2 destination once
             # copies: the open-step merge below adds into loads[0] and tokens[0] in place
-            self.pair_sink(self._pair_chunk(first, step, src, remote_nodes, ranks, tier2_dest, loads.copy(),
-                                            tokens.copy()))
+            pairs = self._pair_chunk(first, step, src, remote_nodes, ranks, tier2_dest, loads.copy(), tokens.copy())
+            if self.pair_sink is not None:
+                self.pair_sink(pairs)
+            if self.step_sink is not None:
+                self.step_sink(self._step_chunk(first, n, step, expert_ids, src, np.asarray(position), epochs, decode,
+                                                pairs))
 
         if self.open is not None:
             if first == self.open_step:  # the chunk's first step continues the step left open
@@ -251,6 +284,34 @@ class TrafficMeter:
             rows = epochs == epoch
             dest[rows] = destinations(table, table_keys(table, expert_ids[rows], src[rows]), position[rows])
         return dest
+
+    def _step_chunk(self, first: int, n: int, step: np.ndarray, expert_ids: np.ndarray, src: np.ndarray,
+                    position: np.ndarray, epochs, decode, pairs: PairChunk) -> StepChunk:
+        """The chunk's StepChunk: pairs per expert slot (the dispatch rule's own slot choice), contexts, decode rows.
+
+        step [T] relative to `first`; the other arrays as `add` takes them."""
+        if decode is None:
+            raise ValueError("a meter with a step sink needs each row's decode flag")
+        R, L = self.R, self.L
+        slots = np.empty(expert_ids.shape, dtype=np.int64)
+        for table, rows in self._tables_by_epoch(epochs, len(src)):
+            keys = table_keys(table, expert_ids[rows], src[rows])
+            slots[rows] = destination_slots(table, keys, position[rows])
+        P = R * self.slots_per_gpu
+        key = ((step[:, None, None] * L + np.arange(L)[None, :, None]) * P + slots)[slots >= 0]
+        key, count = np.unique(key, return_counts=True)
+        slot_rows = np.stack([key // (L * P) + first, (key // P) % L, key % P, count], axis=1).astype(np.int64)
+        home = step * R + src
+        contexts = np.bincount(home, weights=position + 1, minlength=n * R).reshape(n, R).astype(np.int64)
+        decoding = np.bincount(step, weights=np.asarray(decode, dtype=np.int64), minlength=n).astype(np.int64)
+        return StepChunk(first, pairs, slot_rows, contexts, decoding)
+
+    def _tables_by_epoch(self, epochs, T: int):
+        """(table, row mask) for the rows of each epoch: the one table for all rows without epochs."""
+        if self.epoch_tables is None or epochs is None:
+            return [(self.table, np.ones(T, dtype=bool))]
+        epochs = np.asarray(epochs)
+        return [(self.epoch_tables[int(e)], epochs == e) for e in np.unique(epochs)]
 
     def _pair_chunk(self, first: int, step: np.ndarray, src: np.ndarray, remote_nodes: np.ndarray,
                     ranks: np.ndarray, tier2_dest: np.ndarray, loads: np.ndarray, tokens: np.ndarray) -> PairChunk:

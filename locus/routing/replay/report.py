@@ -54,12 +54,17 @@ class ReplayReport:
     combine_format: str = "model"  # what a combined row travels back in
     # a trace recorded across live re-plans, replayed by its epochs' plans: per epoch, its tokens and bytes
     epochs: list[dict] | None = None
+    concurrency: int | None = None  # requests in flight of the `decode` step order (None in the other orders)
+    # with a hardware profile: the predicted step time (step_time.StepTimes.summary, plus the profile,
+    # model shape and two_batch_overlap); None without one
+    step_time: dict | None = None
 
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
                     step_order, moe_layers, links, migrations: int = 0, migrated_kv_bytes: int = 0,
                     dispatch: str = "position", dispatch_format: str = "model",
-                    combine_format: str = "model") -> "ReplayReport":
+                    combine_format: str = "model", concurrency: int | None = None,
+                    step_time: dict | None = None) -> "ReplayReport":
         layer_imb = max_over_mean(t.layer_loads.astype(np.float64), np.nan)  # [L] over ranks
         known = ~np.isnan(layer_imb)
         u = t.bytes_per_send
@@ -108,11 +113,17 @@ class ReplayReport:
             epochs=None if t.epochs is None else [
                 {"epoch": e, "tokens": n, "inter_node_bytes": u * inter, "intra_node_bytes": u * intra}
                 for e, (n, inter, intra) in t.epochs.items()],
+            concurrency=concurrency,
+            step_time=step_time,
         )
 
     def to_dict(self) -> dict:
-        """JSON-ready: NaN (a figure with nothing to measure) becomes null."""
-        return json_safe(asdict(self))
+        """JSON-ready: NaN (a figure with nothing to measure) becomes null; the step-time fields only when set."""
+        doc = asdict(self)
+        for key in ("concurrency", "step_time"):
+            if doc[key] is None:
+                del doc[key]
+        return json_safe(doc)
 
     def format_table(self) -> str:
         gib = 2.0**30
@@ -123,7 +134,7 @@ class ReplayReport:
             ("dispatch rule", self.dispatch),
             *([("payload formats (dispatch / combine)", f"{self.dispatch_format} / {self.combine_format}")]
               if (self.dispatch_format, self.combine_format) != ("model", "model") else []),
-            ("requests", f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens, {self.steps} steps of {self.batch_tokens}, {self.step_order} order)"),
+            ("requests", f"{self.requests[0]}:{self.requests[1]} ({self.tokens:,} tokens, {self._steps_text()})"),
             ("routings", f"{self.routings:,}"),
             ("inter-node bytes (node-dedup)", f"{self.inter_node_bytes / gib:,.3f} GiB ({self.inter_node_bytes_per_token:,.0f} B/token)"),
             ("inter-node bytes (no dedup)", f"{self.inter_node_bytes_nodedup / gib:,.3f} GiB"),
@@ -142,9 +153,32 @@ class ReplayReport:
               if self.epochs else []),
             ("est. all-to-all time", f"{self.a2a_seconds:.4f} s ({self.a2a_ms_per_step:.3f} ms/step)"),
             ("link model", f"{self.links.inter_gbps:g} GB/s inter, {self.links.intra_gbps:g} GB/s intra, {self.links.latency_us:g} us"),
+            *self._step_time_rows(),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+    def _steps_text(self) -> str:
+        if self.step_order == "decode":
+            return f"{self.steps} steps, decode order, {self.concurrency} requests in flight"
+        return f"{self.steps} steps of {self.batch_tokens}, {self.step_order} order"
+
+    def _step_time_rows(self) -> list[tuple[str, str]]:
+        """The predicted step time's lines (none without a hardware profile)."""
+        t = self.step_time
+        if t is None:
+            return []
+        split = t["split_ms"]
+        parts = f"attention {split['attention']:.3f}, experts {split['experts']:.3f}, dispatch+combine " \
+                f"{split['exchange']:.3f}, overhead {split['overhead']:.3f}"
+        if t["two_batch_overlap"]:
+            parts += f", two-batch overlap {split['overlap']:+.3f}"
+        name = "predicted TPOT (p50 / p99)" if self.step_order == "decode" else "predicted step time (p50 / p99)"
+        return [("step-time model", f"{t['hardware']}, model shape {t['model_shape']}"
+                 + (", two-batch overlap" if t["two_batch_overlap"] else "")),
+                (name, f"{t['tpot_p50_ms']:.3f} / {t['tpot_p99_ms']:.3f} ms over {t['steps']:,} decoding steps"),
+                ("  split (mean ms a step)", parts)]
 
 
 def _ratio(num, den) -> float:

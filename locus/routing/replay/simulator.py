@@ -11,6 +11,12 @@ Step orders (whole-replay figures do not depend on it; per-step figures do):
   ranks  what a DP-attention deployment runs: each rank works through its own queue (its requests'
          rows, in trace order), and step j takes the next c = max(1, batch_tokens // R) rows of
          every rank's queue (fewer once a queue runs dry). Needs 40 bytes of index per replayed row.
+  decode what continuous batching runs in decode: a closed-loop client keeps `concurrency` requests in
+         flight, in trace order, each on its assigned rank; a request admitted at step a runs its prompt
+         rows in step a and its i-th decode row in step a + 1 + i, and the next request is admitted in
+         the step after its last. So a step holds the next decode row of every request in flight (plus
+         the prompts of those just admitted). batch_tokens plays no part. 40 bytes of index a row.
+With a hardware profile and a model shape the replay also predicts every step's time (step_time.py).
 Plan on one part of a trace and replay another: figures measured on the planning data itself are not
 results.
 """
@@ -18,24 +24,28 @@ results.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Callable
 
 import numpy as np
 
 from locus.errors import LocusError
-from locus.kernels.formats import PAYLOAD_FORMATS
+from locus.kernels.formats import PAYLOAD_FORMATS, payload_row_bytes
 from locus.routing.replay.assignment import Assignment
 from locus.routing.dispatch_rule import build_dispatch_table
 from locus.routing.plan.placement import PlacementPlan, validate
+from locus.routing.replay.hardware import HardwareProfile
 from locus.routing.replay.metrics import LinkModel, PairSink, TrafficMeter
+from locus.routing.replay.model_shape import ModelShape
 from locus.routing.replay.report import ReplayReport
+from locus.routing.replay.step_time import StepTimeModel
 from locus.routing.plan.topology import Topology
 from locus.traces.counts import count_expert_ids
 from locus.traces.reader import CHUNK_ROUTINGS
 
 
 Progress = Callable[[int, int], None]  # (rows done, rows total)
-STEP_ORDERS = ("trace", "ranks")
+STEP_ORDERS = ("trace", "ranks", "decode")
 
 
 def parse_request_range(spec: str | None, num_requests: int) -> tuple[int, int]:
@@ -111,10 +121,36 @@ def rank_step_order(offsets: np.ndarray, assignment: Assignment, num_ranks: int,
     return rows[order], step[order]
 
 
+def decode_step_order(offsets: np.ndarray, request_start: int, request_stop: int, prompt_tokens: np.ndarray,
+                      concurrency: int):
+    """Rows of requests [request_start, request_stop) in the `decode` step order, and the step of each.
+
+    prompt_tokens [requests] of those requests. A closed-loop client keeps `concurrency` of them in
+    flight, in trace order (module docstring)."""
+    if concurrency < 1:
+        raise LocusError(f"the decode step order needs at least one request in flight, got {concurrency}")
+    lo, hi = int(offsets[request_start]), int(offsets[request_stop])
+    tokens = np.diff(offsets[request_start : request_stop + 1])
+    prompt = np.asarray(prompt_tokens, dtype=np.int64)
+    free = [0] * min(concurrency, max(len(tokens), 1))  # the step each place in flight frees up
+    admitted = np.empty(len(tokens), dtype=np.int64)
+    for i, decode in enumerate((tokens - prompt).tolist()):
+        admitted[i] = heapq.heappop(free)
+        heapq.heappush(free, int(admitted[i]) + decode + 1)
+    rows = np.arange(lo, hi)
+    request = np.searchsorted(offsets, rows, side="right") - 1 - request_start
+    position = rows - offsets[request_start + request]
+    step = admitted[request] + np.maximum(position - prompt[request] + 1, 0)
+    order = np.argsort(step, kind="stable")
+    return rows[order], step[order]
+
+
 def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignment, batch_tokens: int = 4096,
            links: LinkModel = LinkModel(), progress: Progress | None = None, step_order: str = "trace",
            pair_sink: PairSink | None = None, epoch_plans: dict[int, PlacementPlan] | None = None,
-           dispatch_format: str = "model", combine_format: str = "model") -> ReplayReport:
+           dispatch_format: str = "model", combine_format: str = "model", concurrency: int = 16,
+           hardware: HardwareProfile | None = None, model_shape: ModelShape | None = None,
+           two_batch_overlap: bool = False) -> ReplayReport:
     """Replay the requests of `assignment`'s range under `plan`; `topology` must be the plan's.
 
     pair_sink, if given, receives every chunk's per-(step, layer, sender, receiver) rows (metrics.PairChunk;
@@ -123,6 +159,8 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
     epoch, `reader.epochs`): every row is routed by its epoch's plan; `plan` is then the first epoch's.
     dispatch_format / combine_format: what the rows travel in (a server's --ep-dispatch-format /
     --ep-combine-format; formats.PAYLOAD_FORMATS): the bytes of a row each way.
+    concurrency: requests in flight of the `decode` step order. hardware and model_shape (both or
+    neither): also predict every step's time (step_time.py; `two_batch_overlap` as --ep-overlap runs).
     """
     for what, fmt in (("dispatch", dispatch_format), ("combine", combine_format)):
         if fmt not in PAYLOAD_FORMATS:
@@ -144,9 +182,16 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
     if assignment.splits and len(assignment.decode_ranks) != len(assignment.ranks):
         raise LocusError(f"assignment has {len(assignment.decode_ranks)} decode ranks for "
                          f"{len(assignment.ranks)} requests")
-    prompt = None
+    if (hardware is None) != (model_shape is None):
+        raise LocusError("a step-time prediction needs both a hardware profile and a model shape")
+    if model_shape is not None:
+        model_shape.check_trace(meta)
+    prompt, prompts = None, None
+    if assignment.splits or step_order == "decode" or hardware is not None:
+        prompts = np.fromiter((r.prompt_tokens for r in reader.requests[start:stop]), dtype=np.int64,
+                              count=stop - start)
     if assignment.splits:
-        prompt = np.fromiter((r.prompt_tokens for r in reader.requests[start:stop]), dtype=np.int64, count=stop - start)
+        prompt = prompts
     offsets = np.asarray(reader.offsets, dtype=np.int64)
     lo, hi = int(offsets[start]), int(offsets[stop])
     if hi == lo:
@@ -164,12 +209,20 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
             if p.topology != topology:
                 raise LocusError(f"the plan of epoch {epoch} is laid out for {p.topology}, not {topology}")
             epoch_tables[int(epoch)] = build_dispatch_table(plan_in_trace_order(p, meta.moe_layers))
+    step_model = None
+    if hardware is not None:
+        step_model = StepTimeModel(model_shape, hardware, topology, len(meta.moe_layers),
+                                   payload_row_bytes(meta.hidden_size, dispatch_format, meta.dtype_bytes),
+                                   payload_row_bytes(meta.hidden_size, combine_format, meta.dtype_bytes),
+                                   two_batch_overlap)
     meter = TrafficMeter(table, topology, meta.hidden_size, meta.dtype_bytes, batch_tokens, links, pair_sink,
-                         epoch_tables, dispatch_format, combine_format)
+                         epoch_tables, dispatch_format, combine_format, step_model)
     rows_per_chunk = max(1, CHUNK_ROUTINGS // (len(meta.moe_layers) * meta.top_k))
     order = None
     if step_order == "ranks":
         order = rank_step_order(offsets, assignment, topology.ranks, batch_tokens, prompt)
+    elif step_order == "decode":
+        order = decode_step_order(offsets, start, stop, prompts, concurrency)
     for a in range(0, hi - lo, rows_per_chunk):
         b = min(a + rows_per_chunk, hi - lo)
         if order is None:
@@ -181,12 +234,18 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         request = np.searchsorted(offsets, rows, side="right") - 1  # [T] request index of each row
         position = rows - offsets[request]
         epochs = None if row_epochs is None else np.asarray(row_epochs[rows])
-        meter.add(ids, assignment.row_ranks(request - start, position, prompt), position, steps, epochs)
+        decode = None if step_model is None else position >= prompts[request - start]
+        meter.add(ids, assignment.row_ranks(request - start, position, prompt), position, steps, epochs, decode)
         if progress is not None:
             progress(b, hi - lo)
 
+    totals = meter.finish()
+    step_time = None
+    if step_model is not None:
+        step_time = {"hardware": hardware.name, "model_shape": model_shape.name,
+                     "two_batch_overlap": bool(two_batch_overlap), **step_model.finish().summary()}
     return ReplayReport.from_totals(
-        meter.finish(),
+        totals,
         model=meta.model,
         planner=plan.planner,
         topology=topology,
@@ -201,4 +260,6 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
         dispatch=table.rule,
         dispatch_format=dispatch_format,
         combine_format=combine_format,
+        concurrency=concurrency if step_order == "decode" else None,
+        step_time=step_time,
     )
