@@ -169,6 +169,13 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
     p.add_argument("--readme", metavar="FILE", help="also rewrite the planner table between the plan-eval markers of "
                    "FILE (e.g. README.md)")
+    p.add_argument("--hardware", metavar="PROFILE",
+                   help="add a predicted-TPOT column: every row replayed in the decode step order through the step-time "
+                   "model on this hardware profile (h200-ib400, h100-ib400, cpu-2core-tbf or a locus-hardware file)")
+    p.add_argument("--model-shape", metavar="NAME|FILE",
+                   help="--hardware: the model's shape (default: each trace's model name; docs/replay.md)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="--hardware: requests in flight of the decode step order (default 16)")
     _dispatch_argument(p)
     _caps_arguments(p)
     return p
@@ -195,13 +202,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
                 "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
                 "dispatch": args.dispatch or DEFAULT_RULE, "replica_budget": args.replica_budget,
                 "load_model": _load_model(args)}
+    tpot = _tpot_model(args)
+    if tpot is not None:
+        settings.update(hardware=tpot.hardware.name, model_shape=args.model_shape, concurrency=args.concurrency)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for case in cases:
         log(f"{case.name}: {case.trace}")
         results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log,
                                      dispatch=args.dispatch, replica_budget=args.replica_budget,
-                                     load_model=args.load_model))
+                                     load_model=args.load_model, tpot=tpot))
     paths = _write(args.out, lambda out: write_results(results, settings, out))
     if args.readme:
         from locus.routing.planners.eval_readme import readme_table, update_readme
@@ -211,6 +221,24 @@ def run_evaluate(args: argparse.Namespace) -> int:
     print(format_markdown(results, settings))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _tpot_model(args: argparse.Namespace):
+    """The evaluation's predicted-TPOT settings (None without --hardware), checked before any work."""
+    if not args.hardware:
+        if args.model_shape or args.concurrency != 16:
+            raise LocusError(f"{'--model-shape' if args.model_shape else '--concurrency'} applies to the predicted "
+                             "TPOT: add --hardware PROFILE")
+        return None
+    from locus.routing.planners.evaluate import TpotModel
+    from locus.routing.replay.hardware import load_hardware
+    from locus.routing.replay.model_shape import load_model_shape
+
+    if args.concurrency < 1:
+        raise LocusError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.model_shape:
+        load_model_shape(args.model_shape)  # a bad shape fails before the traces are made
+    return TpotModel(load_hardware(args.hardware), args.model_shape, args.concurrency)
 
 
 def sweep_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
-from locus.routing.planners.evaluate import grouper_note, rule_note
+from locus.routing.planners.evaluate import grouper_note, rule_note, tpot_note, tpot_text
 
 BEGIN = "<!-- plan-eval:begin (written by `locus plan evaluate --readme`; do not edit by hand) -->"
 END = "<!-- plan-eval:end -->"
@@ -25,10 +25,14 @@ def readme_table(results, settings: dict) -> str:
             f"{settings['caps']['attention']:.2f}; + grouper = {grouper_note(results)}; in-sample = the same planner "
             "planned on the replayed half itself (what a perfect forecast gives this heuristic under the same caps; "
             "not a result, and not a bound: docs/traces.md).")
+    tpot = "hardware" in settings
+    if tpot:
+        note += " " + tpot_note(settings)
     # the README keeps its prose lines short enough to read without scrolling
     lines = [textwrap.fill(note, width=110, break_long_words=False, break_on_hyphens=False), "",
              "| Case | Plan | Inter-node B/token | vs EPLB | in-sample vs EPLB | Locality | Expert imb. mean / worst "
-             "| Attention imb. | Plan time |", "|---|---|---|---|---|---|---|---|---|"]
+             "| Attention imb. | Plan time |" + (" Predicted TPOT |" if tpot else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if tpot else "")]
     for res in results:
         c = res.case
         first = True
@@ -43,7 +47,7 @@ def readme_table(results, settings: dict) -> str:
             lines.append(f"| {name} | {r.variant.replace(' (balanced assignment)', '')} | "
                          f"{r.inter_node_bytes_per_token:,.0f} | {vs} | {_pct(r.in_sample_reduction_vs_eplb)} | "
                          f"{100 * r.locality:.1f}% | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
-                         f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} s |")
+                         f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} s |" + (f" {tpot_text(r)} |" if tpot else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,10 @@ The reduction column compares with the eplb row that sends the fewest inter-node
 The grouper row is the live admission, not the planner's own offline view of it (every request admitted
 in trace order, none finishing, no stream cap: grouping/simulation.py), because the offline view credits
 the grouper with savings a server does not make (docs/planner.md, "Replaying with the grouper").
+
+With a hardware profile (`--hardware`) every row is replayed in the decode step order (the same whole-
+replay figures) and also carries the predicted TPOT p50 / p99 of replay/step_time.py; the in-sample
+figures stay bytes only.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import numpy as np
 from locus.files import write_text_atomic
 from locus.routing.dispatch_rule import DEFAULT_RULE, PLANNER_RULES
 from locus.routing.replay.assignment import assign_balanced
+from locus.routing.replay.hardware import HardwareProfile
+from locus.routing.replay.model_shape import load_model_shape
 from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.live import describe_arrivals, simulate_live
@@ -68,6 +74,8 @@ class EvalRow:
     plan_seconds: float
     in_sample_bytes_per_token: float = 0.0  # the same planner planned on the replayed requests themselves
     in_sample_reduction_vs_eplb: float = 0.0  # against in-sample eplb
+    predicted_tpot_ms: float | None = None  # with a hardware profile: the step-time model's TPOT p50
+    predicted_tpot_p99_ms: float | None = None
 
 
 @dataclass
@@ -82,14 +90,31 @@ class CaseResult:
     arrivals: str = ""  # how the grouper row's requests arrived: live.ARRIVALS, `locus replay`'s default
 
 
+@dataclass(frozen=True)
+class TpotModel:
+    """What the predicted-TPOT column replays with: a hardware profile, the model's shape (None: the
+    trace's model name) and the requests in flight of the decode step order."""
+
+    hardware: HardwareProfile
+    model_shape: str | None = None
+    concurrency: int = 16
+
+
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
-                  dispatch: str | None = None, replica_budget: str = "top", load_model: str | None = None) -> CaseResult:
+                  dispatch: str | None = None, replica_budget: str = "top", load_model: str | None = None,
+                  tpot: TpotModel | None = None) -> CaseResult:
     """Every row routes by `dispatch` (default dispatch_rule.DEFAULT_RULE) but EPLB's, which route by their
-    own rule (`position`) and, where `dispatch` differs, once more by `dispatch`."""
+    own rule (`position`) and, where `dispatch` differs, once more by `dispatch`. With `tpot`, every row
+    also carries its predicted TPOT."""
     from locus.traces.reader import TraceReader
 
     reader = TraceReader(case.trace)
     meta = reader.meta
+    steps = {}
+    if tpot is not None:
+        shape = load_model_shape(tpot.model_shape or meta.model)
+        shape.check_trace(meta)
+        steps = dict(step_order="decode", concurrency=tpot.concurrency, hardware=tpot.hardware, model_shape=shape)
     R = len(reader.requests)
     plan_range, replay_range = parse_request_range("0:0.5", R), parse_request_range("0.5:1", R)
     topology = parse_topology(case.topology, meta.num_experts, case.slots)
@@ -100,7 +125,7 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
                           load_model=load_model)
     reports, result.planning_summary, result.arrivals = _replays(reader, case, topology, plan_range, replay_range,
-                                                                 balanced, options, batch_tokens, log)
+                                                                 balanced, options, batch_tokens, log, steps)
     # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).
     ceiling, _, _ = _replays(reader, case, topology, replay_range, replay_range, balanced, options, batch_tokens,
                           lambda text: log(text + " (in-sample)"))
@@ -117,14 +142,18 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
             attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
             in_sample_bytes_per_token=r_in.inter_node_bytes_per_token,
             in_sample_reduction_vs_eplb=1 - r_in.inter_node_bytes_per_token / eplb_in,
+            predicted_tpot_ms=r.step_time["tpot_p50_ms"] if r.step_time else None,
+            predicted_tpot_p99_ms=r.step_time["tpot_p99_ms"] if r.step_time else None,
         ))
     return result
 
 
 def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balanced, options: PlanOptions,
-             batch_tokens: int, log: Log) -> tuple[list[tuple[str, object, float]], dict, str]:
-    """(label, replay report, plan seconds) of every row, planned on plan_range, replayed on replay_range;
-    the locality plan's planning summary; the grouper row's arrival model."""
+             batch_tokens: int, log: Log, steps: dict | None = None) -> tuple[list[tuple[str, object, float]], dict, str]:
+    """(label, replay report, plan seconds) of every row, planned on plan_range, replayed on replay_range
+    (with `steps`, replay's step-time arguments, each also predicting its TPOT); the locality plan's
+    planning summary; the grouper row's arrival model."""
+    steps = steps or {}
     variants = [("round_robin", "round_robin", None), ("eplb", "eplb", None)]
     if case.expert_groups:
         variants.append((f"eplb (hierarchical, {case.expert_groups} groups)", "eplb", case.expert_groups))
@@ -137,22 +166,22 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
                             dataclasses.replace(options, expert_groups=groups,
                                                 dispatch=None if name == "eplb" else options.dispatch),
                             trace=case.trace)
-        report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+        report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens, **steps)
         reports.append((label, report, planned.summary.plan_seconds))
         log(f"  {case.name}: {label}: {report.inter_node_bytes_per_token:,.0f} B/token")
         if label == "eplb" and planned.plan.dispatch != rule:
             # the same plan under the other rows' rule: the like-for-like byte comparison
             planned.plan.dispatch = rule
-            report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+            report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens, **steps)
             reports.append((f"eplb, {rule} rule", report, planned.summary.plan_seconds))
             log(f"  {case.name}: eplb, {rule} rule: {report.inter_node_bytes_per_token:,.0f} B/token")
 
     planned = make_plan("locality", reader, topology, plan_range, options, trace=case.trace)
-    report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens)
+    report = replay(reader, planned.plan, topology, balanced, batch_tokens=batch_tokens, **steps)
     reports.append(("locality placement only (balanced assignment)", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality, balanced: {report.inter_node_bytes_per_token:,.0f} B/token")
     live = simulate_live(planned.plan, reader, *replay_range)  # `locus replay --assign grouper`'s defaults
-    report = replay(reader, planned.plan, topology, live.assignment, batch_tokens=batch_tokens)
+    report = replay(reader, planned.plan, topology, live.assignment, batch_tokens=batch_tokens, **steps)
     reports.append(("locality placement + grouper", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality + grouper (live admission, {describe_arrivals(live.arrivals)}): "
         f"{report.inter_node_bytes_per_token:,.0f} B/token")
@@ -168,6 +197,9 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
                  f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes. "
                  "In-sample: the same planner planned on the replayed half itself and replayed there (what a perfect "
                  "forecast gives this heuristic under the same caps; not a result, and not a bound: docs/traces.md).")
+    if "hardware" in settings:
+        lines.append("")
+        lines.append(tpot_note(settings))
     lines.append("")
     for res in results:
         c = res.case
@@ -177,15 +209,16 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
                      f"{res.plan_range[0]}:{res.plan_range[1]}, replayed {res.replay_range[0]}:{res.replay_range[1]}. "
                      f"The grouper row: {grouper_note([res])}.")
         lines.append("")
+        tpot = "hardware" in settings
         lines.append("| plan | inter-node B/token | vs eplb | locality | expert imb. mean / worst | attention imb. "
-                     "| plan s | in-sample B/token (vs eplb) |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+                     "| plan s | in-sample B/token (vs eplb) |" + (" predicted TPOT p50 / p99 |" if tpot else ""))
+        lines.append("|---|---|---|---|---|---|---|---|" + ("---|" if tpot else ""))
         for r in res.rows:
             lines.append(
                 f"| {r.variant} | {r.inter_node_bytes_per_token:,.0f} | {_pct(-r.reduction_vs_eplb)} | "
                 f"{100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
                 f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.in_sample_bytes_per_token:,.0f} "
-                f"({_pct(-r.in_sample_reduction_vs_eplb)}) |")
+                f"({_pct(-r.in_sample_reduction_vs_eplb)}) |" + (f" {tpot_text(r)} |" if tpot else ""))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -198,6 +231,19 @@ def grouper_note(results: list[CaseResult]) -> str:
                                                if len(arrivals) > 1 else "") for a in arrivals)
     return (f"the plan's grouper admitting requests as a live expert-parallel server does (`locus replay --assign "
             f"grouper`, no moves after prefill), {models}")
+
+
+def tpot_note(settings: dict) -> str:
+    """What the predicted-TPOT column is, for the tables' headers."""
+    return (f"Predicted TPOT: the step-time model (docs/replay.md, \"Predicted step time\") on `{settings['hardware']}`, "
+            f"each row replayed in the decode step order with {settings['concurrency']} requests in flight; p50 / p99 "
+            "over the decoding steps, in ms.")
+
+
+def tpot_text(row: EvalRow) -> str:
+    if row.predicted_tpot_ms is None:
+        return "-"
+    return f"{row.predicted_tpot_ms:.2f} / {row.predicted_tpot_p99_ms:.2f}"
 
 
 def rule_note(settings: dict) -> str:
@@ -219,7 +265,7 @@ def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path
         "cases": [
             {"case": asdict(r.case), "requests": r.requests, "tokens": r.tokens, "plan_range": list(r.plan_range),
              "replay_range": list(r.replay_range), "planning_summary": r.planning_summary,
-             "rows": [asdict(x) for x in r.rows]}
+             "rows": [_row_dict(x) for x in r.rows]}
             for r in results
         ],
     }
@@ -227,6 +273,14 @@ def write_results(results: list[CaseResult], settings: dict, out_dir: str | Path
     write_text_atomic(paths[0], json.dumps(json_safe(doc), indent=1) + "\n")
     write_text_atomic(paths[1], format_markdown(results, settings))
     return paths
+
+
+def _row_dict(row: EvalRow) -> dict:
+    """A row as JSON; the predicted TPOT only where the evaluation predicted it."""
+    doc = asdict(row)
+    if row.predicted_tpot_ms is None:
+        del doc["predicted_tpot_ms"], doc["predicted_tpot_p99_ms"]
+    return doc
 
 
 def _pct(x: float) -> str:

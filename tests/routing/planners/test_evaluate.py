@@ -4,6 +4,7 @@ import json
 
 from locus.cli import main
 from locus.routing.plan.caps import Caps
+from locus.routing.planners.eval_readme import BEGIN, END
 from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_markdown
 
 from tests.routing.planners.planner_fixtures import separable_trace, synth_trace
@@ -83,3 +84,43 @@ def test_evaluate_rewrites_the_readme_table_between_its_markers(tmp_path, capsys
     bare.write_text("no markers\n")
     assert main(args + ["--readme", str(bare), "--out", str(tmp_path / "r2")]) != 0
     assert "plan-eval:begin" in capsys.readouterr().err and not (tmp_path / "r2").exists()
+
+
+def test_evaluate_with_hardware_adds_the_predicted_tpot(tmp_path, capsys):
+    """--hardware: every row also carries the step-time model's TPOT, which is `locus replay --step-order
+    decode --hardware` of that row's plan and assignment; the byte columns stay what they were."""
+    trace = synth_trace(tmp_path / "t", requests=60, seed=4)
+    shape = tmp_path / "toy.json"
+    shape.write_text(json.dumps({"source": "test", "hidden_size": 64, "moe_intermediate_size": 128,
+                                 "num_hidden_layers": 6, "num_moe_layers": 3, "num_experts": 32, "top_k": 2,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                 "dense_intermediate_size": 256, "shared_intermediate_size": 0, "vocab_size": 512}))
+    plain, out = tmp_path / "plain", tmp_path / "hw"
+    base = ["plan", "evaluate", "--cases", "none", "--trace", f"toy={trace},2x2,10"]
+    assert main([*base, "--out", str(plain)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{BEGIN}\n{END}\n")
+    assert main([*base, "--out", str(out), "--hardware", "h200-ib400", "--model-shape", str(shape),
+                 "--concurrency", "8", "--readme", str(readme)]) == 0
+    assert "| Predicted TPOT |" in readme.read_text() and "8 requests in flight" in readme.read_text()
+    rows = json.loads((out / "results.json").read_text())["cases"][0]["rows"]
+    plain_rows = json.loads((plain / "results.json").read_text())["cases"][0]["rows"]
+    assert all("predicted_tpot_ms" not in r for r in plain_rows)
+    for r, p in zip(rows, plain_rows):
+        assert 0 < r["predicted_tpot_ms"] <= r["predicted_tpot_p99_ms"]
+        assert r["inter_node_bytes_per_token"] == p["inter_node_bytes_per_token"]
+    text = (out / "results.md").read_text()
+    assert "predicted TPOT p50 / p99 |" in text and "on `h200-ib400`" in text
+    assert "predicted TPOT" not in (plain / "results.md").read_text()
+    # the eplb row is the replay of EPLB's plan, balanced, in the decode order
+    plan, report = tmp_path / "eplb.json", tmp_path / "r.json"
+    assert main(["plan", str(trace), "--topology", "2x2", "--slots", "10", "--planner", "eplb", "--requests", "0:0.5",
+                 "-o", str(plan)]) == 0
+    assert main(["replay", str(trace), "--plan", str(plan), "--requests", "0.5:1", "--step-order", "decode",
+                 "--concurrency", "8", "--hardware", "h200-ib400", "--model-shape", str(shape),
+                 "--json", str(report)]) == 0
+    eplb = next(r for r in rows if r["variant"] == "eplb")
+    assert eplb["predicted_tpot_ms"] == json.loads(report.read_text())["step_time"]["tpot_p50_ms"]
+    capsys.readouterr()
+    assert main([*base, "--out", str(out), "--concurrency", "8"]) == 2
+    assert "--concurrency applies to the predicted TPOT: add --hardware PROFILE" in capsys.readouterr().err
