@@ -185,12 +185,15 @@ def grammar_limits_of(args: argparse.Namespace):
 
 def run_rank(args: argparse.Namespace, setup) -> int:
     """A rank other than 0: the same model and engine, no HTTP; iterate with rank 0 until it stops."""
+    from locus.engine.ep.ranks.launch import PARENT_ENV, follow_parent
     from locus.engine.ep.ranks.worker import build_worker, report_failure
     from locus.server.state import served_name
 
     log = logging.getLogger("locus.engine")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells this rank to stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if PARENT_ENV in os.environ:  # started by `--ep-ranks`, not by torchrun (whose agent stops its workers)
+        follow_parent(setup.rank)
     code = 0
     try:
         worker, _ = build_worker(setup, args.model, engine_config_of(args), dtype=args.dtype, device=args.device,
@@ -210,14 +213,26 @@ def run_rank(args: argparse.Namespace, setup) -> int:
     os._exit(code)
 
 
-def stop_children(children) -> None:
+def stop_children(children, wait_s: float = 10.0) -> None:
     """No rank outlives rank 0: wait a moment for the stop message to land, then kill."""
     for child in children:
         try:
-            child.wait(10)
+            child.wait(wait_s)
         except Exception:  # noqa: BLE001 - still running after rank 0 is done: end it
             child.kill()
             child.wait()
+
+
+def start_failure(load_error: str | None, lost: str | None) -> str:
+    """The one line `locus serve` ends with when it never served: rank 0's load error, the ranks that
+    exited while starting, and (best effort) what the first failed rank said."""
+    from locus.engine.ep.ranks.worker import failure_cause
+
+    if lost is None:
+        return f"the model failed to load: {load_error}"
+    cause = failure_cause() or "it left no message (killed?)"
+    line = f"the expert-parallel launch failed: {lost} exited while starting: {cause}"
+    return f"{line}; rank 0: {load_error}" if load_error else line
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -227,7 +242,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from locus.engine.checkpoint.loader import default_serve_model
     from locus.engine.core.engine_core import parse_memory
-    from locus.engine.ep.ranks.launch import SPAWNED, setup_from, spawn_local_ranks
+    from locus.engine.ep.ranks.launch import SPAWNED, exited_ranks, setup_from, spawn_local_ranks, watch_start
     from locus.server.app import create_app
     from locus.server.lifecycle import ListenError, LocusServer, bind_listeners
     from locus.server.state import ServerConfig
@@ -256,20 +271,21 @@ def run_serve(args: argparse.Namespace) -> int:
         raise LocusError("--replan-every / --replan-api re-plan an expert-parallel placement: add --ep-ranks N")
     if setup is not None and setup.rank != 0:
         return run_rank(args, setup)
+    engine = engine_config_of(args)  # every flag is checked before a rank starts: a launch is whole or nothing
+    limits, trace_max_bytes = request_limits_of(args), parse_memory(args.trace_max_bytes)
     try:  # before any thread or rank starts, so that failing here is one line and a plain exit
         sockets = bind_listeners(args.host, args.port)
     except ListenError as exc:
         print(f"locus: error: {exc}", file=sys.stderr)
         return 1
     children = spawn_local_ranks(setup) if setup is not None and SPAWNED not in os.environ and "WORLD_SIZE" not in os.environ else []
-    engine = engine_config_of(args)
     app = create_app(ServerConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
         burst_wait_ms=args.burst_wait_ms,
         record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template,
-        trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=parse_memory(args.trace_max_bytes),
-        limits=request_limits_of(args),
+        trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=trace_max_bytes,
+        limits=limits,
         quantize_experts=args.quantize_experts))
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -288,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     state.on_load_failed = stop_on_load_failure
     state.on_engine_dead = stop_on_engine_death
+    watch_start(children, lambda: state.engine is not None or server.should_exit, stop_on_load_failure)
     code = 0
     try:
         server.run(sockets=sockets)
@@ -295,13 +312,14 @@ def run_serve(args: argparse.Namespace) -> int:
         code = 1
     # uvicorn put back Python's handler: a KeyboardInterrupt now would unwind past the ranks and threads
     signal.signal(signal.SIGINT, lambda sig, frame: server.exit_now())
-    if state.load_error:
-        print(f"locus: error: the model failed to load: {state.load_error}", file=sys.stderr)
+    lost = exited_ranks(children) if state.engine is None else None  # before stop_children ends the rest
+    if lost or state.load_error:
+        print(f"locus: error: {start_failure(state.load_error, lost)}", file=sys.stderr)
         code = 1
     if engine_died.is_set():
         print("locus: error: the engine failed (traceback above); exiting", file=sys.stderr)
         code = 1
-    stop_children(children)
+    stop_children(children, 10.0 if state.engine is not None else 0.0)  # no engine: no stop message to wait for
     # Everything is drained and written by now. Skip interpreter finalisation: with torch 2.13 it
     # tears down Triton's bindings (imported by torch itself) and prints pages of nanobind "leak" noise.
     logging.shutdown()

@@ -1,7 +1,8 @@
 """`locus serve` starting and stopping as a real process (issue 53): a failed bind is one line and
 exit 1, --port is checked, port 0 names the port it took, SIGINT ends open streams with an error
 frame at once, a second SIGINT exits on the spot, SIGTERM drains; and --help names the default model
-it serves."""
+it serves. Under `--ep-ranks` (issue 55) a launch is whole or nothing: a rank that fails while
+starting ends every rank."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,21 +28,25 @@ from tests.server.server_process import free_port, running_server
 LONG_STREAM = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
-def serve(*args: str) -> subprocess.Popen:
+def serve(*args: str, err) -> subprocess.Popen:
+    """`locus serve --model mini` writing its errors to `err`, a file: a rank left running would hold
+    a pipe open, and reading it to the end would hang the test instead of failing it."""
     cmd = [sys.executable, "-m", "locus.cli", "serve", "--model", "mini", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env={**os.environ})
 
 
 def failed_start(*args: str) -> tuple[int, str]:
     """The exit status and stderr of a `locus serve` that must stop before serving."""
-    proc = serve(*args)
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise AssertionError(f"`locus serve {' '.join(args)}` is still running") from None
-    return proc.returncode, err
+    with tempfile.TemporaryFile("w+") as err:
+        proc = serve(*args, err=err)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"`locus serve {' '.join(args)}` is still running") from None
+        err.seek(0)
+        return proc.returncode, err.read()
 
 
 def assert_one_line(err: str, *words: str) -> None:
@@ -59,13 +66,13 @@ def test_a_busy_port_is_one_line_and_exit_1():
     assert_one_line(err, f"127.0.0.1:{port}", "Address already in use")
 
 
-@pytest.mark.parametrize("host", ["256.1.1.1", "no-such-host.invalid"])
+@pytest.mark.parametrize("host", ["256.1.1.1", "192.0.2.1"])  # no such address; not one of this machine
 @pytest.mark.slow  # starts a real `locus serve` process
 def test_a_bad_host_is_one_line_and_exit_1(host):
     port = free_port()
     code, err = failed_start("--host", host, "--port", str(port))
     assert code == 1, err
-    assert_one_line(err, f"{host}:{port}")  # the reason is the resolver's: "not known", or a DNS failure
+    assert_one_line(err, f"{host}:{port}")  # the reason is the OS's: "not known", "Cannot assign requested address"
 
 
 @pytest.mark.slow  # starts a real `locus serve` process
@@ -179,3 +186,86 @@ def test_help_names_mini_as_the_default_model(capsys):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: 'mini'" in text and "default tiny" not in text.lower() and "'tiny' preset, built" not in text
+
+
+def serving_processes(marker: str) -> list[int]:
+    """The processes whose command line holds `marker` (a launch's unique --port), ranks included."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in b" ".join(args) and alive(int(cmdline.parent.name)):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def rank_1_of(proc: subprocess.Popen, marker: str, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        others = [pid for pid in serving_processes(marker) if pid != proc.pid]
+        if others:
+            return others[0]
+        time.sleep(0.05)
+    raise AssertionError(f"rank 0 started no rank 1 (exit status {proc.poll()})")
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.slow  # starts real `locus serve --ep-ranks 2` processes
+def test_an_expert_parallel_launch_on_a_busy_port_leaves_no_rank():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = failed_start("--ep-ranks", "2", "--host", "127.0.0.1", "--port", str(port))
+        left = wait_gone(serving_processes(f"--port {port}"), 5)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert code == 1 and not left, (code, left, err)
+    assert_one_line(err, f"127.0.0.1:{port}", "Address already in use")
+
+
+@pytest.mark.slow  # starts real `locus serve --ep-ranks 2` processes
+def test_a_rank_killed_while_starting_ends_the_launch_in_one_line():
+    port = str(free_port())
+    with tempfile.TemporaryFile("w+") as err:
+        proc = serve("--ep-ranks", "2", "--host", "127.0.0.1", "--port", port, "--log-level", "warning", err=err)
+        try:
+            os.kill(rank_1_of(proc, f"--port {port}"), signal.SIGKILL)  # as the OOM killer would, mid-load
+            code = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        text = err.read()
+    assert code == 1, text
+    assert_one_line(text, "rank 1 (status -9) exited while starting")
+
+
+@pytest.mark.slow  # starts real `locus serve --ep-ranks 2` processes
+def test_rank_0_killed_while_starting_takes_its_ranks_with_it():
+    port = str(free_port())
+    proc = serve("--ep-ranks", "2", "--host", "127.0.0.1", "--port", port, "--log-level", "warning",
+                 err=subprocess.DEVNULL)
+    rank1 = rank_1_of(proc, f"--port {port}")
+    proc.kill()  # no chance to tell rank 1 anything
+    proc.wait()
+    left = wait_gone([rank1], 30)  # it may still be importing torch when rank 0 goes
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "rank 1 outlived rank 0"

@@ -15,6 +15,9 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,6 +40,7 @@ from locus.routing.planners.baselines import round_robin
 
 log = logging.getLogger("locus.engine")
 SPAWNED = "LOCUS_EP_SPAWNED"  # set in the children `--ep-ranks` starts
+PARENT_ENV = "LOCUS_EP_PARENT"  # in those children: rank 0's process id (follow_parent)
 STARTUP_TIMEOUT_S = 300.0  # how long start-up waits for every rank (at least --ep-timeout)
 
 
@@ -130,10 +134,51 @@ def spawn_local_ranks(setup: EPSetup) -> list[subprocess.Popen]:
     children = []
     setup.is_alive = lambda rank: rank == 0 or children[rank - 1].poll() is None
     for rank in range(1, setup.world):
-        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank % setup.gpus_per_node)}
+        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank % setup.gpus_per_node),
+               PARENT_ENV: str(os.getpid())}
         children.append(subprocess.Popen([sys.executable, *_this_command(), *sys.argv[1:]], env=env,
                                          stdin=subprocess.DEVNULL))
     return children
+
+
+def watch_start(children: list[subprocess.Popen], done: Callable[[], bool], on_exit: Callable[[], None]) -> None:
+    """Rank 0 of `--ep-ranks`: a launch is whole or nothing. Until `done()` (serving, or stopping),
+    a rank that exits calls `on_exit` (the server stops, and ends the other ranks), since the rest
+    of the launch would otherwise wait for it in the rendezvous for up to STARTUP_TIMEOUT_S."""
+    if not children:  # under torchrun the agent watches its workers
+        return
+
+    def watch() -> None:
+        while not done():
+            if any(child.poll() is not None for child in children):
+                on_exit()
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="locus-ep-start", daemon=True).start()
+
+
+def exited_ranks(children: list[subprocess.Popen]) -> str | None:
+    """The ranks rank 0 started that have exited, with their status ("rank 1 (status 1)"), or None."""
+    gone = [f"rank {rank} (status {child.returncode})" for rank, child in enumerate(children, 1)
+            if child.poll() is not None]
+    return ", ".join(gone) or None
+
+
+def follow_parent(rank: int) -> None:
+    """A rank `--ep-ranks` started: never outlive rank 0, however it ended (killed at start-up, say,
+    before it could tell this rank to stop, which would leave this one waiting in the rendezvous).
+    The parent's id comes from the environment: it may be gone already when this runs."""
+    parent = int(os.environ[PARENT_ENV])
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        log.error("rank %d stops: rank 0 (process %d) is gone", rank, parent)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="locus-ep-parent", daemon=True).start()
 
 
 def _this_command() -> list[str]:
