@@ -11,6 +11,7 @@ import threading
 
 from locus.engine.cli import SHIPPED_DEFAULT_HELP, add_model_args
 from locus.errors import LocusError
+from locus.flags import NumericFlag, check_flags, check_range
 from locus.routing.cli import PAYLOAD_FORMATS as EP_PAYLOAD_FORMATS  # the replay's copy: no torch at parse time
 
 
@@ -138,6 +139,68 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+# Every numeric flag of `locus serve` and its range, checked before torch is imported (a zero or negative
+# count, size or time, or a NaN, made a server that started and then refused or mis-served everything).
+# --max-model-len's upper bound is the model's and is checked once its config is read (check_model_len).
+SERVE_FLAGS = (
+    NumericFlag("--port", 0, 65535, unit="(0: any free port)"),
+    NumericFlag("--seed", -(1 << 63), (1 << 64) - 1),  # what torch.manual_seed takes
+    NumericFlag("--max-num-seqs"),
+    NumericFlag("--max-num-batched-tokens"),
+    NumericFlag("--max-model-len"),
+    NumericFlag("--kv-cache-memory", memory=True),
+    NumericFlag("--num-kv-blocks"),
+    NumericFlag("--block-size"),
+    NumericFlag("--max-waiting"),  # 0 would refuse every request
+    NumericFlag("--burst-wait-ms", 0, 1000),
+    NumericFlag("--max-grammar-bytes"),
+    NumericFlag("--max-grammar-compile-seconds", positive=True, unit="seconds"),
+    NumericFlag("--grammar-cache-bytes", 0, memory=True),  # 0 keeps no compiled constraint
+    NumericFlag("--trace-max-bytes", memory=True),
+    NumericFlag("--max-request-body-bytes", memory=True),
+    NumericFlag("--max-prompts-per-request"),
+    NumericFlag("--max-stop-chars"),
+    NumericFlag("--max-logit-bias", 0),
+    NumericFlag("--max-logprob-entries", 0),
+    NumericFlag("--ep-ranks"),
+    NumericFlag("--gpus-per-node"),
+    NumericFlag("--ep-timeout", positive=True, unit="seconds"),
+    NumericFlag("--ep-max-tokens-per-rank"),
+    NumericFlag("--ep-loop-nice", 0, 19),
+    NumericFlag("--ep-max-slots"),
+    NumericFlag("--replan-window"),
+    NumericFlag("--replan-layers-per-step"),
+    NumericFlag("--graceful-timeout", 0, unit="seconds"),
+)
+
+
+def check_model_len(args: argparse.Namespace) -> None:
+    """--max-model-len at most the model's own context (a longer one has no positions to run on)."""
+    if args.max_model_len is None:
+        return
+    from locus.engine.checkpoint.loader import config_of
+
+    limit = config_of(args.model).max_position_embeddings
+    check_range("--max-model-len", args.max_model_len, 1, limit, unit=f"(the context of model {args.model!r})")
+
+
+def check_local_memory(args: argparse.Namespace, ranks: int) -> None:
+    """The processes this command starts on this machine must fit its free memory (on CPU, where the
+    KV pools and weights are host memory); under torchrun each machine's launcher starts its own."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    from locus.engine.checkpoint.loader import default_device
+    from locus.server.fit import check_fits, launch_memory, mem_available
+
+    if not (args.device or default_device()).startswith("cpu"):
+        return
+    from locus.flags import parse_memory
+
+    need = launch_memory(args.model, args.dtype, parse_memory(args.kv_cache_memory), args.num_kv_blocks,
+                         args.block_size, ranks)
+    check_fits(need, mem_available())
+
+
 def bucket_list(text: str) -> tuple[int, ...]:
     from locus.engine.runner.decode_graph import parse_buckets
 
@@ -163,12 +226,7 @@ def request_limits_of(args: argparse.Namespace):
     from locus.engine.core.engine_core import parse_memory
     from locus.server.protocol import RequestLimits
 
-    body = parse_memory(args.max_request_body_bytes)
-    if (body < 1 or args.max_prompts_per_request < 1 or args.max_stop_chars < 1 or args.max_logit_bias < 0
-            or args.max_logprob_entries < 0):
-        raise LocusError("--max-request-body-bytes, --max-prompts-per-request and --max-stop-chars must be positive, "
-                         "--max-logit-bias and --max-logprob-entries not negative")
-    return RequestLimits(max_body_bytes=body, max_prompts=args.max_prompts_per_request,
+    return RequestLimits(max_body_bytes=parse_memory(args.max_request_body_bytes), max_prompts=args.max_prompts_per_request,
                          max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
                          max_logprob_entries=args.max_logprob_entries)
 
@@ -177,8 +235,6 @@ def grammar_limits_of(args: argparse.Namespace):
     from locus.engine.core.engine_core import parse_memory
     from locus.engine.structured.limits import GrammarLimits
 
-    if args.max_grammar_bytes < 1 or not args.max_grammar_compile_seconds > 0:
-        raise LocusError("--max-grammar-bytes and --max-grammar-compile-seconds must be positive")
     return GrammarLimits(max_bytes=args.max_grammar_bytes, compile_seconds=args.max_grammar_compile_seconds,
                          cache_bytes=parse_memory(args.grammar_cache_bytes))
 
@@ -236,8 +292,7 @@ def start_failure(load_error: str | None, lost: str | None) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:  # the OS would take it modulo 65536 and listen somewhere else
-        raise LocusError(f"--port must be between 1 and 65535, or 0 for any free port (got {args.port})")
+    check_flags(args, SERVE_FLAGS)  # before torch: --port 99999 was taken modulo 65536, --max-model-len -5 served
     import uvicorn
 
     from locus.engine.checkpoint.loader import default_serve_model
@@ -249,6 +304,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.model is None:  # the shipped trained model when it is installed, else the random `tiny` preset
         args.model = default_serve_model()
+    if SPAWNED not in os.environ:  # rank 0 checked these for the ranks it starts
+        check_model_len(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.plan is not None:  # a bad file fails here in one line, before the model loads (its fit to the model: later)
         from locus.routing.plan.placement import load_plan
@@ -262,8 +319,6 @@ def run_serve(args: argparse.Namespace) -> int:
         setup.moves = args.ep_moves
     elif args.ep_moves:
         raise LocusError("--ep-moves moves requests between expert-parallel ranks: add --ep-ranks N and a --plan")
-    if not 0 <= args.burst_wait_ms <= 1000:
-        raise LocusError(f"--burst-wait-ms must be between 0 and 1000 (got {args.burst_wait_ms})")
     if setup is None and (args.ep_dispatch_format != "model" or args.ep_combine_format != "model"):
         raise LocusError("--ep-dispatch-format / --ep-combine-format set how expert-parallel exchanges send rows: "
                          "add --ep-ranks N (or run under torchrun)")
@@ -273,6 +328,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_rank(args, setup)
     engine = engine_config_of(args)  # every flag is checked before a rank starts: a launch is whole or nothing
     limits, trace_max_bytes = request_limits_of(args), parse_memory(args.trace_max_bytes)
+    if SPAWNED not in os.environ:
+        check_local_memory(args, setup.world if setup is not None else 1)
     try:  # before any thread or rank starts, so that failing here is one line and a plain exit
         sockets = bind_listeners(args.host, args.port)
     except ListenError as exc:

@@ -46,6 +46,7 @@ from locus.engine.core.sequence import Request, Resumed, Sequence, SequenceStatu
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError
+from locus.flags import parse_memory  # noqa: F401 - its home before the flags' checks moved out of torch's reach
 from locus.kernels import resolve_backend
 
 GiB = 1 << 30
@@ -107,19 +108,6 @@ def experts_capturable(model: Llama4ForCausalLM) -> bool:
     return all(resolve_backend(layer.feed_forward.moe_backend, model.device) == "triton"
                and layer.feed_forward.experts.weight_format is None
                for layer in model.model.layers if layer.is_moe)
-
-
-def parse_memory(value: str | int) -> int:
-    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes."""
-    if isinstance(value, int):
-        return value
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
-    text = value.strip().lower()
-    number = text.rstrip("kmgib")
-    try:
-        return int(float(number) * units[text[len(number):]])
-    except (ValueError, KeyError, OverflowError):  # nan, inf
-        raise LocusError(f"cannot read memory size {value!r} (examples: 512MiB, 2GiB, 1000000)") from None
 
 
 class EngineCore:

@@ -33,6 +33,7 @@ from locus.engine.ep.runtime import MODES, EPRuntime
 from locus.engine.model.slices import expert_memory, slices_of
 from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
+from locus.flags import check_range
 from locus.kernels.formats import PAYLOAD_FORMATS
 from locus.routing.plan.placement import PlacementPlan, PlanError, load_plan, validate
 from locus.routing.plan.topology import Topology
@@ -87,16 +88,14 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
     from locus.engine.ep.rebalance.replan import ReplanSchedule
 
     ReplanSchedule.parse(replan_every)  # a bad schedule fails here, before any process starts
-    if replan_window < 1 or replan_layers_per_step < 1:
-        raise LocusError("--replan-window and --replan-layers-per-step must be at least 1")
+    # `locus serve` checked these flags already (locus.server.cli.SERVE_FLAGS); other callers get the same words
+    check_range("--replan-window", replan_window, 1)
+    check_range("--replan-layers-per-step", replan_layers_per_step, 1)
     if mode not in MODES:
         raise LocusError(f"--ep-exchange {mode!r}: choose one of {', '.join(MODES)}")
-    if max_tokens_per_rank < 1:
-        raise LocusError(f"--ep-max-tokens-per-rank must be at least 1, not {max_tokens_per_rank}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise LocusError(f"--ep-timeout must be a positive number of seconds, not {timeout_s}")
-    if not 0 <= loop_nice <= 19:  # raising a thread's priority (below 0) needs privileges a server should not ask for
-        raise LocusError(f"--ep-loop-nice must be between 0 (leave the threads as they are) and 19, not {loop_nice}")
+    check_range("--ep-max-tokens-per-rank", max_tokens_per_rank, 1)
+    check_range("--ep-timeout", timeout_s, 0, positive=True, unit="seconds")
+    check_range("--ep-loop-nice", loop_nice, 0, 19)  # below 0 needs privileges a server should not ask for
     for flag, fmt in (("--ep-dispatch-format", dispatch_format), ("--ep-combine-format", combine_format)):
         if fmt not in PAYLOAD_FORMATS:
             raise LocusError(f"{flag} {fmt!r}: choose one of {', '.join(PAYLOAD_FORMATS)}")
@@ -104,8 +103,7 @@ def setup_from(ep_ranks: int, gpus_per_node: int | None, timeout_s: float, plan_
                    replan_api=replan_api, replan_window=replan_window, replan_layers_per_step=replan_layers_per_step,
                    elastic=elastic, max_slots=max_slots, loop_nice=loop_nice, dispatch_format=dispatch_format,
                    combine_format=combine_format)
-    if max_slots is not None and max_slots < 1:
-        raise LocusError(f"--ep-max-slots must be at least 1, not {max_slots}")
+    check_range("--ep-max-slots", max_slots, 1)
     env = os.environ
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
         world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
