@@ -180,7 +180,10 @@ def check_model_len(args: argparse.Namespace) -> None:
         return
     from locus.engine.checkpoint.loader import config_of
 
-    limit = config_of(args.model).max_position_embeddings
+    try:
+        limit = config_of(args.model).max_position_embeddings
+    except LocusError:  # a model that cannot load is reported as such by the load (exit 1), not as a flag
+        return
     check_range("--max-model-len", args.max_model_len, 1, limit, unit=f"(the context of model {args.model!r})")
 
 
@@ -196,8 +199,11 @@ def check_local_memory(args: argparse.Namespace, ranks: int) -> None:
         return
     from locus.flags import parse_memory
 
-    need = launch_memory(args.model, args.dtype, parse_memory(args.kv_cache_memory), args.num_kv_blocks,
-                         args.block_size, ranks)
+    try:
+        need = launch_memory(args.model, args.dtype, parse_memory(args.kv_cache_memory), args.num_kv_blocks,
+                             args.block_size, ranks)
+    except LocusError:  # a model that cannot load is reported as such by the load (exit 1), not as a flag
+        return
     check_fits(need, mem_available())
 
 
