@@ -9,7 +9,8 @@ Issue 56's targets: the router adds at most 1 ms to TTFT at p50, and keeps at le
 output throughput. Beside the side-by-side TTFT difference the table gives the router's own time on
 each stream's first token (its `locus_route_overhead_seconds` histogram: reading, tokenizing,
 admitting, handing the request to its HTTP client; then handing the first chunk on), which on a busy
-machine is the part of the difference the router's code is responsible for. Prompts are held-out text of mini's domains (--input-len tokens), half of them tagged
+machine is the part of the difference the router's code is responsible for, and the mean TTFT the
+backends measured themselves (Locus's `locus_time_to_first_token_seconds`): what the engines saw. Prompts are held-out text of mini's domains (--input-len tokens), half of them tagged
 with their domain (`"domain"` in the body), half untagged (placed by the plan's prompt predictor); the
 backends ignore no tag (Locus records it). The load client is bench/serve.py's raw client (a connection
 per request, reads recorded and parsed after the run), timing TTFT and throughput client-side.
@@ -77,6 +78,21 @@ class Run:
     router_cpu_s: float | None
     backends_cpu_s: float | None
     router_overhead_ms: dict | None = None  # the router's own time on the first token (its /metrics): p50, mean
+    backend_ttft_ms: float | None = None  # mean TTFT the backends measured themselves (their /metrics)
+
+
+def backend_ttft(urls: list[str]) -> tuple[float, float]:
+    """(sum of seconds, count) of locus_time_to_first_token_seconds over the backends' /metrics."""
+    import httpx
+
+    total = count = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("locus_time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("locus_time_to_first_token_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
 
 
 def overhead_snapshot(router_url: str) -> tuple[list[tuple[float, float]], float, float]:
@@ -268,11 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("direct", "router") if k % 2 == 0 else ("router", "direct")
                 for target in order:
                     snapshot = overhead_snapshot(router_url) if target == "router" else None
+                    engines0 = backend_ttft(urls)
                     report, router_cpu, backends_cpu = measure(
                         direct if target == "direct" else routed, bodies, width, args.request_timeout,
                         router.pid if target == "router" else None, backend_pids)
                     own = overhead_between(snapshot, overhead_snapshot(router_url)) if snapshot else None
-                    runs.append(Run(width, k, target, report, router_cpu, backends_cpu, own))
+                    engines1 = backend_ttft(urls)
+                    engine_ttft = (1000 * (engines1[0] - engines0[0]) / (engines1[1] - engines0[1])
+                                   if engines1[1] > engines0[1] else None)
+                    runs.append(Run(width, k, target, report, router_cpu, backends_cpu, own, engine_ttft))
                     print(f"{PROG}: concurrency {width} round {k} {target}: TTFT p50 {report.ttft_ms.median:.2f} ms, "
                           f"{report.output_throughput:.0f} tok/s", file=sys.stderr)
     except BenchError as exc:
@@ -314,14 +334,22 @@ def summarise(runs: list[Run], widths: list[int]) -> list[dict]:
             "throughput_ratio": float(np.median(np.divide(thr_r, thr_d))),
             "router_cpu_ms_per_request": float(np.median(router_cpu) / np.median(requests) * 1000) if router_cpu else None,
             "router_own_ttft_ms_p50": float(np.median(own)) if own else None,
+            "backend_ttft_ms_mean_direct": _median([p["direct"].backend_ttft_ms for p in rounds]),
+            "backend_ttft_ms_mean_router": _median([p["router"].backend_ttft_ms for p in rounds]),
         })
     return out
 
 
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
 def report_tables(runs: list[Run], summary: list[dict]) -> None:
-    print_table(("concurrency", "round", "target", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "output tok/s",
-                 "router CPU s", "backends CPU s"),
+    print_table(("concurrency", "round", "target", "TTFT p50 ms", "TTFT p90 ms", "backends' own TTFT mean ms",
+                 "TPOT p50 ms", "output tok/s", "router CPU s", "backends CPU s"),
                 [(str(r.concurrency), str(r.round), r.target, f"{r.load.ttft_ms.median:.2f}", f"{r.load.ttft_ms.p90:.2f}",
+                  f"{r.backend_ttft_ms:.2f}" if r.backend_ttft_ms is not None else "-",
                   f"{r.load.tpot_ms.median:.2f}" if r.load.tpot_ms.median is not None else "-",
                   f"{r.load.output_throughput:.0f}", f"{r.router_cpu_s:.2f}" if r.router_cpu_s is not None else "-",
                   f"{r.backends_cpu_s:.2f}" if r.backends_cpu_s is not None else "-") for r in runs])
@@ -341,7 +369,7 @@ def write_json(path: Path, args: argparse.Namespace, runs: list[Run], summary: l
     result = {"bench": "route", "args": vars(args), "summary": summary,
               "runs": [{"concurrency": r.concurrency, "round": r.round, "target": r.target, "load": asdict(r.load),
                         "router_cpu_s": r.router_cpu_s, "backends_cpu_s": r.backends_cpu_s,
-                        "router_overhead_ms": r.router_overhead_ms} for r in runs],
+                        "router_overhead_ms": r.router_overhead_ms, "backend_ttft_ms": r.backend_ttft_ms} for r in runs],
               "machine": {"cpus": os.cpu_count(), "loadavg_before": loadavg, "loadavg_after": os.getloadavg(),
                           "python": platform.python_version()},
               "source": source_revision()}

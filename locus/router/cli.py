@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 
@@ -35,6 +36,8 @@ def register(subparsers) -> None:
                    help="how often every backend's /health is asked (default 1)")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="how long a backend may take to answer at start (default 5)")
+    p.add_argument("--graceful-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, how long open streams may go on before they end with an error frame (default 10)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 takes any free port, which the 'running on' line names")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -56,7 +59,12 @@ def run_route(args: argparse.Namespace) -> int:
     print(f"locus route: running on http://{host}:{port} in front of {len(router.relay.pool.backends)} backend(s)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(router.app(), log_level=args.log_level, access_log=False, loop="uvloop",
-                            http="httptools", lifespan="on", timeout_keep_alive=30)
+                            http="httptools", lifespan="on", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler it found:
+    # that one is ours and does nothing, so a drained router exits 0, as `locus serve` does
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -34,6 +34,7 @@ from locus.router.metrics import RouterMetrics
 
 log = logging.getLogger("locus.router")
 ATTEMPTS = 2  # the first choice and one retry
+DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI stream
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Exchange(Response):
         self.placement: Placement | None = None
         self.backend: Backend | None = None
         self.upstream: aiohttp.ClientResponse | None = None
+        self.streaming = False  # a stream's first event has gone to the client
 
     async def __call__(self, scope, receive, send) -> None:
         # the exchange runs in Starlette's task; a watcher cancels that task if the client leaves first
@@ -91,7 +93,11 @@ class Exchange(Response):
         try:
             await self.run(send)
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not state["gone"]:  # the router is stopping: a stream still open ends with an error frame
+                if self.streaming:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(send({"type": "http.response.body", "more_body": False, "body": error_frame(
+                            503, "the router is shutting down", "service_unavailable")}))
                 raise
             task.uncancel()  # our own cancel, handled: the task goes on (Starlette's end of the request)
         finally:
@@ -195,11 +201,20 @@ class Exchange(Response):
         while True:
             cut = pending.rfind(b"\n\n")
             if cut >= 0:
-                await send({"type": "http.response.body", "body": pending[: cut + 2], "more_body": True})
-                pending = pending[cut + 2:]
+                piece, pending = pending[: cut + 2], pending[cut + 2:]
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
                 if first_sent is not None:
+                    self.streaming = True
                     first_sent()
                     first_sent = None
+                if piece.endswith(DONE):
+                    # the client has it all and may send its next request before the backend closes
+                    # the stream: end the answer and release now, or that request would find this one
+                    # still charged; then read the backend's end, so its connection can be reused
+                    await send({"type": "http.response.body", "body": b""})
+                    self.end()
+                    await self.drain(content)
+                    return
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -212,6 +227,12 @@ class Exchange(Response):
             await self.fail_stream(send, "the stream ended inside an event")
             return
         await send({"type": "http.response.body", "body": b""})
+
+    async def drain(self, content) -> None:
+        """Read what is left of an answer the client already has (nothing, normally), ignoring faults."""
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            while await content.readany():
+                pass
 
     async def fail_stream(self, send, why: str) -> None:
         rank, backend = self.placement.rank, self.backend

@@ -190,6 +190,24 @@ def test_bad_input_is_one_line_or_a_4xx(cluster):
         assert send(base, {"prompt": "x", "temperature": -1}).status_code == 400  # the backend's own 400, passed on
 
 
+def test_sigterm_ends_open_streams_with_an_error_frame_after_the_grace(cluster):
+    root, plan_path, backends = cluster
+    urls = [url for url, _, _ in backends]
+    with router(root, plan_path, urls, "--graceful-timeout", "1", name="router-stop") as (base, proc, _):
+        body = {"model": "mini", "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        got = b""
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                chunks = r.iter_raw()
+                got += next(chunks)
+                proc.send_signal(signal.SIGTERM)
+                for chunk in chunks:
+                    got += chunk
+        assert proc.wait(30) == 0
+    last = [e for e in got.decode().split("\n\n") if e.strip()][-1]
+    assert json.loads(last[6:])["error"]["message"] == "the router is shutting down"
+
+
 class FailingBackend(BaseHTTPRequestHandler):
     """Answers /health and /v1/models like mini's server, and every generation with a 500."""
 
