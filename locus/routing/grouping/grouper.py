@@ -22,30 +22,21 @@ of a move from node a to node b:
     migration = prompt tokens * kv_bytes_per_token                        (its KV cache crosses nodes)
 It moves, between steps, to the node saving the most, only if saved > move_margin * migration.
 
-Attention cap. Loads are the tokens charged to a rank: `num_tokens` at admission, the
-not-yet-computed part moving with a request. Every placement (admission or move) must leave the target
-rank's live load at or under cap * mean (at admission: or at most one request above the mean). An
-admission must also find the rank's tokens ever admitted (`served`, never released) within
-ADMISSION_MARGIN x (cap - 1) x their mean of the least of any rank's (see _within_caps): live loads
-alone let the ranks drift apart over a run, since a rank whose requests finish early keeps taking its
-domain's next ones, and the slack above the mean lets a rank run a whole long request ahead while the
-ranks hold few requests each; both cost the attention balance that balanced admission keeps. When no
-preferred rank can take a request, it goes to the rank with the fewest tokens ever admitted (what a
-load-balancing front end would do anyway).
+Attention cap. Every placement (admission or move) must leave the target rank at or under
+cap * mean (at admission: or at most one request above the mean, see _fits); when no preferred rank
+can take a request, it goes to the least-loaded rank (what a load-balancing front end would do
+anyway). Loads are the tokens charged to a rank: `num_tokens` at admission, the not-yet-computed part
+moving with a request.
 
 Unavailable ranks (`admit(..., unavailable=...)`: a router's backends that are down, or one a request
 just failed on). They take no admission, and the caps count the others only: the mean, and the stream
-ceiling, are over the ranks that can take the request; a rank's tokens ever admitted are raised to the
-least of the others' while it is down, so that it does not take every request once back. The domain
-still picks the node where one of its ranks is up.
+ceiling, are over the ranks that can take the request. The domain still picks the node where one of
+its ranks is up.
 
 Stream cap (`balance_streams`, what expert-parallel serving uses). Ranks step in lockstep, so a decode
 step lasts as long as the rank with the most sequences takes: one stream above the others costs every
 rank. With the cap, an admission may also never leave a rank with more live sequences than
-ceil(total / ranks) or (1 + stream_slack) x the mean, whichever is more, nor may a move; the domain
-still picks the node and rank wherever that holds. The slack is there because exactly even counts
-force the last requests of every round onto the ranks short of a sequence, however many tokens they
-hold: token imbalance, which every attention step waits on, for sequence balance.
+ceil(total / ranks), nor may a move; the domain still picks the node and rank wherever that holds.
 
 No engine imports here: the engine's adapter is locus/engine/policies/plan_grouping.py.
 """
@@ -62,13 +53,6 @@ from locus.routing.grouping.node_cost import NodeCostModel
 from locus.routing.grouping.predictor import TokenAffinity
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
-
-# How far a preferred rank's tokens may be ahead of the least-loaded rank's and still take a request, as
-# a share of the attention cap's margin over the mean: the rest of the margin is left for the request
-# itself, which lands on top.
-ADMISSION_MARGIN = 0.5
-# How many more live sequences than the mean (a share of it) a rank may hold under the stream cap.
-STREAM_SLACK = 0.2
 
 
 @dataclass
@@ -102,23 +86,18 @@ class GrouperStats:
 class Grouper:
     def __init__(self, topology: Topology, spec: GroupingSpec, cost: NodeCostModel | None = None,
                  attention_cap: float | None = None, balance_streams: bool = False,
-                 predictor: TokenAffinity | None = None, moves: bool = True, stream_slack: float = STREAM_SLACK):
+                 predictor: TokenAffinity | None = None, moves: bool = True):
         """`predictor` (with `cost`): places untagged requests by their prompt's predicted node cost.
-        `moves` (with `cost`): observe_prefill may move a request. `stream_slack`: with
-        `balance_streams`, the share above the mean live sequences a rank may hold (module docstring)."""
+        `moves` (with `cost`): observe_prefill may move a request."""
         self.topology, self.spec, self.cost = topology, spec, cost
         self.balance_streams, self.moves = balance_streams, moves
         self.predictor = predictor if cost is not None else None
         self.cap = float(spec.caps.attention if attention_cap is None else attention_cap)
         if self.cap < 1.0:
             raise LocusError(f"attention cap must be >= 1.0, got {self.cap}")
-        if not stream_slack >= 0.0:
-            raise LocusError(f"stream slack must be >= 0.0, got {stream_slack}")
-        self.stream_slack = float(stream_slack)
         self.R, self.G, self.N = topology.ranks, topology.gpus_per_node, topology.nodes
         self.loads = np.zeros(self.R, dtype=np.float64)  # tokens charged per rank
         self.streams = np.zeros(self.R, dtype=np.int64)  # live sequences per rank
-        self.served = np.zeros(self.R, dtype=np.float64)  # tokens ever charged per rank (never released)
         self.domain_weights = {d: np.asarray(w, dtype=np.float64) / sum(w) for d, w in spec.domain_nodes.items()}
         self.domain_tokens = {d: np.zeros(self.N) for d in spec.domain_nodes}
         self.live: dict[str, _Live] = {}
@@ -158,8 +137,6 @@ class Grouper:
         if request_id in self.live:
             raise LocusError(f"grouper: request {request_id!r} is already admitted")
         closed = self._closed(unavailable)
-        if closed is not None:  # a rank that is down owes no work: back up, it must not take all that comes
-            self.served[closed] = np.maximum(self.served[closed], self.served[~closed].min())
         w = float(max(num_tokens, 0))
         rank = None
         weights = self.domain_weights.get(domain) if domain else None
@@ -193,14 +170,13 @@ class Grouper:
         if overflowed:
             self.stats.overflowed += 1
         if rank is None:
-            rank = self._least_loaded(closed, streams)
+            rank = self._least_loaded(closed)
         how = ("predicted" if predicted else "tagged") if weights is not None else (
             "predicted" if node_bytes is not None else "least-loaded")
         self.last_choice = AdmissionChoice(how, domain if weights is not None else None, overflowed)
         if weights is not None:
             self.domain_tokens[domain][rank // self.G] += w
         self.loads[rank] += w
-        self.served[rank] += w
         self.streams[rank] += streams
         prompt = int(w if prompt_tokens is None else prompt_tokens)
         self.live[request_id] = _Live(rank, prompt, {rank: w}, streams=streams)
@@ -237,8 +213,6 @@ class Grouper:
             self.streams[req.rank] -= req.streams
             self.streams[rank] += req.streams
             self.loads[rank] += moving
-            self.served[req.rank] -= moving
-            self.served[rank] += moving
             req.charges[rank] = req.charges.get(rank, 0.0) + moving
             req.rank = rank
             self.stats.moves += 1
@@ -283,40 +257,40 @@ class Grouper:
             raise LocusError(f"grouper: none of the {self.R} ranks can take a request (all unavailable)")
         return closed
 
-    def _least_loaded(self, closed: np.ndarray | None, streams: int = 1) -> int:
-        """Where a request no preferred rank took goes: the rank with the fewest tokens ever admitted
-        (then the fewest live tokens, then the lowest), among the open ranks the stream ceiling still
-        lets take it. Ever admitted, not live: a rank whose requests finish early would otherwise take
-        request after request and run ahead over the whole run; and not the fewest streams first, which
-        sends a request to a rank already long on tokens."""
-        ranks = np.arange(self.R) if closed is None else np.flatnonzero(~closed)
+    def _least_loaded(self, closed: np.ndarray | None) -> int:
+        """Where a request no preferred rank took goes: the fewest live sequences, then the fewest tokens
+        (with the stream cap), else the fewest tokens; ties to the lowest rank; open ranks only."""
+        if closed is None:
+            if self.balance_streams:
+                return int(np.lexsort((self.loads, self.streams))[0])
+            return int(np.argmin(self.loads))
+        open_ranks = np.flatnonzero(~closed)
         if self.balance_streams:
-            ceiling = self._stream_ceiling(int(self.streams[ranks].sum()) + streams, len(ranks))
-            within = ranks[self.streams[ranks] + streams <= ceiling]
-            if not len(within):  # a many-stream request no rank fits: the fewest streams, as before
-                return int(ranks[np.lexsort((self.loads[ranks], self.streams[ranks]))[0]])
-            ranks = within
-        return int(ranks[np.lexsort((ranks, self.loads[ranks], self.served[ranks]))[0]])
+            return int(open_ranks[np.lexsort((self.loads[open_ranks], self.streams[open_ranks]))[0]])
+        return int(open_ranks[np.argmin(self.loads[open_ranks])])
 
     def _fits(self, node: int, w: float, admission: bool, streams: int = 1,
               closed: np.ndarray | None = None) -> int | None:
-        """The node's least-loaded rank (under the stream ceiling) if it may take `w` more tokens; else None.
+        """The node's least-loaded rank if taking `w` more tokens keeps it within the cap; else None.
 
-        At admission: _admissible, which compares with the least-loaded rank rather than the mean, so
-        it refuses a rank that is behind no matter how few requests the ranks hold. A move is optional
-        and leaves the total unchanged: it must leave the target at or under cap * mean."""
+        Within the cap means at most cap * mean; at admission also at most one request above the mean:
+        while the ranks hold only a few requests each, the cap alone would refuse every rank but the
+        emptiest (max/mean of a handful of requests is never near 1), and domains would scatter. A move
+        is optional, so it gets no such slack (and leaves the total unchanged)."""
         lo = node * self.G
         if closed is not None:
             return self._fits_open(node, w, admission, streams, closed)
         if self.balance_streams:
-            ceiling = self._stream_ceiling(int(self.streams.sum()) + (streams if admission else 0), self.R)
+            ceiling = -(-(int(self.streams.sum()) + (streams if admission else 0)) // self.R)
             open_ranks = [r for r in range(lo, lo + self.G) if self.streams[r] + streams <= ceiling]
             if not open_ranks:
                 return None
-            rank = min(open_ranks, key=lambda r: (self.loads[r], self.served[r], r))
+            rank = min(open_ranks, key=lambda r: (self.loads[r], r))
         else:
-            rank = min(range(lo, lo + self.G), key=lambda r: (self.loads[r], self.served[r], r))
-        return rank if self._within_caps(rank, w, np.arange(self.R), admission) else None
+            rank = lo + int(np.argmin(self.loads[lo : lo + self.G]))
+        mean = (self.loads.sum() + (w if admission else 0.0)) / self.R
+        limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
+        return rank if self.loads[rank] + w <= limit else None
 
     def _fits_open(self, node: int, w: float, admission: bool, streams: int, closed: np.ndarray) -> int | None:
         """_fits when some ranks take nothing: the caps are those of the open ranks alone."""
@@ -327,34 +301,12 @@ class Grouper:
         open_ranks = ~closed
         count = int(open_ranks.sum())
         if self.balance_streams:
-            ceiling = self._stream_ceiling(int(self.streams[open_ranks].sum()) + (streams if admission else 0), count)
+            ceiling = -(-(int(self.streams[open_ranks].sum()) + (streams if admission else 0)) // count)
             candidates = [r for r in candidates if self.streams[r] + streams <= ceiling]
             if not candidates:
                 return None
-        rank = min(candidates, key=lambda r: (self.loads[r], self.served[r], r))
-        return rank if self._within_caps(rank, w, np.flatnonzero(open_ranks), admission) else None
-
-    def _stream_ceiling(self, total: int, count: int) -> int:
-        """The most live sequences a rank may hold with `total` over `count` ranks: the even share
-        rounded up, or the mean plus the stream slack where that is more. Exactly even counts leave no
-        choice for the last requests of a round but the ranks short of a sequence, however many tokens
-        they hold, and so trade token balance (what attention waits on) for sequence balance."""
-        return max(-(-total // count), int(np.floor((1.0 + self.stream_slack) * total / count)))
-
-    def _within_caps(self, rank: int, w: float, ranks: np.ndarray, admission: bool) -> bool:
-        """Whether `rank` may take `w` more tokens, the caps counted over `ranks` (module docstring).
-
-        Live tokens: at most cap x their mean after it, or, at admission, at most one request above the
-        mean (while the ranks hold only a few requests each, the cap alone would refuse every rank but
-        the emptiest, and domains would scatter). Tokens ever admitted, at admission only: within
-        ADMISSION_MARGIN x (cap - 1) x their mean of the least of `ranks`, so that a preferred rank is
-        never more than that ahead of the one balanced admission would have chosen. A move is optional
-        and leaves both totals unchanged: it gets no slack, and is not held to the second."""
-        mean = (self.loads[ranks].sum() + (w if admission else 0.0)) / len(ranks)
+        rank = min(candidates, key=lambda r: (self.loads[r], r))
+        mean = (self.loads[open_ranks].sum() + (w if admission else 0.0)) / count
         limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
-        if self.loads[rank] + w > limit:
-            return False
-        if not admission:
-            return True
-        held = self.served[ranks]
-        return bool(self.served[rank] <= held.min() + ADMISSION_MARGIN * (self.cap - 1.0) * held.mean())
+        return rank if self.loads[rank] + w <= limit else None
+
