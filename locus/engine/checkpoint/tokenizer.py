@@ -8,12 +8,11 @@ tokens, so the embedded default model runs with no download at all.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from locus.chat_template import find_chat_template, read_chat_template, render_chat_template  # noqa: F401 (re-exported)
+from locus.chat_template import find_chat_template, read_chat_template, read_json, render_chat_template  # noqa: F401 (re-exported)
 from locus.errors import LocusError
 
 
@@ -123,7 +122,7 @@ class HFTokenizer:
             self._tok = _Tok.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception
             raise LocusError(f"{path}: cannot load tokenizer ({exc})") from None
-        cfg = _read_json(model_dir / "tokenizer_config.json") or {}
+        cfg = read_json(model_dir / "tokenizer_config.json") or {}
         self.config = cfg  # tokenizer_config.json as written (/tokenizer_info serves it)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
@@ -150,15 +149,6 @@ class HFTokenizer:
             raise LocusError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
-
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LocusError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _token_text(token: Any) -> str | None:
