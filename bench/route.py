@@ -45,7 +45,7 @@ from serve_lib.domain_text import DomainText  # noqa: E402
 from serve_lib.load import LoadReport, run_on_fastest_loop, settle, summarize  # noqa: E402
 from serve_lib.raw_http import HttpTarget, send_request_raw  # noqa: E402
 from serve_lib.report import source_revision  # noqa: E402
-from serve_lib.server import free_port  # noqa: E402
+from serve_lib.server import free_port, wait_until_ready  # noqa: E402
 from serve_lib.table import print_table  # noqa: E402
 
 PROG = "bench route"
@@ -153,17 +153,8 @@ def stop(proc: subprocess.Popen) -> None:
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     import httpx
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"{url} exited with code {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise BenchError(f"{url} was not healthy within {timeout:.0f}s (log {log})")
+    with httpx.Client(timeout=2) as client:
+        wait_until_ready(client, url, timeout, proc, str(log))
 
 
 def make_plan(root: Path, topology: str, text: DomainText) -> Path:

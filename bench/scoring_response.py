@@ -16,7 +16,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_lib.server import free_port, wait_until_ready  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -37,25 +40,13 @@ def rss_mb(pid: int) -> float:
 @contextmanager
 def served(flags: list[str]):
     """`locus serve --model mini` on a free port, until it answers /health; stopped with SIGTERM."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "locus.cli", "serve", "--model", "mini", "--port", str(port),
                              "--log-level", "warning", *flags])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server was not ready within 300 s")
-            time.sleep(0.2)
+        with httpx.Client(timeout=2) as client:
+            wait_until_ready(client, url, 300, proc, None)
         yield proc, url
     finally:
         proc.send_signal(signal.SIGTERM)
