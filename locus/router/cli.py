@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 
 from locus.errors import LocusError
+from locus.flags import check_range
+from locus.listen import ListenError, address, bind_listeners, bound_port
 
 
 def register(subparsers) -> None:
@@ -49,14 +50,16 @@ def run_route(args: argparse.Namespace) -> int:
 
     from locus.router.setup import RouterConfig, assemble
 
-    if not 0 <= args.port <= 65535:
-        raise LocusError(f"--port {args.port}: expected 0-65535")
-    sock = bind(args.host, args.port)
+    check_range("--port", args.port, 0, 65535, unit="(0: any free port)")
+    try:
+        sockets = bind_listeners(args.host, args.port, backlog=2048)
+    except ListenError as exc:
+        raise LocusError(str(exc)) from None
     router = assemble(RouterConfig(args.plan, args.backend, args.backend_kind, args.tokenizer,
                                    read_template(args.chat_template), args.assignment_log, args.max_model_len,
                                    args.health_interval, args.connect_timeout))
-    host, port = sock.getsockname()[:2]
-    print(f"locus route: running on http://{host}:{port} in front of {len(router.relay.pool.backends)} backend(s)",
+    print(f"locus route: running on http://{address(args.host, bound_port(sockets))} "
+          f"in front of {len(router.relay.pool.backends)} backend(s)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(router.app(), log_level=args.log_level, access_log=False, loop="uvloop",
                             http="httptools", lifespan="on", timeout_keep_alive=30,
@@ -66,7 +69,7 @@ def run_route(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=sockets)
     finally:
         router.close()
     return 0
@@ -80,18 +83,3 @@ def read_template(value: str | None) -> str | None:
     return read_chat_template(value)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """Listen before anything else, so a busy port is one line naming it."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as exc:
-        raise LocusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise LocusError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
