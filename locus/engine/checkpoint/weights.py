@@ -1,4 +1,6 @@
-"""Checkpoint I/O: HuggingFace-format Llama-4 directories (config.json + safetensors).
+"""Checkpoint I/O: HuggingFace-format Llama-4 and Qwen3-MoE directories (config.json + safetensors).
+
+A Qwen3-MoE checkpoint's tensor names are mapped to the model's (names.py); its experts come one by one.
 
 Loading accepts what the public checkpoints and their exports contain:
 - one or many `*.safetensors` shards (with `model.safetensors.index.json` when sharded);
@@ -25,10 +27,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from locus.engine.checkpoint.names import experts_per_expert, to_checkpoint_name, to_model_name
 from locus.engine.checkpoint.quantize import expert_kernel_path
 from locus.engine.checkpoint.quantized import quantized_experts, quantized_linears, read_experts, read_fp8_linear, \
     read_quantization
 from locus.engine.model.config import load_config
+from locus.engine.model.families import family_of
 from locus.engine.model.slices import ExpertSlices, keep_slices
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.errors import LocusError
@@ -61,8 +65,9 @@ def find_shards(model_dir: Path) -> list[Path]:
     return shards
 
 
-def read_tensors(shards: list[Path]) -> dict[str, tuple[Path, str]]:
-    """Canonical tensor name -> (shard, name in that shard), after opening (and so checking) every shard."""
+def read_tensors(shards: list[Path], rename=None) -> dict[str, tuple[Path, str]]:
+    """Canonical tensor name -> (shard, name in that shard), after opening (and so checking) every shard.
+    rename: the family's checkpoint name -> the model's parameter name (names.py); None keeps names."""
     found: dict[str, tuple[Path, str]] = {}
     for shard in shards:
         try:
@@ -74,6 +79,11 @@ def read_tensors(shards: list[Path]) -> dict[str, tuple[Path, str]]:
             canonical = name[len(PREFIX):] if name.startswith(PREFIX) else name
             if canonical.startswith(SKIPPED_PREFIXES):
                 continue
+            if rename is not None:
+                try:
+                    canonical = rename(canonical)
+                except LocusError as exc:
+                    raise LocusError(f"{shard}: {exc}") from None
             if canonical in found:
                 raise LocusError(f"{shard}: tensor {name!r} also appears in {found[canonical][0]}")
             found[canonical] = (shard, name)
@@ -119,9 +129,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         raise LocusError(f"{model_dir}: no such checkpoint directory")
     config = load_config(model_dir)
     dtype = dtype or resolve_dtype(config.dtype)
-    found = read_tensors(find_shards(model_dir))
+    family = family_of(config)
+    found = read_tensors(find_shards(model_dir), None if config.family == "llama4" else
+                         lambda name: to_model_name(config, name))
 
     quant = read_quantization(model_dir)
+    if quant is not None and config.family != "llama4":
+        raise LocusError(f"{model_dir}: quantization_config ({quant.method}): pre-quantized {family.label} "
+                         "checkpoints are not supported (load the float checkpoint; --quantize-experts narrows its experts)")
     with torch.device("meta"):
         model = Llama4ForCausalLM(config, moe_backend)
     if expert_slices is not None:
@@ -162,7 +177,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         _note_quantization(model, quant, narrow_linears, narrow_experts)
     leftover = sorted(set(found) - used - {"lm_head.weight"})
     if leftover:
-        raise LocusError(f"{model_dir}: tensors the Llama-4 text model does not have: {', '.join(leftover[:5])}"
+        raise LocusError(f"{model_dir}: tensors the {family.label} model does not have: {', '.join(leftover[:5])}"
                          + (f" and {len(leftover) - 5} more" if len(leftover) > 5 else ""))
     return model.eval()
 
@@ -230,7 +245,9 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
 
 
 def checkpoint_tensors(model: Llama4ForCausalLM, per_expert: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors save_checkpoint writes, in checkpoint naming (without prefix)."""
+    """The tensors save_checkpoint writes, in checkpoint naming (without prefix). A family whose
+    checkpoints hold experts one by one (names.py) is written so whatever per_expert says."""
+    per_expert = per_expert or experts_per_expert(model.config)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -239,6 +256,7 @@ def checkpoint_tensors(model: Llama4ForCausalLM, per_expert: bool = False) -> di
         if per_expert and match:
             base, kind = match.groups()
             I = model.config.intermediate_size
+            base = to_checkpoint_name(model.config, base)
             for j in range(tensor.shape[0]):
                 if kind == "gate_up_proj":
                     out[f"{base}.{j}.gate_proj.weight"] = tensor[j, :, :I].t().contiguous()
@@ -246,7 +264,7 @@ def checkpoint_tensors(model: Llama4ForCausalLM, per_expert: bool = False) -> di
                 else:
                     out[f"{base}.{j}.down_proj.weight"] = tensor[j].t().contiguous()
             continue
-        out[name] = tensor.detach().contiguous()
+        out[to_checkpoint_name(model.config, name)] = tensor.detach().contiguous()
     return out
 
 

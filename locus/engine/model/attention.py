@@ -86,13 +86,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.use_rope:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.use_qk_norm:
-            q, k = l2_normalize(q, self.eps), l2_normalize(k, self.eps)
-        if self.use_temperature:
-            scale = temperature_scale(batch.positions, self.attn_scale, self.floor_scale)
-            q = (q * scale[:, None, None]).to(q.dtype)
+        q, k = self.place(q, k, batch, rope)
 
         if cache is not None:
             cache.write(self.layer, batch, k, v)
@@ -106,6 +100,19 @@ class Attention(nn.Module):
         else:
             raise ValueError("a span that continues a sequence needs a KV cache")
         return self.o_proj(self._attend(q, batch, keys, values, k_pos).reshape(T, -1))
+
+    def place(self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch,
+              rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] as attention compares them: Llama-4's RoPE, qk-norm and
+        temperature rules (another family overrides this: qwen3.py)."""
+        if self.use_rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.use_qk_norm:
+            q, k = l2_normalize(q, self.eps), l2_normalize(k, self.eps)
+        if self.use_temperature:
+            scale = temperature_scale(batch.positions, self.attn_scale, self.floor_scale)
+            q = (q * scale[:, None, None]).to(q.dtype)
+        return q, k
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor, values: torch.Tensor,
                 k_pos: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama-4 text MoE model (the math of docs/design.md, "The model"; parity target: transformers' Llama4ForCausalLM).
+"""Llama-4 text MoE model (the math of docs/design.md, "The model"; parity target: transformers' Llama4ForCausalLM),
+and through the family's attention and MoE variants (families.py) Qwen3-MoE (Qwen3MoeForCausalLM).
 
 Per decoder layer i (pre-norm residual):
     h   = x + attn_i(rmsnorm(x))          attention rules per layer: attention.py
@@ -16,12 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from locus.engine.model.attention import Attention
 from locus.engine.model.config import ModelConfig
+from locus.engine.model.families import family_of
 from locus.engine.model.forward_batch import ForwardBatch
 from locus.engine.model.kv_cache import KVCache
 from locus.engine.model.layers import RMSNorm, SwiGLU
-from locus.engine.model.moe import MoEBlock
 from locus.engine.model.rope import compute_inv_freq, rotation
 from locus.routing.gate import TopK
 
@@ -36,11 +36,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, moe_backend: str):
         super().__init__()
         self.is_moe = config.is_moe_layer(layer)
+        family = family_of(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = family.attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward: nn.Module = (
-            MoEBlock(config, moe_backend) if self.is_moe else SwiGLU(config.hidden_size, config.intermediate_size_mlp)
+            family.moe_block(config, moe_backend) if self.is_moe
+            else SwiGLU(config.hidden_size, config.intermediate_size_mlp)
         )
 
     def forward(self, x, batch, rope, cache) -> tuple[torch.Tensor, TopK | None]:

@@ -3,7 +3,8 @@
 Llama-4 rotates *adjacent pairs*: dims (2m, 2m+1) of a head form one complex number, rotated by
 angle pos * inv_freq[m] with inv_freq[m] = theta^(-2m/D). (Llama-2/3 in HF format rotate the two
 halves instead; mixing the two up is the classic Llama-4 port bug.) The `llama3` rule rescales the
-low frequencies for long context; `linear` divides all of them by `factor`.
+low frequencies for long context; `linear` divides all of them by `factor`. Qwen3-MoE rotates the
+halves (`apply_rope_halves`), with the same frequencies.
 """
 
 from __future__ import annotations
@@ -56,3 +57,15 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = rotations[:, None, :, 0], rotations[:, None, :, 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def apply_rope_halves(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] the HF Llama/Qwen way: dims m and m + D/2 form the pair (a, b) rotated by
+    the same angles as `apply_rope`'s pair m (transformers' rotate_half); computed in float32, cast back."""
+    if rotations.is_complex():
+        cos, sin = rotations.real[:, None, :], rotations.imag[:, None, :]
+    else:
+        cos, sin = rotations[:, None, :, 0], rotations[:, None, :, 1]
+    halves = x.float().unflatten(-1, (2, -1))  # [T, heads, 2, D/2]
+    a, b = halves[..., 0, :], halves[..., 1, :]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)

@@ -1,0 +1,53 @@
+"""Checkpoint tensor names per model family, to and from the model's own parameter names.
+
+Locus's modules carry Llama-4's checkpoint names in every family (`feed_forward.router`,
+`feed_forward.experts`), so the engine finds a layer's MoE block one way. A Qwen3-MoE checkpoint names
+them as transformers' Qwen3MoeForCausalLM saves them and the published checkpoints hold them:
+    model.layers.i.mlp.gate.weight                        -> model.layers.i.feed_forward.router.weight
+    model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight -> ...feed_forward.experts.j.{...}.weight
+    model.layers.i.mlp.{gate,up,down}_proj.weight (dense) -> ...feed_forward.{...}.weight
+Attention (q/k/v/o, q_norm, k_norm), norms, embeddings and lm_head keep their names.
+"""
+
+from __future__ import annotations
+
+import re
+
+from locus.engine.model.config import ModelConfig
+from locus.errors import LocusError
+
+_QWEN3_ROUTER = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$")
+_QWEN3_MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(.+)$")
+_QWEN3_FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LOCUS_ROUTER = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.router\.weight$")
+_LOCUS_FFN = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.(.+)$")
+
+
+def to_model_name(config: ModelConfig, name: str) -> str:
+    """The model's parameter name for checkpoint tensor `name` (prefix already stripped)."""
+    if config.family != "qwen3_moe":
+        return name
+    if _QWEN3_FUSED.match(name):
+        raise LocusError(f"tensor {name!r}: Locus reads Qwen3-MoE experts one by one "
+                         "(mlp.experts.J.gate_proj.weight, ...), as save_pretrained and the published checkpoints write them")
+    match = _QWEN3_ROUTER.match(name)
+    if match:
+        return f"{match.group(1)}.feed_forward.router.weight"
+    match = _QWEN3_MLP.match(name)
+    return f"{match.group(1)}.feed_forward.{match.group(2)}" if match else name
+
+
+def to_checkpoint_name(config: ModelConfig, name: str) -> str:
+    """The checkpoint name save_checkpoint writes for the model's parameter (or per-expert) `name`."""
+    if config.family != "qwen3_moe":
+        return name
+    match = _LOCUS_ROUTER.match(name)
+    if match:
+        return f"{match.group(1)}.mlp.gate.weight"
+    match = _LOCUS_FFN.match(name)
+    return f"{match.group(1)}.mlp.{match.group(2)}" if match else name
+
+
+def experts_per_expert(config: ModelConfig) -> bool:
+    """Whether this family's checkpoints must hold experts one by one (transformers reads Qwen3-MoE's so)."""
+    return config.family == "qwen3_moe"
