@@ -7,7 +7,7 @@ import sys
 
 DEFAULT_MODEL_HELP = (
     "checkpoint directory (HuggingFace Llama-4 format), 'mini' (the small trained model shipped in "
-    "locus/assets/mini), or preset name (tiny, small, scout-2l). "
+    "locus/assets/mini), or preset name (tiny, small, scout-2l, tiny-qwen3-moe). "
     "Default: the embedded 'tiny' preset, built in memory with seeded RANDOM weights (no download; "
     "its text is gibberish)"
 )
@@ -16,7 +16,7 @@ DEFAULT_MODEL_HELP = (
 # generate and serve default to the shipped trained model, as a newcomer expects readable text
 SHIPPED_DEFAULT_HELP = (
     "checkpoint directory (HuggingFace Llama-4 format), 'mini' (the small trained model shipped in "
-    "locus/assets/mini), or preset name (tiny, small, scout-2l: seeded RANDOM weights, gibberish). "
+    "locus/assets/mini), or preset name (tiny, small, scout-2l, tiny-qwen3-moe: seeded RANDOM weights, gibberish). "
     "Default: 'mini' ('tiny' where it is not installed)"
 )
 
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=run_generate)
 
     init = subparsers.add_parser("init-model", help="write a seeded random checkpoint of a preset shape")
-    init.add_argument("--preset", required=True, choices=["tiny", "small", "scout-2l"])
+    init.add_argument("--preset", required=True, choices=["tiny", "small", "scout-2l", "tiny-qwen3-moe"])
     init.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

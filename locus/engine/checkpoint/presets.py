@@ -4,7 +4,9 @@
 Llama-4 feature (chunked RoPE layers, a NoPE layer with temperature tuning, qk-norm, MoE and dense
 layers, top-2 routing, GQA). Its weights are random, so its text is gibberish: it exists to exercise
 the serving stack, not to answer questions. `small` is the benchmark shape of the engine issue.
-`scout-2l` is two layers of Llama-4 Scout's shapes, for measurements on a GPU.
+`scout-2l` is two layers of Llama-4 Scout's shapes, for measurements on a GPU. `tiny-qwen3-moe` is
+`tiny` for the Qwen3-MoE family: softmax top-4 of 16 experts renormalised, per-head q/k norms, a dense
+layer among MoE ones (mlp_only_layers), GQA; `locus init-model` writes it as transformers reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import torch
 
 from locus.engine.model.config import ModelConfig, RopeConfig
+from locus.engine.model.qwen3_config import Qwen3MoeModelConfig
 from locus.engine.model.slices import ExpertSlices, keep_slices, moe_experts
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
@@ -47,6 +50,13 @@ PRESETS: dict[str, ModelConfig] = {
     "scout-2l": ModelConfig(
         num_hidden_layers=2, moe_layers=(0, 1), no_rope_layers=_layers(2), bos_token_id=ByteTokenizer.BOS,
         eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD, dtype="bfloat16",
+    ),
+    "tiny-qwen3-moe": Qwen3MoeModelConfig(
+        vocab_size=ByteTokenizer.MIN_VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        num_local_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=(2,),
+        max_position_embeddings=4096, rope=RopeConfig(theta=10000.0), bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD, dtype="float32",
     ),
 }
 

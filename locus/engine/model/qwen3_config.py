@@ -35,19 +35,42 @@ HF_DEFAULTS: dict[str, Any] = dict(
 
 @dataclass(frozen=True)
 class Qwen3MoeModelConfig(ModelConfig):
+    """Built directly (a preset) or by parse_qwen3_moe. Left empty, `moe_layers` and `no_rope_layers` are
+    filled by the family's rules; given, they must equal them."""
+
     family: ClassVar[str] = MODEL_TYPE
+    # Llama-4's rules, off in this family (the base class's defaults are Llama-4's).
+    attention_chunk_size: int | None = None
+    use_qk_norm: bool = False
+    attn_temperature_tuning: bool = False
     norm_topk_prob: bool = False  # renormalise the top-k softmax probabilities to sum to 1
-    decoder_sparse_step: int = 1  # kept for to_hf_dict; moe_layers already applies it
-    mlp_only_layers: tuple[int, ...] = ()  # likewise
+    decoder_sparse_step: int = 1  # with mlp_only_layers, the dense-layer rule that gives moe_layers
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        L = self.num_hidden_layers
         if self.decoder_sparse_step < 1:
             raise LocusError(f"invalid model config: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
-        L = self.num_hidden_layers
         if any(not 0 <= i < L for i in self.mlp_only_layers):
             raise LocusError(f"invalid model config: mlp_only_layers {list(self.mlp_only_layers)} names a layer "
                              f"outside 0..{L - 1}")
+        rule = qwen3_moe_layers(L, self.num_local_experts, self.decoder_sparse_step, self.mlp_only_layers)
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", rule)
+        if not self.no_rope_layers:
+            object.__setattr__(self, "no_rope_layers", (1,) * L)
+        super().__post_init__()
+        problems = []
+        if self.moe_layers != rule:
+            problems.append(f"moe_layers {list(self.moe_layers)} disagree with decoder_sparse_step / mlp_only_layers "
+                            f"({list(rule)})")
+        if self.no_rope_layers != (1,) * L:
+            problems.append("no_rope_layers: every Qwen3-MoE layer uses RoPE")
+        if self.attention_chunk_size is not None or self.use_qk_norm or self.attn_temperature_tuning:
+            problems.append("attention_chunk_size, use_qk_norm and attn_temperature_tuning are Llama-4's rules, "
+                            "off in Qwen3-MoE")
+        if problems:
+            raise LocusError("invalid model config: " + "; ".join(problems))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `Qwen3MoeConfig`-style dict (what save_checkpoint writes as config.json; transformers reads it)."""
@@ -117,7 +140,7 @@ def parse_qwen3_moe(d: dict[str, Any], where: str) -> Qwen3MoeModelConfig:
         step = int(get("decoder_sparse_step"))
         if step < 1:
             raise LocusError(f"{where}: decoder_sparse_step must be >= 1, got {step}")
-        mlp_only = as_int_tuple(d.get("mlp_only_layers"))
+        mlp_only = as_int_tuple(d.get("mlp_only_layers"))  # moe_layers follow from it in __post_init__
         heads = int(get("num_attention_heads"))
         # Qwen3's RoPE base defaults to 10000 (Llama-4's to 500000): give parse_rope the family's default.
         rope_fields = {**d, "rope_theta": get("rope_theta")}
@@ -133,11 +156,6 @@ def parse_qwen3_moe(d: dict[str, Any], where: str) -> Qwen3MoeModelConfig:
             rms_norm_eps=float(get("rms_norm_eps")),
             num_local_experts=experts,
             num_experts_per_tok=int(get("num_experts_per_tok")),
-            moe_layers=qwen3_moe_layers(L, experts, step, mlp_only),
-            no_rope_layers=(1,) * L,
-            attention_chunk_size=None,
-            use_qk_norm=False,
-            attn_temperature_tuning=False,
             attention_bias=bool(get("attention_bias")),
             max_position_embeddings=int(get("max_position_embeddings")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),

@@ -3,9 +3,11 @@ config.json, or one of the trace presets' real model shapes (locus/traces/preset
 
 Other engines' expert maps do not say it (vLLM's and DeepSeek EPLB's rows are the MoE layers only,
 SGLang's are every model layer), so `locus plan import` asks for it instead of guessing 0..L-1.
-routing/ may not import the engine (docs/design.md, "Layout and layering"), so the config.json rule is
-Llama-4's as transformers' Llama4TextConfig and the engine's config_from_hf_dict read it: an explicit
-`moe_layers` list, else every `interleave_moe_layer_step`-th layer (tests check the two agree).
+routing/ may not import the engine (docs/design.md, "Layout and layering"), so the config.json rules are
+restated here as transformers and the engine's config_from_hf_dict read them (tests check they agree):
+Llama-4's, an explicit `moe_layers` list, else every `interleave_moe_layer_step`-th layer; Qwen3-MoE's
+(`model_type: qwen3_moe`), every layer i not in `mlp_only_layers` with (i + 1) a multiple of
+`decoder_sparse_step`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from locus.files import read_json
 from locus.traces.presets import find_preset
 
 LLAMA4_TYPES = (None, "llama4", "llama4_text")
+QWEN3_MOE = "qwen3_moe"
 
 
 def model_moe_layers(model: str) -> tuple[int, ...] | None:
@@ -31,7 +34,7 @@ def model_moe_layers(model: str) -> tuple[int, ...] | None:
 
 
 def config_moe_layers(path: Path) -> tuple[int, ...]:
-    """The MoE layers a Llama-4 config.json (text or multimodal) states."""
+    """The MoE layers a Llama-4 config.json (text or multimodal) or a Qwen3-MoE one states."""
     if not path.is_file():
         raise LocusError(f"{path}: missing config.json (not a HuggingFace checkpoint directory?)")
     raw = read_json(path, "model config")
@@ -39,7 +42,13 @@ def config_moe_layers(path: Path) -> tuple[int, ...]:
     try:
         layers = int(text["num_hidden_layers"])
         explicit = text.get("moe_layers")
-        if explicit is not None:
+        if raw.get("model_type") == QWEN3_MOE:
+            step = int(text.get("decoder_sparse_step") or 1)
+            if step < 1:
+                raise LocusError(f"{path}: decoder_sparse_step must be >= 1, got {step}")
+            dense = {int(i) for i in text.get("mlp_only_layers") or ()}
+            moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        elif explicit is not None:
             moe = tuple(int(i) for i in explicit)
         else:
             step = int(text.get("interleave_moe_layer_step", 1))
@@ -49,8 +58,8 @@ def config_moe_layers(path: Path) -> tuple[int, ...]:
     except KeyError:
         raise LocusError(f"{path}: no num_hidden_layers: cannot tell the MoE layers; pass --moe-layers") from None
     except (TypeError, ValueError):
-        raise LocusError(f"{path}: num_hidden_layers, moe_layers or interleave_moe_layer_step is not an integer "
-                         "(list)") from None
+        raise LocusError(f"{path}: num_hidden_layers, moe_layers, interleave_moe_layer_step, decoder_sparse_step "
+                         "or mlp_only_layers is not an integer (list)") from None
     if not moe or any(not 0 <= i < layers for i in moe):
         raise LocusError(f"{path}: moe_layers {list(moe)} names no layer, or one outside 0..{layers - 1}")
     return moe
@@ -60,11 +69,13 @@ def _text_config(raw: Any, path: Path) -> dict:
     """The dict holding the text model's fields (a multimodal Llama-4 config nests it in text_config)."""
     if not isinstance(raw, dict):
         raise LocusError(f"{path}: expected a JSON object")
+    if raw.get("model_type") == QWEN3_MOE:
+        return raw
     text = raw.get("text_config", raw)
     if not isinstance(text, dict):
         raise LocusError(f"{path}: text_config must be an object")
     for model_type in (raw.get("model_type"), text.get("model_type")):
         if model_type not in LLAMA4_TYPES:
-            raise LocusError(f"{path}: model_type {model_type!r} is not a Llama-4 model, whose MoE layers Locus "
-                             "reads; pass --moe-layers")
+            raise LocusError(f"{path}: model_type {model_type!r} is not a Llama-4 model or qwen3_moe, whose MoE "
+                             "layers Locus reads; pass --moe-layers")
     return text

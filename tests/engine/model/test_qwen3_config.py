@@ -77,3 +77,15 @@ def test_an_unsupported_value_is_one_line_naming_the_field(tmp_path, change, mes
         load_config(tmp_path)
     text = str(err.value)
     assert message in text and "\n" not in text and str(tmp_path / "config.json") in text
+
+
+@pytest.mark.parametrize("fields", [{}, {"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 7, 8]},
+                                    {"decoder_sparse_step": 3, "mlp_only_layers": [2]}])
+def test_the_planners_reader_of_moe_layers_agrees_with_the_engine(tmp_path, fields):
+    """routing/ restates the rule (it may not import the engine): `locus plan import --model DIR` reads
+    the MoE layers the engine builds."""
+    from locus.routing.plan.model_layers import model_moe_layers
+
+    raw = {**QWEN3_30B_A3B, "num_hidden_layers": 12, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert model_moe_layers(str(tmp_path)) == load_config(tmp_path).moe_layers
