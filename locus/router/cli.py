@@ -61,9 +61,12 @@ def run_route(args: argparse.Namespace) -> int:
     print(f"locus route: running on http://{address(args.host, bound_port(sockets))} "
           f"in front of {len(router.relay.pool.backends)} backend(s)",
           file=sys.stderr, flush=True)
+    from locus.router.wire import RouterHttpProtocol
+
+    # no proxy-headers middleware: the router reads no client address
     config = uvicorn.Config(router.app(), log_level=args.log_level, access_log=False, loop="uvloop",
-                            http="httptools", lifespan="on", timeout_keep_alive=30,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+                            http=RouterHttpProtocol, ws="none", lifespan="on", timeout_keep_alive=30,
+                            proxy_headers=False, timeout_graceful_shutdown=args.graceful_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler it found:
     # that one is ours and does nothing, so a drained router exits 0, as `locus serve` does
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -202,16 +202,17 @@ class Exchange(Response):
             cut = pending.rfind(b"\n\n")
             if cut >= 0:
                 piece, pending = pending[: cut + 2], pending[cut + 2:]
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                done = piece.endswith(DONE)
+                # the last event ends the answer in the same write (the client may send its next
+                # request before the backend closes the stream)
+                await send({"type": "http.response.body", "body": piece, "more_body": not done})
                 if first_sent is not None:
                     self.streaming = True
                     first_sent()
                     first_sent = None
-                if piece.endswith(DONE):
-                    # the client has it all and may send its next request before the backend closes
-                    # the stream: end the answer and release now, or that request would find this one
-                    # still charged; then read the backend's end, so its connection can be reused
-                    await send({"type": "http.response.body", "body": b""})
+                if done:
+                    # release now, or the client's next request would find this one still charged;
+                    # then read the backend's end, so its connection can be reused
                     self.end()
                     await self.drain(content)
                     return

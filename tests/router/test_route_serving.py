@@ -188,6 +188,8 @@ def test_bad_input_is_one_line_or_a_4xx(cluster):
         bad = send(base, {"prompt": {"not": "a prompt"}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
         assert send(base, {"prompt": "x", "temperature": -1}).status_code == 400  # the backend's own 400, passed on
+        wrong = httpx.get(f"{base}/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and "takes POST" in wrong.json()["error"]["message"]
 
 
 def test_sigterm_ends_open_streams_with_an_error_frame_after_the_grace(cluster):
