@@ -132,40 +132,41 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
     total = h.sum(0)  # [E] copies of each expert
     flat = slots.ravel()  # [R * S] expert of every slot
     slot_rank = np.repeat(np.arange(R), S)
+    a_w = slots[w]  # [S] w's experts
+    # A move changes two experts' copies, and each half depends on fewer things than the move: w's
+    # expert a moving to rank r2 on (w's slot, r2); the other slot's expert moving to w on that slot;
+    # so each distinct half is scored once ([S * R] and [R * S] rows) and gathered per move.
+    a_to_r2 = _Half(dT, h, gpus, pT, np.repeat(a_w, R), np.full(S * R, w), np.tile(np.arange(R), S))
+    a_copy_r2 = _Half(dT, h, gpus, pT, np.repeat(a_w, R), np.full(S * R, -1), np.tile(np.arange(R), S))
+    other_to_w = _Half(dT, h, gpus, pT, flat, slot_rank, np.full(R * S, w))
+    other_dropped = _Half(dT, h, gpus, pT, flat, slot_rank, np.full(R * S, -1))
     i = np.repeat(np.arange(S), R * S)  # w's slot
     j = np.tile(np.arange(R * S), S)  # any slot
     a, other, r2 = slots[w, i], flat[j], slot_rank[j]
-    # p / q: the two experts a move changes; *_from / *_to: the rank losing / gaining a copy (-1: none).
-    cands = []
-    ok = (r2 != w) & (a != other)
-    cands.append((a, np.full_like(a, w), r2, other, r2, np.full_like(a, w), ok, i, j, "swap"))
-    ok = (r2 != w) & (a != other) & (total[other] >= 2)
-    cands.append((a, np.full_like(a, -1), r2, other, r2, np.full_like(a, -1), ok, i, j, "spread"))
+    pair = i * R + r2  # row of (w's slot i, rank r2) in the p halves
     i3 = np.repeat(np.arange(S), E)
     f = np.tile(np.arange(E), S)
     a3 = slots[w, i3]
-    ok = (a3 != f) & (total[a3] >= 2)
-    cands.append((a3, np.full_like(a3, w), np.full_like(a3, -1), f, np.full_like(a3, -1), np.full_like(a3, w),
-                  ok, i3, f, "shed"))
+    f_to_w = _Half(dT, h, gpus, pT, np.arange(E), np.full(E, -1), np.full(E, w))
+    w_drops = _Half(dT, h, gpus, pT, a_w, np.full(S, w), np.full(S, -1))
+    # (p, its half and row, q, its half and row, ok, w's slot, other index, kind) per kind of move
+    cands = [
+        (a, a_to_r2, pair, other, other_to_w, j, (r2 != w) & (a != other), i, j, "swap"),
+        (a, a_copy_r2, pair, other, other_dropped, j, (r2 != w) & (a != other) & (total[other] >= 2), i, j, "spread"),
+        (a3, w_drops, i3, f, f_to_w, f, (a3 != f) & (total[a3] >= 2), i3, f, "shed"),
+    ]
 
     best = None
-    for p, p_from, p_to, q, q_from, q_to, ok, ii, jj, kind in cands:
+    for p, p_half, p_row, q, q_half, q_row, ok, ii, jj, kind in cands:
         idx = np.flatnonzero(ok)
         if len(idx) == 0:
             continue
-        p, p_from, p_to, q, q_from, q_to = (v[idx] for v in (p, p_from, p_to, q, q_from, q_to))
-        B = len(idx)
-        rows = np.arange(B)
+        p, q, p_row, q_row = p[idx], q[idx], p_row[idx], q_row[idx]
         new_loads = loads[None, :] - contrib[p] - contrib[q]
-        gain_local = 0.0
-        for e, lose, get in ((p, p_from, p_to), (q, q_from, q_to)):
-            he = h[:, e].T.copy()  # [B, R]
-            m = lose >= 0
-            he[rows[m], lose[m]] -= 1
-            m = get >= 0
-            he[rows[m], get[m]] += 1
-            new_loads += contributions(dT[e], he, gpus, None if pT is None else pT[e])
-            gain_local = gain_local + local_pairs(dT[e], he, gpus) - local_pairs(dT[e], h[:, e].T, gpus)
+        new_loads += p_half.loads[p_row]
+        new_loads += q_half.loads[q_row]
+        gain_local = 0.0 + p_half.local_new[p_row] - p_half.local_old[p_row]
+        gain_local = gain_local + q_half.local_new[q_row] - q_half.local_old[q_row]
         reduced = excess - np.maximum(new_loads - target, 0.0).sum(1)
         score = reduced / (np.maximum(-gain_local, 0.0) + eps)
         score[reduced <= eps] = -np.inf
@@ -180,3 +181,20 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
     if kind == "spread":
         return [(j // S, j % S, int(slots[w, i]))]
     return [(w, i, j)]  # shed: j is the new expert
+
+
+class _Half:
+    """One expert per row losing a copy on rank `lose` and gaining one on rank `get` (-1: none): that
+    expert's load on every rank afterwards, [B, R], and its local pairs before and after, [B]."""
+
+    def __init__(self, dT, h, gpus, pT, e, lose, get):
+        B = len(e)
+        rows = np.arange(B)
+        he = h[:, e].T.copy()  # [B, R]
+        m = lose >= 0
+        he[rows[m], lose[m]] -= 1
+        m = get >= 0
+        he[rows[m], get[m]] += 1
+        self.loads = contributions(dT[e], he, gpus, None if pT is None else pT[e])
+        self.local_new = local_pairs(dT[e], he, gpus)
+        self.local_old = local_pairs(dT[e], h[:, e].T, gpus)
