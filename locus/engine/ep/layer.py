@@ -30,7 +30,7 @@ from locus.engine.model.slices import slices_of
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.model.moe import MoEBlock
 from locus.kernels import fused_moe
-from locus.routing.gate import TopK, route_llama4
+from locus.routing.gate import TopK
 from locus.routing.plan.placement import PlacementPlan, validate
 
 
@@ -38,7 +38,8 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, block: MoEBlock, moe_index: int, slot_experts: list[int], runtime: EPRuntime):
         super().__init__()
         self.top_k, self.moe_backend = block.top_k, block.moe_backend
-        self.router, self.shared_expert = block.router, block.shared_expert
+        self.router, self.shared_expert = block.router, block.shared_expert  # shared_expert: None in some families
+        self.rule, self.weight_on_input = block.rule, block.weight_on_input  # the family's routing (model/moe.py)
         experts = block.experts
         if experts.expert_ids is not None:  # loaded as this rank's slice (slices.py): take it as is
             if list(experts.expert_ids) != list(slot_experts):
@@ -55,7 +56,7 @@ class ExpertParallelMoE(nn.Module):
         _LAYERS[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
-        topk = route_llama4(self.router(x), self.top_k)
+        topk = self.rule(self.router(x))
         positions = self.runtime.positions
         if positions is None or positions.shape[0] != x.shape[0]:
             raise RuntimeError("the EP runtime must hold the batch's token positions before the forward")
@@ -65,7 +66,7 @@ class ExpertParallelMoE(nn.Module):
             routed = ep_routed_experts(x, topk.ids, topk.weights, positions, self.handle)
         else:
             routed = self.route_and_exchange(x, topk.ids, topk.weights, positions)
-        return self.shared_expert(x) + routed, topk
+        return (routed if self.shared_expert is None else self.shared_expert(x) + routed), topk
 
     def route_and_exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            positions: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ class ExpertParallelMoE(nn.Module):
                                 self.runtime.placement.slots_per_gpu, self._compute, self.runtime.capacity)
 
     def _compute(self, x: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights, weight_on_input=True,
-                         backend=self.moe_backend)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, local_slots, weights,
+                         weight_on_input=self.weight_on_input, backend=self.moe_backend)
 
 
 # Layers by handle, for the custom op below (an op's arguments are tensors and scalars, not modules).

@@ -15,6 +15,8 @@ picks the Triton kernels or the torch reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -66,11 +68,16 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
+    # What every family's MoE block offers the expert-parallel form (locus/engine/ep/layer.py): the
+    # router, `rule` (router logits -> TopK), where the weight applies, the shared expert (or None).
+    weight_on_input = True
+
     def __init__(self, config: ModelConfig, moe_backend: str = "torch"):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.moe_backend = moe_backend
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.rule = functools.partial(route_llama4, top_k=self.top_k)
         self.experts = Experts(config)
         self.shared_expert = SwiGLU(config.hidden_size, config.intermediate_size)
         # The MX format the routed experts' input is rounded to, as an expert-parallel dispatch in that
@@ -81,7 +88,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
         if self.experts.expert_ids is not None:
             raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
-        topk = route_llama4(self.router(x), self.top_k)
+        topk = self.rule(self.router(x))
         dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
         routed = fused_moe(
             dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),

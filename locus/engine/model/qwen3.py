@@ -16,6 +16,8 @@ quantization and the trace recorder find them as for Llama-4; the checkpoint nam
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -58,19 +60,17 @@ class Qwen3MoEBlock(nn.Module):
     def __init__(self, config: Qwen3MoeModelConfig, moe_backend: str = "torch"):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
         self.moe_backend = moe_backend
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.rule = functools.partial(route_softmax, top_k=self.top_k, norm_topk_prob=config.norm_topk_prob)
         self.experts = Experts(config)
+        self.shared_expert = None  # the family has none
         self.dispatch_format: str | None = None  # as MoEBlock's
-
-    def route(self, x: torch.Tensor) -> TopK:
-        return route_softmax(self.router(x), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
         if self.experts.expert_ids is not None:
             raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
-        topk = self.route(x)
+        topk = self.rule(self.router(x))
         dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
         routed = fused_moe(
             dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
