@@ -148,6 +148,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     model.to(dtype)
     model.tie_weights()
     reader = _ShardReader()
+    shown = (lambda name: name) if config.family == "llama4" else (lambda name: to_checkpoint_name(config, name))
     expected = dict(model.named_parameters(remove_duplicate=False))
     narrow_linears = quantized_linears(model, quant) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     used: set[str] = set()
@@ -159,11 +160,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
             if name in narrow_linears:
                 tensor = read_fp8_linear(name, tuple(param.shape), found, reader, used, dtype)
             elif rows is None:
-                tensor = _fetch(name, param, found, reader, used)
+                tensor = _fetch(name, param, found, reader, used, shown)
             else:
-                tensor = _fetch_rows(name, rows, config.num_local_experts, param, found, reader, used)
+                tensor = _fetch_rows(name, rows, config.num_local_experts, param, found, reader, used, shown)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise LocusError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}")
+                raise LocusError(f"{model_dir}: tensor {shown(name)!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(param.shape)}")
             if not tensor.is_floating_point() or tensor.element_size() == 1:
                 raise LocusError(f"{model_dir}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, but "
                                  f"{'config.json has no quantization_config' if quant is None else 'quantization_config keeps its module unconverted'}")
@@ -175,7 +176,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
             experts.hold_quantized(gate_up.to(device), down.to(device))
     if quant is not None:
         _note_quantization(model, quant, narrow_linears, narrow_experts)
-    leftover = sorted(set(found) - used - {"lm_head.weight"})
+    leftover = sorted(shown(name) for name in set(found) - used - {"lm_head.weight"})
     if leftover:
         raise LocusError(f"{model_dir}: tensors the {family.label} model does not have: {', '.join(leftover[:5])}"
                          + (f" and {len(leftover) - 5} more" if len(leftover) > 5 else ""))
@@ -203,17 +204,19 @@ def _held_rows(model: Llama4ForCausalLM, name: str) -> list[int] | None:
     return model.get_submodule(match.group(1)).expert_ids
 
 
-def _fetch(name: str, param: torch.Tensor, found: dict, reader: _ShardReader, used: set[str]) -> torch.Tensor:
+def _fetch(name: str, param: torch.Tensor, found: dict, reader: _ShardReader, used: set[str],
+           shown=lambda name: name) -> torch.Tensor:
+    """shown: the checkpoint's name of a model parameter name, for the errors (names.py)."""
     if name in found:
         used.add(name)
         return reader.get(*found[name])
     if not FUSED.match(name):
-        raise LocusError(f"checkpoint is missing tensor {name!r}")
-    return _fetch_rows(name, list(range(param.shape[0])), param.shape[0], param, found, reader, used)
+        raise LocusError(f"checkpoint is missing tensor {shown(name)!r}")
+    return _fetch_rows(name, list(range(param.shape[0])), param.shape[0], param, found, reader, used, shown)
 
 
 def _fetch_rows(name: str, rows: list[int], num_experts: int, param: torch.Tensor, found: dict, reader: _ShardReader,
-                used: set[str]) -> torch.Tensor:
+                used: set[str], shown=lambda name: name) -> torch.Tensor:
     """Rows `rows` of a fused expert tensor [E, ...]: sliced from the fused tensor, or assembled from
     the per-expert [out, in] tensors (whose presence is checked for every expert, read or not)."""
     full_shape = (num_experts, *param.shape[1:])
@@ -226,7 +229,7 @@ def _fetch_rows(name: str, rows: list[int], num_experts: int, param: torch.Tenso
     for j in range(num_experts):
         for key in keys[j]:
             if key not in found:
-                raise LocusError(f"checkpoint is missing tensor {name!r} (and per-expert {key!r})")
+                raise LocusError(f"checkpoint is missing tensor {shown(name)!r} (and per-expert {shown(key)!r})")
             used.add(key)
     out = []
     for j in rows:

@@ -89,3 +89,14 @@ def test_the_planners_reader_of_moe_layers_agrees_with_the_engine(tmp_path, fiel
     raw = {**QWEN3_30B_A3B, "num_hidden_layers": 12, **fields}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert model_moe_layers(str(tmp_path)) == load_config(tmp_path).moe_layers
+
+
+def test_kv_bytes_per_token_are_docs_models_figures():
+    """docs/models.md's KV table: 2 x layers x KV heads x head_dim x dtype bytes, what the paged pool holds."""
+    import torch
+
+    from locus.engine.checkpoint.presets import PRESETS
+    from locus.engine.model.kv_cache import PagedKVCache
+
+    assert PagedKVCache.bytes_per_block(config_from_hf_dict(QWEN3_30B_A3B), 1, torch.bfloat16) == 98_304
+    assert PagedKVCache.bytes_per_block(PRESETS["tiny-qwen3-moe"], 1, torch.float32) == 1_024
