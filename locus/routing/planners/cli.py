@@ -46,8 +46,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
     return run_plan(plan_parser().parse_args(argv))
 
 
-def _caps_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expert-cap", type=float, default=1.10, help="max/mean expert load per layer (default 1.10)")
+def _caps_arguments(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    if auto:  # parsed by run_plan (layer_caps.parse_expert_cap)
+        p.add_argument("--expert-cap", default="1.10", metavar="CAP|auto[:FLOOR]",
+                       help="max/mean expert load per layer (default 1.10); auto: each layer at the tightest cap "
+                       "the search meets there, at least FLOOR (default 1.10) and at most EPLB's figure, instead of "
+                       "failing where the cap cannot be met (docs/planner.md)")
+    else:
+        p.add_argument("--expert-cap", type=float, default=1.10, help="max/mean expert load per layer (default 1.10)")
     p.add_argument("--attention-cap", type=float, default=1.10, help="max/mean tokens per rank (default 1.10)")
     p.add_argument("--seed", type=int, default=0, help="seed (clustering of untagged requests; default 0)")
 
@@ -86,7 +92,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--planner", default="locality", choices=("locality", "eplb", "round_robin"))
     p.add_argument("-o", "--output", required=True, help="plan JSON to write (atomically)")
     p.add_argument("--requests", metavar="START:STOP", help="requests to plan on, e.g. 0:0.5 (default: all)")
-    _caps_arguments(p)
+    _caps_arguments(p, auto=True)
     p.add_argument("--expert-groups", type=int, help="eplb: hierarchical policy over this many expert groups")
     p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
@@ -105,6 +111,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     from locus.routing.plan.caps import Caps
+    from locus.routing.planners.layer_caps import parse_expert_cap
     from locus.routing.planners.planner import PlanOptions, make_plan
     from locus.routing.replay.simulator import parse_request_range
     from locus.routing.plan.topology import parse_topology
@@ -122,14 +129,16 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.predictor_tokens < 0 or args.predictor_experts < 1:
         raise LocusError(f"--predictor-tokens must be >= 0 and --predictor-experts >= 1, got {args.predictor_tokens} "
                          f"and {args.predictor_experts}")
-    caps = Caps(args.expert_cap, args.attention_cap)
+    expert_cap, auto = parse_expert_cap(args.expert_cap)
+    caps = Caps(expert_cap, args.attention_cap)
     reader = _open_trace(args.trace)
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
     requests = parse_request_range(args.requests, len(reader.requests))
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
                           kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
                           replica_budget=args.replica_budget, load_model=args.load_model,
-                          predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts)
+                          predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts,
+                          expert_cap_auto=auto)
     result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     _write(args.output, result.plan.save)
     print(result.summary.format_table())

@@ -43,7 +43,8 @@ from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, 
 from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
 from locus.routing.planners.expected_load import rank_loads
 from locus.routing.planners.slot_search import enforce_cap
-from locus.routing.planners.locality import BUDGETS, place_layers
+from locus.routing.planners.layer_caps import layer_caps
+from locus.routing.planners.locality import BUDGETS, place_layer
 from locus.routing.plan.placement import PlacementPlan, validate
 from locus.routing.replay.simulator import count_expert_loads
 from locus.routing.planners.summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
@@ -77,6 +78,9 @@ class PlanOptions:
     # `predictor_experts` largest expert shares per layer
     predictor_tokens: int = DEFAULT_TOKENS
     predictor_experts: int = DEFAULT_TOP_EXPERTS
+    # locality: plan each layer at the larger of caps.expert (then a floor) and EPLB's figure on it, instead of
+    # failing where the cap cannot be met (`--expert-cap auto`, layer_caps.py)
+    expert_cap_auto: bool = False
 
 
 @dataclass
@@ -172,23 +176,22 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
     rounds = max(1, options.rounds)
     for k in range(rounds):
         if k == 0 and placed is not None:  # the layout's choice already placed this grouping
-            demand, slots, fallback = placed
+            demand, slots, fallback, caps = placed
         else:
             demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
-            slots, fallback = _place(demand, meta, topology, options)
+            slots, fallback, caps = _place(demand, meta, topology, options)
         pull = None
         if sample is not None:
-            slots, pull = _calibrate(slots, demand, meta, topology, options.caps.expert, fallback, sample,
-                                     prefill_node, decode_node)
+            slots, pull = _calibrate(slots, demand, meta, topology, caps, fallback, sample, prefill_node, decode_node)
         plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                              grouping=spec.to_dict(), provenance={"planner": "locality"})
         score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
         if best is None or score < best[0]:
-            best = (score, plan, demand, fallback, prefill_node, decode_node, pull)
+            best = (score, plan, demand, fallback, prefill_node, decode_node, pull, caps)
         if k + 1 < rounds:  # the grouper's online grouping under this plan is the next round's demand
             assignment = _simulate(plan, sig, meta)
             prefill_node, decode_node = assignment.ranks // G, _decode_ranks(assignment) // G
-    score, plan, demand, fallback, prefill_node, decode_node, pull = best
+    score, plan, demand, fallback, prefill_node, decode_node, pull, caps = best
     seconds = time.perf_counter() - t0
     # The figures are for the grouping this plan was placed for; the replay will show the online one.
     ranks = _ranks_for_nodes(sig, prefill_node, decode_node, topology)
@@ -197,6 +200,9 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
                        demand=demand, fallback=fallback, bytes_per_token=score, pull=pull)
     summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology)
     summary.plan_seconds = seconds
+    if options.expert_cap_auto:  # what auto chose, per MoE layer in plan order
+        summary.expert_caps = {"floor": float(options.caps.expert), "layers": [round(float(c), 5) for c in caps]}
+        plan.provenance["expert_cap_auto"] = summary.expert_caps
     plan.grouping["extra"] = {"planning_locality": round(summary.locality, 5)}
     return PlanResult(plan, summary, ranks)
 
@@ -205,7 +211,7 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
     """The grouping spec and first-round nodes of the domain order that places best: the size order and the
     orders domain_layout.py scores lowest, each placed (_place) on its own grouping and scored by expected
     inter-node bytes, as the rounds are; ties keep the earlier (the size order first). Also that order's
-    placement (demand, slots, fallback), the first round's, or None when there was one order to place."""
+    placement (demand, slots, fallback, caps), the first round's, or None when there was one order to place."""
     orders = domain_orders(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
                            topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
     best = None
@@ -215,8 +221,8 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
         placed = None
         if len(orders) > 1:
             demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
-            slots, fallback = _place(demand, meta, topology, options)
-            placed = (demand, slots.copy(), fallback)
+            slots, fallback, caps = _place(demand, meta, topology, options)
+            placed = (demand, slots.copy(), fallback, caps)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
             score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
@@ -259,32 +265,28 @@ def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: Grouping
 LAYOUT_CANDIDATES = 3  # domain orders placed and scored: the size order and the two best by affinity
 
 
-def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> tuple[np.ndarray, list[int]]:
-    """Slots [L, R, S] meeting the expert cap on `demand`; layers the search misses take EPLB's."""
-    cap = options.caps.expert
+def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
+    """Slots [L, R, S] meeting each layer's expert cap on `demand`, the layers that took EPLB's placement, and
+    the caps [L] (layer_caps.py). The layers EPLB misses are searched first: under a fixed cap, one the search
+    misses too stops the plan there, before the other layers' searches; under auto, its cap is the best
+    figure reached."""
     if options.replica_budget not in BUDGETS:
         raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
-    placements = place_layers(demand, topology.gpus_per_node, topology.slots_per_gpu, cap, options.replica_budget,
-                              meta.top_k)
-    slots = np.stack([p.slots for p in placements])
-    missed = [i for i, p in enumerate(placements) if not p.met_cap]
-    fallback = []
-    if missed:
-        loads = demand[missed].sum(1)  # [M, E]
-        backup = eplb(loads, [meta.moe_layers[i] for i in missed], topology).slots
-        backup_imb = max_over_mean(rank_loads(backup, demand[missed]))
-        for j, i in enumerate(missed):
-            if backup_imb[j] > cap:
-                raise LocusError(
-                    f"MoE layer {meta.moe_layers[i]}: the expert-load cap {cap:.3f} cannot be met with "
-                    f"{topology.slots_per_gpu} slots per GPU (locality search reaches {placements[i].imbalance:.3f}, "
-                    f"EPLB {backup_imb[j]:.3f}); give more slots (--slots) or a looser cap (--expert-cap)")
-            slots[i] = backup[j]
-            fallback.append(int(meta.moe_layers[i]))
-    return slots, fallback
+    limits = layer_caps(demand, meta.moe_layers, topology, options.caps.expert, options.expert_cap_auto)
+    slots = np.empty_like(limits.eplb_slots)
+    missed = []
+    for l in limits.search_order():
+        placed = place_layer(demand[l], topology.gpus_per_node, topology.slots_per_gpu, limits.caps[l],
+                             options.replica_budget, meta.top_k)
+        if placed.met_cap or limits.settle(l, placed.imbalance):
+            slots[l] = placed.slots
+        else:
+            slots[l] = limits.eplb_slots[l]
+            missed.append(l)
+    return slots, [int(meta.moe_layers[l]) for l in sorted(missed)], limits.caps
 
 
-def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, cap: float, fallback: list[int],
+def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, caps: np.ndarray, fallback: list[int],
                sample: RoutingSample, prefill_node: np.ndarray, decode_node: np.ndarray):
     """The cap under the node-aware rule: measure where the rule sends remote pairs with the current slots
     (dispatch_pull.measure_pull, the rule itself on a sample of the planning requests), re-run the cap
@@ -308,12 +310,12 @@ def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, 
         better = imb < best_imb[todo]
         best_slots[todo[better]], best_imb[todo[better]] = slots[todo[better]], imb[better]
         best_pull[todo[better]] = pull[better]
-        over = keep[todo] & (imb > cap)
+        over = keep[todo] & (imb > caps[todo])
         if k == CALIBRATIONS or not over.any():
             break
         for i in np.flatnonzero(over):  # from the current slots, under their own split
             l = todo[i]
-            target = cap * float(demand[l].sum()) / topology.ranks * (1 - 1e-9)
+            target = caps[l] * float(demand[l].sum()) / topology.ranks * (1 - 1e-9)
             slots[l] = enforce_cap(demand[l], slots[l], G, target, pull=pull[i])
         todo = todo[over]
     return best_slots, best_pull

@@ -43,6 +43,7 @@ class PlanSummary:
     grouping: str  # how the planning requests were assigned to nodes
     fallback_layers: list[int] = field(default_factory=list)  # layers that took EPLB's balance instead
     eplb_inter_node_bytes_per_token: float | None = None  # expected, EPLB + balanced assignment, same data
+    expert_caps: dict | None = None  # `--expert-cap auto`: {"floor", "layers": the cap of every MoE layer}
 
     @property
     def expected_reduction_vs_eplb(self) -> float | None:
@@ -65,6 +66,8 @@ class PlanSummary:
             ("attention imbalance", f"{self.attention_imbalance:.3f}"),
             ("plan time", f"{self.plan_seconds:.2f} s"),
         ]
+        if self.expert_caps:
+            rows.append(("expert cap (auto, per layer)", _describe_caps(self.expert_caps)))
         if self.fallback_layers:
             rows.append(("layers on EPLB balance", ", ".join(str(x) for x in self.fallback_layers)))
         reduction = self.expected_reduction_vs_eplb
@@ -116,3 +119,13 @@ def attention_imbalance(tokens: np.ndarray, prefill_rank: np.ndarray, decode_ran
     loads = np.bincount(prefill_rank, weights=prompt_tokens, minlength=num_ranks)
     loads += np.bincount(decode_rank, weights=tokens - prompt_tokens, minlength=num_ranks)
     return float(max_over_mean(loads))
+
+
+def _describe_caps(chosen: dict) -> str:
+    """`--expert-cap auto`'s choice in one line: the floor, and the layers (MoE index) raised above it."""
+    floor, caps = chosen["floor"], chosen["layers"]
+    raised = [(i, c) for i, c in enumerate(caps) if c > floor]
+    if not raised:
+        return f"floor {floor:.3f} on every layer"
+    shown = ", ".join(f"{i}: {c:.3f}" for i, c in raised[:8]) + (", ..." if len(raised) > 8 else "")
+    return f"floor {floor:.3f}, above it on {len(raised)} of {len(caps)} layers (the best figure reached, MoE index: cap) {shown}"
