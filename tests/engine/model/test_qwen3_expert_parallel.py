@@ -1,9 +1,13 @@
-"""Qwen3-MoE under expert parallelism on real gloo process groups (1x2): each rank holds half the
-experts, its tokens' rows travel by all-to-all with their softmax weights (applied on the expert
-output at the remote rank), and the logits equal the single-process model's."""
+"""Qwen3-MoE under expert parallelism on real gloo process groups (1x2, and 2x2 with replicas): each
+rank holds only its slots' experts, its tokens' rows travel by two-tier all-to-all with their softmax
+weights (applied on the expert output where the expert sits), the logits equal the single-process
+model's, and the bytes each rank counts are the dispatch rule's (as for Llama-4: tests/engine/ep)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -14,10 +18,13 @@ from locus.engine.model.forward_batch import ForwardBatch
 from locus.routing.planners.baselines import round_robin
 from locus.routing.plan.topology import Topology
 from tests.engine.ep.rank_cases import failures, run_cases
+from tests.engine.ep.test_expert_parallel import expected_bytes_per_rank
 
-pytestmark = pytest.mark.slow  # spawns 2 rank processes
+pytestmark = pytest.mark.slow  # spawns rank processes
 
 PRESET = "tiny-qwen3-moe"
+CONFIG = PRESETS[PRESET]
+TOPOLOGIES = {"1x2": Topology(1, 2, 8), "2x2-replicas": Topology(2, 2, 6)}  # 16 experts: 16 and 24 slots
 
 
 def prompt_of(rank: int) -> list[int]:
@@ -25,11 +32,14 @@ def prompt_of(rank: int) -> list[int]:
     return torch.randint(0, 256, (9 + 6 * rank,), generator=g).tolist()
 
 
-def worker(rank: int, world: int, out: str) -> None:
+def plan_for(case: str):
+    return round_robin(CONFIG.num_local_experts, CONFIG.moe_layers, TOPOLOGIES[case], model=PRESET)
+
+
+def worker(rank: int, world: int, case: str, out: str) -> None:
     model = build_preset(PRESET, seed=0)
-    E = model.config.num_local_experts
-    plan = round_robin(E, model.config.moe_layers, Topology(1, 2, E // 2), model=PRESET)
-    ctx = apply_expert_parallel(model, plan, make_groups(1, 2), "exact")
+    plan = plan_for(case)
+    ctx = apply_expert_parallel(model, plan, make_groups(plan.topology.nodes, plan.topology.gpus_per_node), "exact")
     ctx.begin_step(capacity=64)
     held = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     batch = ForwardBatch.single(prompt_of(rank))
@@ -37,21 +47,36 @@ def worker(rank: int, world: int, out: str) -> None:
     with torch.no_grad():
         fwd = model(batch, record_routing=True)
         logits = model.compute_logits(fwd.hidden)
-    torch.save({"logits": logits, "held": held, "routing": {k: v.ids for k, v in fwd.routing.items()}},
-               f"{out}/rank{rank}.pt")
+    routing = np.stack([fwd.routing[layer].ids.numpy() for layer in plan.moe_layers], axis=1)  # [T, L, K]
+    torch.save({"logits": logits, "held": held, "routing": routing, "positions": batch.positions,
+                "bytes": dataclasses.replace(ctx.counters())}, f"{out}/rank{rank}.pt")
 
 
-def test_qwen3_logits_on_1x2_equal_one_process(tmp_path):
-    (folder,) = run_cases(worker, [(2, ())], tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cases = sorted(TOPOLOGIES)
+    folders = run_cases(worker, [(TOPOLOGIES[c].ranks, (c,)) for c in cases], tmp_path_factory.mktemp("qwen3-ep"))
+    return dict(zip(cases, folders))
+
+
+@pytest.mark.parametrize("case", sorted(TOPOLOGIES))
+def test_qwen3_logits_equal_one_process_and_bytes_follow_the_dispatch_rule(runs, case):
+    folder = runs[case]
     assert not failures(folder), failures(folder)
+    plan = plan_for(case)
     reference = build_preset(PRESET, seed=0)
-    config = PRESETS[PRESET]
-    for rank in range(2):
-        got = torch.load(folder / f"rank{rank}.pt", weights_only=False)
+    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(plan.topology.ranks)]
+    for rank, got in enumerate(results):
         with torch.no_grad():
             fwd = reference(ForwardBatch.single(prompt_of(rank)), record_routing=True)
             want = reference.compute_logits(fwd.hidden)
-        # each rank holds half the experts of each MoE layer (layer 2 is dense: no EP form)
-        assert got["held"] == [(config.num_local_experts // 2, config.hidden_size, 2 * config.intermediate_size)] * 3
-        assert all(torch.equal(got["routing"][layer], fwd.routing[layer].ids) for layer in config.moe_layers)
+        # each rank holds its slots' experts of each MoE layer (layer 2 is dense: no EP form)
+        slots = plan.topology.slots_per_gpu
+        assert got["held"] == [(slots, CONFIG.hidden_size, 2 * CONFIG.intermediate_size)] * len(CONFIG.moe_layers)
+        assert np.array_equal(got["routing"], np.stack([fwd.routing[l].ids.numpy() for l in CONFIG.moe_layers], 1))
         assert (got["logits"] - want).abs().max().item() < 1e-5 and want.std() > 0.1
+    row_bytes = 2 * CONFIG.hidden_size * 4  # one float32 row dispatched and combined back
+    assert [(r["bytes"].inter_node, r["bytes"].intra_node) for r in results] == \
+        expected_bytes_per_rank(plan, results, row_bytes)
+    assert sum(r["bytes"].intra_node for r in results) > 0
+    assert (sum(r["bytes"].inter_node for r in results) > 0) == (plan.topology.nodes > 1)
