@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -71,3 +72,28 @@ def test_a_served_qwen3_checkpoint_answers_records_the_routers_top_k_and_plans(t
     assert done.returncode == 0, done.stderr
     replayed = json.loads(out.read_text())
     assert replayed["tokens"] == reader.num_tokens and replayed["intra_node_bytes"] > 0
+
+
+def test_an_expert_parallel_qwen3_server_counts_the_bytes_replay_computes(tmp_path):
+    """`locus serve --ep-ranks 2` (1x2, each rank holding 8 of the 16 experts) answers as one process
+    does, and its own byte counters equal `locus replay --plan embedded --assign recorded` of the trace it
+    recorded (each request on the rank it ran on)."""
+    ck, trace = tmp_path / "qwen3-ck", tmp_path / "trace"
+    assert main(["init-model", "--preset", "tiny-qwen3-moe", "--out", str(ck)]) == 0
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [out.outputs[0].text for out in LLM(str(ck)).generate(PROMPTS[:2], greedy)]
+    with running_server("--model", str(ck), "--ep-ranks", "2", "--record-trace", str(trace), timeout=300) as proc:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = [client.completions.create(model="qwen3-ck", prompt=p, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:2]]
+        stats = httpx.get(f"{proc.base_url}/ep/stats", timeout=30).json()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert got == want
+    out = tmp_path / "replay.json"
+    done = cli("replay", str(trace), "--plan", "embedded", "--assign", "recorded", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    replayed = json.loads(out.read_text())
+    assert stats["intra_node_bytes"] > 0
+    assert (replayed["inter_node_bytes"], replayed["intra_node_bytes"], replayed["tokens"]) == (
+        stats["inter_node_bytes"], stats["intra_node_bytes"], stats["tokens"])
