@@ -133,13 +133,15 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
     flat = slots.ravel()  # [R * S] expert of every slot
     slot_rank = np.repeat(np.arange(R), S)
     a_w = slots[w]  # [S] w's experts
+    hT = np.ascontiguousarray(h.T)  # [E, R]
+    local_now = local_pairs(dT, hT, gpus)  # [E] each expert's local pairs before the move
     # A move changes two experts' copies, and each half depends on fewer things than the move: w's
     # expert a moving to rank r2 on (w's slot, r2); the other slot's expert moving to w on that slot;
     # so each distinct half is scored once ([S * R] and [R * S] rows) and gathered per move.
-    a_to_r2 = _Half(dT, h, gpus, pT, np.repeat(a_w, R), np.full(S * R, w), np.tile(np.arange(R), S))
-    a_copy_r2 = _Half(dT, h, gpus, pT, np.repeat(a_w, R), np.full(S * R, -1), np.tile(np.arange(R), S))
-    other_to_w = _Half(dT, h, gpus, pT, flat, slot_rank, np.full(R * S, w))
-    other_dropped = _Half(dT, h, gpus, pT, flat, slot_rank, np.full(R * S, -1))
+    a_to_r2 = _Half(dT, hT, local_now, gpus, pT, np.repeat(a_w, R), np.full(S * R, w), np.tile(np.arange(R), S))
+    a_copy_r2 = _Half(dT, hT, local_now, gpus, pT, np.repeat(a_w, R), np.full(S * R, -1), np.tile(np.arange(R), S))
+    other_to_w = _Half(dT, hT, local_now, gpus, pT, flat, slot_rank, np.full(R * S, w))
+    other_dropped = _Half(dT, hT, local_now, gpus, pT, flat, slot_rank, np.full(R * S, -1))
     i = np.repeat(np.arange(S), R * S)  # w's slot
     j = np.tile(np.arange(R * S), S)  # any slot
     a, other, r2 = slots[w, i], flat[j], slot_rank[j]
@@ -147,8 +149,8 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
     i3 = np.repeat(np.arange(S), E)
     f = np.tile(np.arange(E), S)
     a3 = slots[w, i3]
-    f_to_w = _Half(dT, h, gpus, pT, np.arange(E), np.full(E, -1), np.full(E, w))
-    w_drops = _Half(dT, h, gpus, pT, a_w, np.full(S, w), np.full(S, -1))
+    f_to_w = _Half(dT, hT, local_now, gpus, pT, np.arange(E), np.full(E, -1), np.full(E, w))
+    w_drops = _Half(dT, hT, local_now, gpus, pT, a_w, np.full(S, w), np.full(S, -1))
     # (p, its half and row, q, its half and row, ok, w's slot, other index, kind) per kind of move
     cands = [
         (a, a_to_r2, pair, other, other_to_w, j, (r2 != w) & (a != other), i, j, "swap"),
@@ -187,14 +189,14 @@ class _Half:
     """One expert per row losing a copy on rank `lose` and gaining one on rank `get` (-1: none): that
     expert's load on every rank afterwards, [B, R], and its local pairs before and after, [B]."""
 
-    def __init__(self, dT, h, gpus, pT, e, lose, get):
+    def __init__(self, dT, hT, local_now, gpus, pT, e, lose, get):
         B = len(e)
         rows = np.arange(B)
-        he = h[:, e].T.copy()  # [B, R]
+        he = hT[e]  # [B, R], a copy
         m = lose >= 0
         he[rows[m], lose[m]] -= 1
         m = get >= 0
         he[rows[m], get[m]] += 1
         self.loads = contributions(dT[e], he, gpus, None if pT is None else pT[e])
         self.local_new = local_pairs(dT[e], he, gpus)
-        self.local_old = local_pairs(dT[e], h[:, e].T, gpus)
+        self.local_old = local_now[e]
