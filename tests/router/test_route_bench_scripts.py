@@ -1,6 +1,7 @@
-"""bench/route_load_tool.py (guidellm through the router, its token counts against the backends') and
-bench/route_bytes.py (what routing saved, replayed through the router's log): how each reads what it
-checks, and (slow) whole small runs. guidellm is not in the lock: its run is skipped without it
+"""bench/route_load_tool.py (guidellm through the router, its token counts against the backends'),
+bench/route_bytes.py (what routing saved, replayed through the router's log) and bench/route_pairs.py
+(the TTFT the router adds, request by request): how each reads what it checks, and (slow) whole small
+runs. guidellm is not in the lock: its run is skipped without it
 (LOCUS_GUIDELLM names the executable, else `guidellm` on PATH)."""
 
 import json
@@ -67,3 +68,15 @@ def test_route_bytes_replays_the_router_s_assignment_and_round_robin_on_the_same
     assert sum(result["admissions"].values()) == 24 and result["admissions"]["tagged"] == 12
     assert router["tokens"] == rr["tokens"] > 0
     assert result["saved"]["inter_node_bytes"] == pytest.approx(1 - router["inter_node_bytes"] / rr["inter_node_bytes"])
+
+
+@pytest.mark.slow
+def test_route_pairs_sends_every_prompt_to_both_targets(tmp_path):
+    out = tmp_path / "pairs.json"
+    run_bench("route_pairs.py", "--pairs", "6", "--output-len", "4", "--out", str(out), timeout=900)
+    result = json.loads(out.read_text())
+    pairs = result["pairs_ms"]
+    assert len(pairs) == result["summary"]["pairs"] == 6 and all(d > 0 and r > 0 for d, r in pairs)
+    middle = sorted(r - d for d, r in pairs)[2:4]  # the median of six differences
+    assert result["summary"]["added_ms_p50"] == pytest.approx(sum(middle) / 2)
+    assert result["summary"]["router_own_ms_p50"] is not None
