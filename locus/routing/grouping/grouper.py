@@ -33,10 +33,22 @@ just failed on). They take no admission, and the caps count the others only: the
 ceiling, are over the ranks that can take the request. The domain still picks the node where one of
 its ranks is up.
 
-Stream cap (`balance_streams`, what expert-parallel serving uses). Ranks step in lockstep, so a decode
-step lasts as long as the rank with the most sequences takes: one stream above the others costs every
-rank. With the cap, an admission may also never leave a rank with more live sequences than
-ceil(total / ranks), nor may a move; the domain still picks the node and rank wherever that holds.
+Lockstep balance (`balance_streams`, what expert-parallel serving and `locus route` use). Ranks step
+in lockstep, so a decode step lasts as long as the busiest rank takes. Three rules keep the ranks level
+while the domain still picks the node wherever they hold:
+  stream cap     an admission (or a move) never leaves a rank with more live sequences than
+                 max(ceil(total / ranks), floor(STREAM_CAP * total / ranks)): one above the others
+                 while the ranks hold few, STREAM_CAP times the mean when they hold many (a hard ceil there
+                 forces each admission onto whichever rank just freed a slot, whatever its tokens);
+  admitted cap   once every rank holds a request, an admission also keeps the rank's tokens admitted
+                 so far within ADMITTED_CAP_SHARE of the attention cap's slack over their mean (or one
+                 request above it): the in-flight cap alone lets a node whose requests finish sooner
+                 take more prefills every lifetime, and the whole run's imbalance follows the tokens
+                 admitted; with fewer requests than ranks some ranks idle anyway and affinity wins;
+  overflow       a request no preferred rank takes goes to the rank under the stream cap with the
+                 fewest tokens in flight, then the fewest admitted (the fewest admitted first once every
+                 rank holds a request); within a node, the rank with the fewest tokens admitted.
+Ties go to the lowest rank.
 
 No engine imports here: the engine's adapter is locus/engine/policies/plan_grouping.py.
 """
@@ -53,6 +65,11 @@ from locus.routing.grouping.node_cost import NodeCostModel
 from locus.routing.grouping.predictor import TokenAffinity
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
+
+# Live sequences a rank may hold over the mean once the ranks hold ten or more each (lockstep balance).
+STREAM_CAP = 1.10
+# What share of the attention cap's slack the tokens admitted over the run get (lockstep balance, above).
+ADMITTED_CAP_SHARE = 0.5
 
 
 @dataclass
@@ -98,6 +115,7 @@ class Grouper:
         self.R, self.G, self.N = topology.ranks, topology.gpus_per_node, topology.nodes
         self.loads = np.zeros(self.R, dtype=np.float64)  # tokens charged per rank
         self.streams = np.zeros(self.R, dtype=np.int64)  # live sequences per rank
+        self.admitted = np.zeros(self.R, dtype=np.float64)  # tokens ever charged per rank (moves carry theirs)
         self.domain_weights = {d: np.asarray(w, dtype=np.float64) / sum(w) for d, w in spec.domain_nodes.items()}
         self.domain_tokens = {d: np.zeros(self.N) for d in spec.domain_nodes}
         self.live: dict[str, _Live] = {}
@@ -177,6 +195,7 @@ class Grouper:
         if weights is not None:
             self.domain_tokens[domain][rank // self.G] += w
         self.loads[rank] += w
+        self.admitted[rank] += w
         self.streams[rank] += streams
         prompt = int(w if prompt_tokens is None else prompt_tokens)
         self.live[request_id] = _Live(rank, prompt, {rank: w}, streams=streams)
@@ -209,6 +228,8 @@ class Grouper:
             if rank is None:
                 continue
             self.loads[req.rank] -= moving
+            self.admitted[req.rank] -= moving
+            self.admitted[rank] += moving
             req.charges[req.rank] -= moving
             self.streams[req.rank] -= req.streams
             self.streams[rank] += req.streams
@@ -258,55 +279,56 @@ class Grouper:
         return closed
 
     def _least_loaded(self, closed: np.ndarray | None) -> int:
-        """Where a request no preferred rank took goes: the fewest live sequences, then the fewest tokens
-        (with the stream cap), else the fewest tokens; ties to the lowest rank; open ranks only."""
-        if closed is None:
-            if self.balance_streams:
-                return int(np.lexsort((self.loads, self.streams))[0])
-            return int(np.argmin(self.loads))
-        open_ranks = np.flatnonzero(~closed)
-        if self.balance_streams:
-            return int(open_ranks[np.lexsort((self.loads[open_ranks], self.streams[open_ranks]))[0]])
-        return int(open_ranks[np.argmin(self.loads[open_ranks])])
+        """Where a request no preferred rank took goes (module docstring); open ranks only."""
+        ranks = np.arange(self.R) if closed is None else np.flatnonzero(~closed)
+        if not self.balance_streams:
+            return int(ranks[np.argmin(self.loads[ranks])])
+        under = ranks[self.streams[ranks] + 1 <= self._stream_ceiling(ranks, 1)]
+        if not len(under):  # an n > 1 request's streams over-fill every rank: the fewest streams
+            under = ranks[self.streams[ranks] == self.streams[ranks].min()]
+        first, second = self.loads[under], self.admitted[under]
+        if self._every_rank_busy(ranks):
+            first, second = second, first
+        return int(under[np.lexsort((under, second, first))[0]])
 
     def _fits(self, node: int, w: float, admission: bool, streams: int = 1,
               closed: np.ndarray | None = None) -> int | None:
-        """The node's least-loaded rank if taking `w` more tokens keeps it within the cap; else None.
+        """The rank of `node` that takes `w` more tokens within the caps; else None. Caps count the open
+        ranks only (`closed`: the unavailable ones).
 
-        Within the cap means at most cap * mean; at admission also at most one request above the mean:
-        while the ranks hold only a few requests each, the cap alone would refuse every rank but the
-        emptiest (max/mean of a handful of requests is never near 1), and domains would scatter. A move
-        is optional, so it gets no such slack (and leaves the total unchanged)."""
-        lo = node * self.G
-        if closed is not None:
-            return self._fits_open(node, w, admission, streams, closed)
+        Within the attention cap means at most cap * mean; at admission also at most one request above
+        the mean: while the ranks hold only a few requests each, the cap alone would refuse every rank
+        but the emptiest (max/mean of a handful of requests is never near 1), and domains would scatter.
+        A move is optional, so it gets no such slack (and leaves the total unchanged)."""
+        ranks = np.arange(self.R) if closed is None else np.flatnonzero(~closed)
+        candidates = [r for r in range(node * self.G, (node + 1) * self.G) if closed is None or not closed[r]]
         if self.balance_streams:
-            ceiling = -(-(int(self.streams.sum()) + (streams if admission else 0)) // self.R)
-            open_ranks = [r for r in range(lo, lo + self.G) if self.streams[r] + streams <= ceiling]
-            if not open_ranks:
-                return None
-            rank = min(open_ranks, key=lambda r: (self.loads[r], r))
-        else:
-            rank = lo + int(np.argmin(self.loads[lo : lo + self.G]))
-        mean = (self.loads.sum() + (w if admission else 0.0)) / self.R
-        limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
-        return rank if self.loads[rank] + w <= limit else None
-
-    def _fits_open(self, node: int, w: float, admission: bool, streams: int, closed: np.ndarray) -> int | None:
-        """_fits when some ranks take nothing: the caps are those of the open ranks alone."""
-        lo = node * self.G
-        candidates = [r for r in range(lo, lo + self.G) if not closed[r]]
-        if not candidates:
-            return None
-        open_ranks = ~closed
-        count = int(open_ranks.sum())
-        if self.balance_streams:
-            ceiling = -(-(int(self.streams[open_ranks].sum()) + (streams if admission else 0)) // count)
+            ceiling = self._stream_ceiling(ranks, streams if admission else 0)
             candidates = [r for r in candidates if self.streams[r] + streams <= ceiling]
             if not candidates:
                 return None
-        rank = min(candidates, key=lambda r: (self.loads[r], r))
-        mean = (self.loads[open_ranks].sum() + (w if admission else 0.0)) / count
+            rank = min(candidates, key=lambda r: (self.admitted[r], self.loads[r], r))
+        else:
+            if not candidates:
+                return None
+            rank = min(candidates, key=lambda r: (self.loads[r], r))
+        count = len(ranks)
+        mean = (self.loads[ranks].sum() + (w if admission else 0.0)) / count
         limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
-        return rank if self.loads[rank] + w <= limit else None
+        if self.loads[rank] + w > limit:
+            return None
+        if admission and self.balance_streams and self._every_rank_busy(ranks):
+            mean = (self.admitted[ranks].sum() + w) / count
+            share = 1.0 + ADMITTED_CAP_SHARE * (self.cap - 1.0)
+            if self.admitted[rank] + w > max(share * mean, mean + w):
+                return None
+        return rank
 
+    def _stream_ceiling(self, ranks: np.ndarray, adding: int) -> int:
+        """The most live sequences a rank of `ranks` may hold after `adding` more (module docstring)."""
+        total = int(self.streams[ranks].sum()) + adding
+        return max(-(-total // len(ranks)), int(STREAM_CAP * total / len(ranks)))
+
+    def _every_rank_busy(self, ranks: np.ndarray) -> bool:
+        """Whether the live requests are at least as many as the open ranks (the admitted cap's condition)."""
+        return len(self.live) >= len(ranks)

@@ -105,8 +105,59 @@ def plan_parser() -> argparse.ArgumentParser:
                    help=f"the prompt predictor keeps each token's M largest expert shares per layer (default "
                    f"{DEFAULT_TOP_EXPERTS})")
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    p.add_argument("--hardware", metavar="PROFILE",
+                   help="locality: plan for the decode step time on this hardware profile (a name: "
+                   f"{', '.join(_profile_names())}; or a file; docs/replay.md); turns on --objective step-time")
+    p.add_argument("--objective", choices=("step-time", "bytes"),
+                   help="step-time: of EPLB's and the locality planner's candidate plans, the one whose predicted TPOT "
+                   "is lowest (needs --hardware; its default then); bytes: the locality plan under the caps (the "
+                   "default without --hardware)")
+    p.add_argument("--model-shape", metavar="NAME|FILE",
+                   help="step-time: the model's shape (default: the trace's model name in model_shapes.json)")
+    p.add_argument("--concurrency", type=int,
+                   help="step-time: requests in flight while scoring the candidates (default: 16 per rank)")
+    p.add_argument("--inter-gbps", type=float, metavar="GBPS",
+                   help="step-time: the inter-node GB/s per GPU (or per node, where the profile's link is the node's) "
+                   "instead of the profile's, e.g. a shaped link's rate")
     _dispatch_argument(p)
     return p
+
+
+def _profile_names() -> list[str]:
+    from locus.routing.replay.hardware import profile_names
+
+    return profile_names()
+
+
+def _step_objective(args: argparse.Namespace, reader, topology):
+    """The step-time objective the flags ask for (None: --objective bytes), checked before any work."""
+    objective = args.objective or ("step-time" if args.hardware else "bytes")
+    if objective == "bytes":
+        for flag, value in (("--model-shape", args.model_shape), ("--concurrency", args.concurrency),
+                            ("--inter-gbps", args.inter_gbps)):
+            if value is not None:
+                raise LocusError(f"{flag} applies to the step-time objective: add --hardware PROFILE")
+        return None
+    if not args.hardware:
+        raise LocusError("--objective step-time needs --hardware PROFILE (the step time is predicted on a profile)")
+    if args.planner != "locality":
+        raise LocusError(f"--objective step-time chooses among EPLB's and the locality planner's plans: use "
+                         f"--planner locality (the default), not {args.planner}, or drop --hardware")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise LocusError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.inter_gbps is not None and not 0 < args.inter_gbps < float("inf"):
+        raise LocusError(f"--inter-gbps must be a positive number, got {args.inter_gbps}")
+    from locus.routing.planners.step_objective import StepObjective
+    from locus.routing.replay.hardware import load_hardware
+    from locus.routing.replay.model_shape import load_model_shape
+
+    shape = load_model_shape(args.model_shape or reader.meta.model)
+    shape.check_trace(reader.meta)
+    concurrency = args.concurrency if args.concurrency is not None else 16 * topology.ranks
+    hardware = load_hardware(args.hardware)
+    if args.inter_gbps is not None:
+        hardware = hardware.with_links(args.inter_gbps * 1e9)
+    return StepObjective(hardware, shape, concurrency)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -139,7 +190,16 @@ def run_plan(args: argparse.Namespace) -> int:
                           replica_budget=args.replica_budget, load_model=args.load_model,
                           predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts,
                           expert_cap_auto=auto)
-    result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
+    objective = _step_objective(args, reader, topology)
+    if objective is None:
+        result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
+    else:
+        from locus.routing.planners.step_objective import format_scores, plan_for_step_time
+
+        stepped = plan_for_step_time(reader, topology, requests, options, objective, trace=args.trace,
+                                     log=lambda line: print(line, file=sys.stderr, flush=True))
+        result = stepped.result
+        print(format_scores(stepped))
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
     predictor = (result.plan.grouping or {}).get("predictor")
@@ -185,6 +245,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    help="--hardware: the model's shape (default: each trace's model name; docs/replay.md)")
     p.add_argument("--concurrency", type=int, default=16,
                    help="--hardware: requests in flight of the decode step order (default 16)")
+    p.add_argument("--inter-gbps", type=float, metavar="GBPS",
+                   help="predicted TPOT: the inter-node GB/s instead of the profile's (a shaped link's rate)")
     _dispatch_argument(p)
     _caps_arguments(p)
     return p
@@ -214,6 +276,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     tpot = _tpot_model(args)
     if tpot is not None:
         settings.update(hardware=tpot.hardware.name, model_shape=args.model_shape, concurrency=args.concurrency)
+        if args.inter_gbps is not None:
+            settings.update(inter_gbps=args.inter_gbps)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     results = []
     for case in cases:
@@ -235,9 +299,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
 def _tpot_model(args: argparse.Namespace):
     """The evaluation's predicted-TPOT settings (None without --hardware), checked before any work."""
     if not args.hardware:
-        if args.model_shape or args.concurrency != 16:
-            raise LocusError(f"{'--model-shape' if args.model_shape else '--concurrency'} applies to the predicted "
-                             "TPOT: add --hardware PROFILE")
+        if args.model_shape or args.concurrency != 16 or args.inter_gbps is not None:
+            flag = "--model-shape" if args.model_shape else "--concurrency" if args.concurrency != 16 else "--inter-gbps"
+            raise LocusError(f"{flag} applies to the predicted TPOT: add --hardware PROFILE")
         return None
     from locus.routing.planners.evaluate import TpotModel
     from locus.routing.replay.hardware import load_hardware
@@ -247,7 +311,12 @@ def _tpot_model(args: argparse.Namespace):
         raise LocusError(f"--concurrency must be at least 1, got {args.concurrency}")
     if args.model_shape:
         load_model_shape(args.model_shape)  # a bad shape fails before the traces are made
-    return TpotModel(load_hardware(args.hardware), args.model_shape, args.concurrency)
+    hardware = load_hardware(args.hardware)
+    if args.inter_gbps is not None:
+        if not 0 < args.inter_gbps < float("inf"):
+            raise LocusError(f"--inter-gbps must be a positive number, got {args.inter_gbps}")
+        hardware = hardware.with_links(args.inter_gbps * 1e9)
+    return TpotModel(hardware, args.model_shape, args.concurrency)
 
 
 def sweep_parser() -> argparse.ArgumentParser:

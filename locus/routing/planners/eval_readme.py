@@ -6,16 +6,17 @@ The table sits between two marker lines in the README; everything else in the fi
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
-from locus.routing.planners.evaluate import grouper_note, rule_note, tpot_note, tpot_text
+from locus.routing.planners.evaluate import STEP_ROW, grouper_note, rule_note, tpot_note, tpot_text
 
 BEGIN = "<!-- plan-eval:begin (written by `locus plan evaluate --readme`; do not edit by hand) -->"
 END = "<!-- plan-eval:end -->"
-SHOWN = ("round_robin", "eplb", "eplb (hierarchical", "locality placement only", "locality placement + grouper")
+SHOWN = ("round_robin", "eplb", "eplb (hierarchical", "locality placement only", "locality placement + grouper", STEP_ROW)
 
 
 def readme_table(results, settings: dict) -> str:
@@ -42,7 +43,7 @@ def readme_table(results, settings: dict) -> str:
             name = f"{c.name}, {c.topology}, {c.slots} slots/GPU" if first else ""
             first = False
             vs = _pct(r.reduction_vs_eplb)
-            if r.variant.startswith("locality placement + grouper"):
+            if r.variant.startswith(("locality placement + grouper", STEP_ROW)):
                 vs = f"**{vs}**"
             lines.append(f"| {name} | {r.variant.replace(' (balanced assignment)', '')} | "
                          f"{r.inter_node_bytes_per_token:,.0f} | {vs} | {_pct(r.in_sample_reduction_vs_eplb)} | "
@@ -72,5 +73,7 @@ def update_readme(path: str | Path, table: str) -> None:
 
 def _pct(reduction: float) -> str:
     """A reduction as a signed percentage of more bytes ("-32.7%"); "0" when it rounds to zero."""
+    if math.isnan(reduction):  # a row without the figure (the step-time objective's in-sample)
+        return "-"
     text = f"{-100 * reduction:+.1f}%"
     return "0" if text in ("+0.0%", "-0.0%") else text

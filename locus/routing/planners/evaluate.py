@@ -20,7 +20,9 @@ the grouper with savings a server does not make (docs/planner.md, "Replaying wit
 
 With a hardware profile (`--hardware`) every row is replayed in the decode step order (the same whole-
 replay figures) and also carries the predicted TPOT p50 / p99 of replay/step_time.py; the in-sample
-figures stay bytes only.
+figures stay bytes only. A last row is then the step-time objective's plan (`locus plan --hardware`,
+step_objective.py: the candidate with the lowest predicted TPOT, its label in brackets), planned on the
+same half and replayed the same way; it has no in-sample figure.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -45,10 +48,12 @@ from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.live import describe_arrivals, simulate_live
 from locus.routing.planners.planner import PlanOptions, make_plan
+from locus.routing.planners.step_objective import StepObjective, plan_for_step_time
 from locus.routing.replay.simulator import parse_request_range, replay
 from locus.routing.plan.topology import parse_topology
 
 Log = Callable[[str], None]
+STEP_ROW = "step-time objective"
 
 
 @dataclass(frozen=True)
@@ -134,14 +139,16 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
         return min(r.inter_node_bytes_per_token for label, r, _ in rows if label.startswith("eplb"))
 
     eplb_best, eplb_in = best_eplb(reports), best_eplb(ceiling)
-    for (label, r, seconds), (_, r_in, _) in zip(reports, ceiling):
+    in_sample = {label: r for label, r, _ in ceiling}
+    for label, r, seconds in reports:
+        r_in = in_sample.get(label)  # the step-time objective's row has none (module docstring)
+        in_bytes = r_in.inter_node_bytes_per_token if r_in is not None else math.nan
         result.rows.append(EvalRow(
             case=case.name, variant=label, inter_node_bytes_per_token=r.inter_node_bytes_per_token,
             reduction_vs_eplb=1 - r.inter_node_bytes_per_token / eplb_best, locality=r.locality,
             expert_imbalance_mean=r.expert_imbalance_mean, expert_imbalance_worst=r.expert_imbalance_worst,
             attention_imbalance=r.attention_imbalance, plan_seconds=seconds,
-            in_sample_bytes_per_token=r_in.inter_node_bytes_per_token,
-            in_sample_reduction_vs_eplb=1 - r_in.inter_node_bytes_per_token / eplb_in,
+            in_sample_bytes_per_token=in_bytes, in_sample_reduction_vs_eplb=1 - in_bytes / eplb_in,
             predicted_tpot_ms=r.step_time["tpot_p50_ms"] if r.step_time else None,
             predicted_tpot_p99_ms=r.step_time["tpot_p99_ms"] if r.step_time else None,
         ))
@@ -185,7 +192,26 @@ def _replays(reader, case: EvalCase, topology, plan_range, replay_range, balance
     reports.append(("locality placement + grouper", report, planned.summary.plan_seconds))
     log(f"  {case.name}: locality + grouper (live admission, {describe_arrivals(live.arrivals)}): "
         f"{report.inter_node_bytes_per_token:,.0f} B/token")
+    if steps.get("hardware") is not None:
+        reports.append(_step_time_row(reader, case, topology, plan_range, replay_range, balanced, options,
+                                      batch_tokens, log, steps))
     return reports, planned.summary.to_dict(), live.arrivals
+
+
+def _step_time_row(reader, case: EvalCase, topology, plan_range, replay_range, balanced, options: PlanOptions,
+                   batch_tokens: int, log: Log, steps: dict) -> tuple[str, object, float]:
+    """The step-time objective's plan (step_objective.py) on the same planning half, scored at the
+    evaluation's requests in flight, replayed as the other rows: its grouper admitting live where it
+    kept a grouping, else balanced assignment."""
+    objective = StepObjective(steps["hardware"], steps["model_shape"], steps["concurrency"])
+    t0 = time.perf_counter()
+    stepped = plan_for_step_time(reader, topology, plan_range, options, objective, trace=case.trace)
+    seconds = time.perf_counter() - t0
+    plan = stepped.result.plan
+    assignment = simulate_live(plan, reader, *replay_range).assignment if plan.grouping else balanced
+    report = replay(reader, plan, topology, assignment, batch_tokens=batch_tokens, **steps)
+    log(f"  {case.name}: step-time objective ({stepped.chosen}): {report.inter_node_bytes_per_token:,.0f} B/token")
+    return (f"{STEP_ROW} ({stepped.chosen})", report, seconds)
 
 
 def format_markdown(results: list[CaseResult], settings: dict) -> str:
@@ -217,8 +243,7 @@ def format_markdown(results: list[CaseResult], settings: dict) -> str:
             lines.append(
                 f"| {r.variant} | {r.inter_node_bytes_per_token:,.0f} | {_pct(-r.reduction_vs_eplb)} | "
                 f"{100 * r.locality:.1f} % | {r.expert_imbalance_mean:.3f} / {r.expert_imbalance_worst:.3f} | "
-                f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {r.in_sample_bytes_per_token:,.0f} "
-                f"({_pct(-r.in_sample_reduction_vs_eplb)}) |" + (f" {tpot_text(r)} |" if tpot else ""))
+                f"{r.attention_imbalance:.3f} | {r.plan_seconds:.1f} | {_in_sample_text(r)} |" + (f" {tpot_text(r)} |" if tpot else ""))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -235,7 +260,8 @@ def grouper_note(results: list[CaseResult]) -> str:
 
 def tpot_note(settings: dict) -> str:
     """What the predicted-TPOT column is, for the tables' headers."""
-    return (f"Predicted TPOT: the step-time model (docs/replay.md, \"Predicted step time\") on `{settings['hardware']}`, "
+    link = f" with its inter-node link at {settings['inter_gbps']:g} GB/s" if settings.get("inter_gbps") else ""
+    return (f"Predicted TPOT: the step-time model (docs/replay.md, \"Predicted step time\") on `{settings['hardware']}`{link}, "
             f"each row replayed in the decode step order with {settings['concurrency']} requests in flight; p50 / p99 "
             "over the decoding steps, in ms.")
 
@@ -281,6 +307,12 @@ def _row_dict(row: EvalRow) -> dict:
     if row.predicted_tpot_ms is None:
         del doc["predicted_tpot_ms"], doc["predicted_tpot_p99_ms"]
     return doc
+
+
+def _in_sample_text(row: EvalRow) -> str:
+    if math.isnan(row.in_sample_bytes_per_token):
+        return "-"
+    return f"{row.in_sample_bytes_per_token:,.0f} ({_pct(-row.in_sample_reduction_vs_eplb)})"
 
 
 def _pct(x: float) -> str:

@@ -3,6 +3,8 @@
 import json
 
 from locus.cli import main
+from locus.routing.planners.planner import PlanOptions
+from locus.routing.planners.step_objective import candidates
 from locus.routing.plan.caps import Caps
 from locus.routing.planners.eval_readme import BEGIN, END
 from locus.routing.planners.evaluate import EvalCase, evaluate_case, format_markdown
@@ -109,6 +111,13 @@ def test_evaluate_with_hardware_adds_the_predicted_tpot(tmp_path, capsys):
     for r, p in zip(rows, plain_rows):
         assert 0 < r["predicted_tpot_ms"] <= r["predicted_tpot_p99_ms"]
         assert r["inter_node_bytes_per_token"] == p["inter_node_bytes_per_token"]
+    # and a last row, the step-time objective's plan (step_objective.py), which has no in-sample figure
+    step = [r for r in rows if r["variant"].startswith("step-time objective (")]
+    assert len(step) == 1 and rows[-1] is step[0] and step[0]["in_sample_bytes_per_token"] is None
+    labels = [c.label for c in candidates(PlanOptions())]
+    assert step[0]["variant"] in [f"step-time objective ({label})" for label in labels]
+    assert not any(r["variant"].startswith("step-time") for r in plain_rows)
+    assert "| step-time objective (" in readme.read_text()
     text = (out / "results.md").read_text()
     assert "predicted TPOT p50 / p99 |" in text and "on `h200-ib400`" in text
     assert "predicted TPOT" not in (plain / "results.md").read_text()

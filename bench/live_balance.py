@@ -1,0 +1,139 @@
+"""Does the live admission keep the balance the plan was made for? (issue 54, item 3)
+
+Per case (a trace, NODESxGPUS, slots per GPU): plan `eplb` and `locality` on the first half of the
+trace's requests, replay the second half:
+
+  eplb, balanced                 EPLB's plan, balanced assignment (each request to the rank with the
+                                 fewest tokens so far, knowing every request's length: the reference)
+  locality placement only        the locality plan, balanced assignment
+  locality + grouper             the locality plan, requests admitted by its grouper as a live
+                                 expert-parallel server admits them (`locus replay --assign grouper`)
+                                 with N requests in flight: 16 (the replay's default client), 16 per
+                                 rank (a closed-loop client), every request at once (`--arrivals batch`)
+
+and prints inter-node bytes per token, the whole-replay attention imbalance (tokens per rank, max /
+mean), the mean and worst per-step attention imbalance, the expert imbalance (mean / worst layer) and
+whether the grouper's attention imbalance is within EPLB's + 0.05 and its expert imbalance at most
+EPLB's (the issue's targets). Replay steps: the trace order, 4096 tokens a step (`locus replay`'s
+default). Deterministic: the same trace gives the same table.
+
+    python bench/live_balance.py --trace mini-2x2=results/tmp/mini_trace450/mini,2x2,3 \\
+        --trace mini-4x2=results/tmp/mini_trace450/mini,4x2,2 \\
+        --trace maverick-8x8=results/tmp/traces/llama4-maverick-8000-seed0,8x8,3 --out results/live_balance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from locus.errors import LocusError  # noqa: E402
+from locus.routing.grouping.live import simulate_live  # noqa: E402
+from locus.routing.plan.caps import Caps  # noqa: E402
+from locus.routing.plan.topology import parse_topology  # noqa: E402
+from locus.routing.planners.planner import PlanOptions, make_plan  # noqa: E402
+from locus.routing.replay.assignment import assign_balanced  # noqa: E402
+from locus.routing.replay.simulator import parse_request_range, replay  # noqa: E402
+from locus.traces.reader import TraceReader  # noqa: E402
+
+ATTENTION_MARGIN = 0.05  # the issue's target: the grouper's attention imbalance at most EPLB's + this
+
+
+@dataclass
+class Row:
+    case: str
+    assignment: str
+    in_flight: str
+    inter_node_bytes_per_token: float
+    attention_imbalance: float
+    step_attention_imbalance_mean: float
+    step_attention_imbalance_worst: float
+    expert_imbalance_mean: float
+    expert_imbalance_worst: float
+    attention_within_target: bool | None = None  # grouper rows: <= EPLB's + ATTENTION_MARGIN
+    expert_within_target: bool | None = None  # grouper rows: mean and worst <= EPLB's
+
+
+def parse_case(spec: str) -> tuple[str, str, str, int]:
+    try:
+        name, rest = spec.split("=", 1)
+        path, topology, slots = rest.split(",")
+        return name.strip(), path.strip(), topology.strip(), int(slots)
+    except ValueError:
+        raise LocusError(f"--trace {spec!r} is not NAME=DIR,NODESxGPUS,SLOTS (e.g. mini=results/tmp/mini,2x2,3)") from None
+
+
+def run_case(name: str, path: str, topology_text: str, slots: int) -> list[Row]:
+    reader = TraceReader(path)
+    count = len(reader.requests)
+    plan_range, (start, stop) = parse_request_range("0:0.5", count), parse_request_range("0.5:1", count)
+    topology = parse_topology(topology_text, reader.meta.num_experts, slots)
+    options = PlanOptions(caps=Caps(), seed=0)
+    eplb = make_plan("eplb", reader, topology, plan_range, options, trace=path).plan
+    locality = make_plan("locality", reader, topology, plan_range, options, trace=path).plan
+    tokens = [r.tokens for r in reader.requests[start:stop]]
+    balanced = assign_balanced(tokens, topology.ranks, request_start=start)
+
+    def row(label: str, in_flight: str, plan, assignment) -> Row:
+        r = replay(reader, plan, topology, assignment)
+        return Row(name, label, in_flight, r.inter_node_bytes_per_token, r.attention_imbalance,
+                   r.step_attention_imbalance_mean, r.step_attention_imbalance_worst, r.expert_imbalance_mean,
+                   r.expert_imbalance_worst)
+
+    reference = row("eplb, balanced", "-", eplb, balanced)
+    rows = [reference, row("locality placement only", "-", locality, balanced)]
+    clients = [("closed", 16, "16"), ("closed", 16 * topology.ranks, f"16 per rank ({16 * topology.ranks})"),
+               ("batch", 16, f"every request ({stop - start})")]
+    for arrivals, concurrency, label in clients:
+        live = simulate_live(locality, reader, start, stop, arrivals=arrivals, concurrency=concurrency)
+        r = row("locality + grouper", label, locality, live.assignment)
+        r.attention_within_target = r.attention_imbalance <= reference.attention_imbalance + ATTENTION_MARGIN
+        r.expert_within_target = (r.expert_imbalance_mean <= reference.expert_imbalance_mean
+                                  and r.expert_imbalance_worst <= reference.expert_imbalance_worst)
+        rows.append(r)
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| case | assignment | in flight | inter-node B/token | attention imb. whole | per step mean / worst "
+          f"| expert imb. mean / worst | attention <= eplb + {ATTENTION_MARGIN} | expert <= eplb |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mark = {None: "", True: "yes", False: "**no**"}
+        print(f"| {r.case} | {r.assignment} | {r.in_flight} | {r.inter_node_bytes_per_token:,.1f} | "
+              f"{r.attention_imbalance:.3f} | {r.step_attention_imbalance_mean:.3f} / "
+              f"{r.step_attention_imbalance_worst:.3f} | {r.expert_imbalance_mean:.3f} / "
+              f"{r.expert_imbalance_worst:.3f} | {mark[r.attention_within_target]} | {mark[r.expert_within_target]} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", action="append", required=True, metavar="NAME=DIR,NODESxGPUS,SLOTS",
+                   help="a case: a trace directory, the topology and the expert slots per GPU (repeatable)")
+    p.add_argument("--out", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    cases = [parse_case(spec) for spec in args.trace]
+    rows: list[Row] = []
+    started = time.perf_counter()
+    for case in cases:
+        rows += run_case(*case)
+    print_table(rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"benchmark": "live_balance", "attention_margin": ATTENTION_MARGIN,
+               "seconds": round(time.perf_counter() - started, 1), "rows": [asdict(r) for r in rows]}
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except LocusError as e:
+        sys.exit(f"error: {e}")
