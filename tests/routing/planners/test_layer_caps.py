@@ -126,3 +126,21 @@ def test_locus_plan_expert_cap_auto(skewed, tmp_path, capsys):
     assert main(["plan", str(skewed.path), "--topology", "2x2", "--slots", "8", "--expert-cap", "auto:0.9",
                  "-o", str(tmp_path / "x.json")]) == 2
     assert "cap must be a number >= 1.0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def deepseek_like(tmp_path_factory):
+    """DeepSeek-V3's shape (58 MoE layers x 256 experts, top-8) on a few short requests."""
+    return TraceReader(synth_trace(tmp_path_factory.mktemp("ds") / "t", requests=60, seed=1, experts=256, top_k=8,
+                                   layers=tuple(range(58))))
+
+
+def test_an_unmeetable_cap_at_256_gpus_is_reported_after_one_layer_search(deepseek_like, searched):
+    # 32 x 8 GPUs with one spare slot each and a cap neither EPLB nor the search reaches on any layer. The
+    # code before searched all 58 layers (seconds each at this size: minutes) before saying so.
+    with pytest.raises(LocusError) as err:
+        make_plan("locality", deepseek_like, Topology(32, 8, 2), (0, 60), PlanOptions(caps=Caps(expert=1.02)))
+    text = str(err.value)
+    assert "MoE layer 0: the expert-load cap 1.020 cannot be met with 2 slots per GPU" in text
+    assert "EPLB misses it on 57 more layers too" in text
+    assert len(searched) == 1
