@@ -64,17 +64,23 @@ test-fast: $(TEST_STAMP)
 	$(FAST_PYTEST)
 
 # CI's suite, every test, in three parts that always all run: the fast tests as `make test-fast` runs
-# them; the slow tests that compute in the test process alone (marked by tests/conftest.py) over the
-# same two workers; then the slow tests that start servers, ranks or scripts (timing-sensitive where they
-# share 2 cores) one at a time in one process with torch's default threads. The target fails if any part
-# does (pytest's 5, nothing selected, is not a failure: PYTEST_ARGS may select tests of one part only).
-SLOW_INPROC_PYTEST = OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "slow and not processes" $(if $(filter-out 0,$(FAST_WORKERS)),-n $(FAST_WORKERS)) $(PYTEST_ARGS)
+# them; the slow tests that may share the cores, over the same two workers: those that compute in the
+# test process alone and those that start one single-process server, CLI command or bench script
+# (tests/conftest.py decides by what a test launches, and anything unsure is `serial`), handed out a
+# module at a time (--dist loadscope: a module-scoped server or compiled model is built once, not once
+# per worker); then the `serial` slow tests, those that start rank groups, several servers, network
+# namespaces or tc, one at a time in one process (two multi-rank servers at once exhaust memory, and
+# their collectives' timeouts are timing-sensitive on 2 busy cores). Every part runs one torch thread
+# per process, the servers and ranks a test starts included (they inherit OMP_NUM_THREADS): four ranks
+# of two threads each on 2 cores spend more CPU waiting on each other than computing. The target fails
+# if any part does (pytest's 5, nothing selected, is not a failure: PYTEST_ARGS may select one part).
+SLOW_SHARED_PYTEST = OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "slow and not serial" $(if $(filter-out 0,$(FAST_WORKERS)),-n $(FAST_WORKERS) --dist loadscope) $(PYTEST_ARGS)
 test: $(TEST_STAMP)
 	@fast=0; $(FAST_PYTEST) || fast=$$?; [ $$fast = 5 ] && fast=0; \
-	inproc=0; $(SLOW_INPROC_PYTEST) || inproc=$$?; [ $$inproc = 5 ] && inproc=0; \
-	slow=0; $(PY) -m pytest -q -m "slow and processes" $(PYTEST_ARGS) || slow=$$?; [ $$slow = 5 ] && slow=0; \
-	echo "make test: fast tests exit $$fast, slow in-process tests exit $$inproc, slow process tests exit $$slow"; \
-	[ $$fast = 0 ] && [ $$inproc = 0 ] && [ $$slow = 0 ]
+	shared=0; $(SLOW_SHARED_PYTEST) || shared=$$?; [ $$shared = 5 ] && shared=0; \
+	serial=0; OMP_NUM_THREADS=$(FAST_THREADS) $(PY) -m pytest -q -m "slow and serial" $(PYTEST_ARGS) || serial=$$?; [ $$serial = 5 ] && serial=0; \
+	echo "make test: fast tests exit $$fast, slow shared tests exit $$shared, slow serial tests exit $$serial"; \
+	[ $$fast = 0 ] && [ $$shared = 0 ] && [ $$serial = 0 ]
 
 # The OpenAI-compatible server on the shipped trained model `mini` (locus/assets/mini, 7M parameters;
 # no download). --model tiny serves the random-weight preset instead.

@@ -25,8 +25,10 @@ def completions(base_url: str) -> list[list[str]]:
 
 
 def test_compiled_server_answers_what_the_eager_server_answers():
+    # the server compiles its buckets before /health answers: minutes where the other test worker
+    # shares the 2 cores, so a start-up limit that only a hung launch reaches
     with running_server("--model", "tiny", "--max-num-seqs", "4", "--compile", "--compile-buckets", "2,4",
-                        "--log-level", "info") as proc:
+                        "--log-level", "info", timeout=600) as proc:
         fast = completions(proc.base_url)
         proc.terminate()
         log = proc.communicate(timeout=30)[0]

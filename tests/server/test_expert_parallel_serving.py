@@ -46,26 +46,35 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_four_ranks_as_2x2_serve_what_one_process_serves():
-    llm = LLM("tiny")
-    want = [out.outputs[0].text for out in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+@pytest.fixture(scope="module")
+def two_by_two():
+    """One `--ep-ranks 4 --gpus-per-node 2` server of `tiny` for the tests that only send it requests (a
+    launch of four ranks is most of such a test's time); its clean stop is checked once the last is done."""
     with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2") as proc:
         rank_pids = children_of(proc.pid)
-        assert len(rank_pids) == 3  # ranks 1..3
-        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
-        assert got == want
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}))
-        assert streamed == want[1]
-        n2 = client.completions.create(model="tiny", prompt="two", max_tokens=5, n=2, seed=3)
-        assert len(n2.choices) == 2
-        stats = httpx.get(f"{proc.base_url}/ep/stats").json()
-        assert stats["ranks"] == 4 and stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0
-        assert stats["tokens"] > 0
+        yield proc, rank_pids
     assert proc.returncode == 0
     assert not any(alive(pid) for pid in rank_pids), "a rank outlived the server"
+
+
+def test_four_ranks_as_2x2_serve_what_one_process_serves(two_by_two):
+    """The ranks' clean exit on SIGTERM (code 0, no rank left) is checked as the shared server stops."""
+    llm = LLM("tiny")
+    want = [out.outputs[0].text for out in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    proc, rank_pids = two_by_two
+    assert len(rank_pids) == 3  # ranks 1..3
+    client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    got = [client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    assert got == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == want[1]
+    n2 = client.completions.create(model="tiny", prompt="two", max_tokens=5, n=2, seed=3)
+    assert len(n2.choices) == 2
+    stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+    assert stats["ranks"] == 4 and stats["inter_node_bytes"] > 0 and stats["intra_node_bytes"] > 0
+    assert stats["tokens"] > 0
 
 
 def test_two_torchrun_agents_serve_through_the_openai_client():
@@ -158,19 +167,20 @@ def test_a_raised_error_on_another_rank_reaches_every_stream_at_once():
     assert children_of(proc.pid) == []
 
 
-def test_expert_load_in_metrics_is_every_ranks():
+def test_expert_load_in_metrics_is_every_ranks(two_by_two):
     """/metrics' locus_expert_tokens sums the (token, slot) pairs every rank routed, not rank 0's:
-    K pairs per token and MoE layer, for the tokens /ep/stats says the ranks ran."""
+    K pairs per token and MoE layer, for the tokens /ep/stats says the ranks ran (both counters count
+    from the launch, so what other tests sent the shared server is in both)."""
     from locus.engine.checkpoint.presets import PRESETS
 
     config = PRESETS["tiny"]
-    with running_server("--model", "tiny", "--ep-ranks", "4", "--gpus-per-node", "2") as proc:
-        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        with ThreadPoolExecutor(6) as pool:  # in flight together: the balanced assignment spreads them
-            list(pool.map(lambda i: client.completions.create(model="tiny", prompt=f"prompt {i} " * (i + 1),
-                                                              max_tokens=12, temperature=0), range(6)))
-        stats = httpx.get(f"{proc.base_url}/ep/stats").json()
-        metrics = httpx.get(f"{proc.base_url}/metrics").text
+    proc, _ = two_by_two
+    client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(6) as pool:  # in flight together: the balanced assignment spreads them
+        list(pool.map(lambda i: client.completions.create(model="tiny", prompt=f"prompt {i} " * (i + 1),
+                                                          max_tokens=12, temperature=0), range(6)))
+    stats = httpx.get(f"{proc.base_url}/ep/stats").json()
+    metrics = httpx.get(f"{proc.base_url}/metrics").text
     pairs = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("locus_expert_tokens_total{"))
     assert sum(1 for r in stats["per_rank"] if r["tokens"] > 0) >= 3
     assert pairs == stats["tokens"] * config.num_experts_per_tok * len(config.moe_layers)
