@@ -40,7 +40,7 @@ ONE_PROCESS_FILES = frozenset(f"tests/{name}.py" for name in (
     "bench/test_bench_quantized", "bench/test_bench_serve", "bench/test_bench_soak",
     "bench/test_bench_stop_strings",
     "engine/test_engine_cli", "engine/checkpoint/test_quantize_experts", "routing/replay/test_replay_epochs",
-    "traces/test_trace_synth", "test_readme_quickstart"))
+    "traces/test_trace_synth", "test_readme_quickstart", "router/test_route_imports"))
 RANK_WORDS = ("ep-ranks", "ep_ranks", "gpus-per-node", "torchrun", "init_process_group", "spawn", "rank_cases",
               "netns", "\"tc\"")
 _starts_processes: dict[str, bool] = {}
