@@ -7,6 +7,12 @@ them as transformers' Qwen3MoeForCausalLM saves them and the published checkpoin
     model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight -> ...feed_forward.experts.j.{...}.weight
     model.layers.i.mlp.{gate,up,down}_proj.weight (dense) -> ...feed_forward.{...}.weight
 Attention (q/k/v/o, q_norm, k_norm), norms, embeddings and lm_head keep their names.
+
+A DeepSeek-V3 / V2 checkpoint names the same `mlp.` modules, and two more:
+    model.layers.i.mlp.gate.e_score_correction_bias (V3)  -> ...feed_forward.e_score_correction_bias
+    model.layers.i.mlp.shared_experts.{gate,up,down}_proj -> ...feed_forward.shared_expert.{...}
+Its attention (q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj, o_proj) keeps its names.
 """
 
 from __future__ import annotations
@@ -19,17 +25,31 @@ from locus.errors import LocusError
 _QWEN3_ROUTER = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.weight$")
 _QWEN3_MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(.+)$")
 _QWEN3_FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_DEEPSEEK_BIAS = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.e_score_correction_bias$")
+_DEEPSEEK_SHARED = re.compile(r"^(model\.layers\.\d+)\.mlp\.shared_experts\.(.+)$")
 _LOCUS_ROUTER = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.router\.weight$")
+_LOCUS_BIAS = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.e_score_correction_bias$")
+_LOCUS_SHARED = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.shared_expert\.(.+)$")
+# The families whose checkpoints use transformers' `mlp.` names (Llama-4's carry Locus's own).
+MLP_NAMED = ("qwen3_moe", "deepseek")
 _LOCUS_FFN = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.(.+)$")
 
 
 def to_model_name(config: ModelConfig, name: str) -> str:
     """The model's parameter name for checkpoint tensor `name` (prefix already stripped)."""
-    if config.family != "qwen3_moe":
+    if config.family not in MLP_NAMED:
         return name
     if _QWEN3_FUSED.match(name):
-        raise LocusError(f"tensor {name!r}: Locus reads Qwen3-MoE experts one by one "
+        label = "Qwen3-MoE" if config.family == "qwen3_moe" else "DeepSeek"
+        raise LocusError(f"tensor {name!r}: Locus reads {label} experts one by one "
                          "(mlp.experts.J.gate_proj.weight, ...), as save_pretrained and the published checkpoints write them")
+    if config.family == "deepseek":
+        match = _DEEPSEEK_BIAS.match(name)
+        if match:
+            return f"{match.group(1)}.feed_forward.e_score_correction_bias"
+        match = _DEEPSEEK_SHARED.match(name)
+        if match:
+            return f"{match.group(1)}.feed_forward.shared_expert.{match.group(2)}"
     match = _QWEN3_ROUTER.match(name)
     if match:
         return f"{match.group(1)}.feed_forward.router.weight"
@@ -39,8 +59,15 @@ def to_model_name(config: ModelConfig, name: str) -> str:
 
 def to_checkpoint_name(config: ModelConfig, name: str) -> str:
     """The checkpoint name save_checkpoint writes for the model's parameter (or per-expert) `name`."""
-    if config.family != "qwen3_moe":
+    if config.family not in MLP_NAMED:
         return name
+    if config.family == "deepseek":
+        match = _LOCUS_BIAS.match(name)
+        if match:
+            return f"{match.group(1)}.mlp.gate.e_score_correction_bias"
+        match = _LOCUS_SHARED.match(name)
+        if match:
+            return f"{match.group(1)}.mlp.shared_experts.{match.group(2)}"
     match = _LOCUS_ROUTER.match(name)
     if match:
         return f"{match.group(1)}.mlp.gate.weight"
@@ -49,5 +76,6 @@ def to_checkpoint_name(config: ModelConfig, name: str) -> str:
 
 
 def experts_per_expert(config: ModelConfig) -> bool:
-    """Whether this family's checkpoints must hold experts one by one (transformers reads Qwen3-MoE's so)."""
-    return config.family == "qwen3_moe"
+    """Whether this family's checkpoints must hold experts one by one (transformers reads Qwen3-MoE's and
+    DeepSeek's so)."""
+    return config.family in MLP_NAMED

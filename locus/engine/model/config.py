@@ -1,7 +1,7 @@
 """Model configuration: Llama-4 text fields, parsed from a HuggingFace config.json.
 
-A `qwen3_moe` config.json becomes the Qwen3-MoE subclass (qwen3_config.py); any other model_type is
-refused in one line.
+A `qwen3_moe` config.json becomes the Qwen3-MoE subclass (qwen3_config.py), a `deepseek_v3` or
+`deepseek_v2` one the DeepSeek subclass (deepseek_config.py); any other model_type is refused in one line.
 
 A config.json may be a `Llama4TextConfig` (model_type "llama4_text") or a full `Llama4Config`
 (model_type "llama4") whose `text_config` holds the text fields. RoPE comes either as `rope_theta` +
@@ -17,23 +17,28 @@ from typing import Any
 
 # The fields live in config_base.py (a family's subclass imports them without importing this reader).
 from locus.engine.model.config_base import ROPE_TYPES, ModelConfig, RopeConfig, as_int_tuple, parse_rope
+from locus.engine.model.deepseek_config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from locus.engine.model.deepseek_config import parse_deepseek
 from locus.engine.model.qwen3_config import parse_qwen3_moe
 from locus.errors import LocusError
 
 __all__ = ["ROPE_TYPES", "ModelConfig", "RopeConfig", "as_int_tuple", "config_from_hf_dict", "load_config",
            "parse_rope"]
 
-SUPPORTED_MODEL_TYPES = ("llama4", "llama4_text", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama4", "llama4_text", "qwen3_moe", *DEEPSEEK_MODEL_TYPES)
 
 
 def config_from_hf_dict(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """Parse a Llama4TextConfig, Llama4Config or Qwen3MoeConfig dict; errors name `where`."""
+    """Parse a Llama4TextConfig, Llama4Config, Qwen3MoeConfig or DeepseekV3Config / DeepseekV2Config dict;
+    errors name `where`."""
     if not isinstance(raw, dict):
         raise LocusError(f"{where}: expected a JSON object")
     d = raw
     model_type = raw.get("model_type")
     if model_type == "qwen3_moe":
         return parse_qwen3_moe(raw, where)
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return parse_deepseek(raw, where)
     if "text_config" in raw:
         d = raw["text_config"]
         if not isinstance(d, dict):

@@ -21,7 +21,14 @@ class RopeConfig:
     factor: float = 1.0  # linear and llama3
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn (DeepSeek): the band of dims between beta_slow and beta_fast rotations
+    beta_slow: float = 1.0  # is interpolated between the original and the stretched frequencies
+    # yarn: the rotation's length is get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when
+    # both are set (else get_mscale(factor)); mscale_all_dim also corrects the softmax scale (deepseek.py).
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: the rotation's length, given outright
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class ModelConfig:
     # The model family, which picks the attention, router and checkpoint naming variants
     # (locus/engine/model/families.py); a subclass per other family (qwen3_config.py).
     family: ClassVar[str] = "llama4"
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES  # the RoPE rules the family implements
     vocab_size: int = 202048
     hidden_size: int = 5120
     intermediate_size: int = 8192  # expert and shared-expert width
@@ -72,8 +80,8 @@ class ModelConfig:
             problems.append(f"moe_layers {list(self.moe_layers)} names a layer outside 0..{L - 1}")
         if self.attention_chunk_size is not None and self.attention_chunk_size <= 0:
             problems.append(f"attention_chunk_size must be positive, got {self.attention_chunk_size}")
-        if self.rope.rope_type not in ROPE_TYPES:
-            problems.append(f"unknown rope_type {self.rope.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if self.rope.rope_type not in self.rope_types:
+            problems.append(f"unknown rope_type {self.rope.rope_type!r} (supported: {', '.join(self.rope_types)})")
         if problems:
             raise LocusError("invalid model config: " + "; ".join(problems))
 
@@ -83,6 +91,11 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return bool(self.no_rope_layers[layer])
+
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(rows, width) per token and layer of the KV cache's two tensors: keys and values, one row per KV
+        head (a family with another cache layout overrides this: deepseek_config.py)."""
+        return (self.num_key_value_heads, self.head_dim), (self.num_key_value_heads, self.head_dim)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -111,7 +124,7 @@ class ModelConfig:
         return d
 
 
-def parse_rope(d: dict[str, Any], where: str) -> RopeConfig:
+def parse_rope(d: dict[str, Any], where: str, allowed: tuple[str, ...] = ROPE_TYPES) -> RopeConfig:
     params = d.get("rope_parameters")
     if params is None:
         params = dict(d.get("rope_scaling") or {})
@@ -119,18 +132,25 @@ def parse_rope(d: dict[str, Any], where: str) -> RopeConfig:
     if not isinstance(params, dict):
         raise LocusError(f"{where}: rope_parameters must be an object, got {type(params).__name__}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise LocusError(f"{where}: unknown rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    if rope_type not in allowed:
+        raise LocusError(f"{where}: unknown rope_type {rope_type!r} (supported: {', '.join(allowed)})")
     kwargs: dict[str, Any] = {"rope_type": rope_type, "theta": float(params.get("rope_theta", d.get("rope_theta", RopeConfig.theta)))}
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope_type, ())
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+              "yarn": ("factor",)}.get(rope_type, ())
     for key in needed:
         if key not in params:
             raise LocusError(f"{where}: rope_type {rope_type!r} needs {key!r}")
         kwargs[key] = float(params[key])
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         kwargs["original_max_position_embeddings"] = int(
             params.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
         )
+    if rope_type == "yarn":
+        if params.get("truncate", True) is not True:
+            raise LocusError(f"{where}: rope_parameters truncate {params['truncate']!r} is not supported (yarn's band is truncated)")
+        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+            if params.get(key) is not None:
+                kwargs[key] = float(params[key])
     return RopeConfig(**kwargs)
 
 

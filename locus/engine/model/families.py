@@ -13,6 +13,7 @@ from torch import nn
 
 from locus.engine.model.attention import Attention
 from locus.engine.model.config import ModelConfig
+from locus.engine.model.deepseek import DeepseekAttention, DeepseekMoEBlock
 from locus.engine.model.moe import MoEBlock
 from locus.engine.model.qwen3 import Qwen3Attention, Qwen3MoEBlock
 
@@ -27,6 +28,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama4": Family("Llama-4 text", Attention, MoEBlock),
     "qwen3_moe": Family("Qwen3-MoE", Qwen3Attention, Qwen3MoEBlock),
+    "deepseek": Family("DeepSeek", DeepseekAttention, DeepseekMoEBlock),
 }
 
 

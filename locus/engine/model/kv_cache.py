@@ -48,9 +48,11 @@ class FlatKVCache:
     """Shared mechanics; subclasses map (sequence b of the batch, positions [B, S]) to flat rows."""
 
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (capacity, config.num_key_value_heads, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        # Per token and layer: [Hkv, D] keys and values, or what the family caches instead (a DeepSeek
+        # layer's latent and rotated key: ModelConfig.kv_cache_dims).
+        key_dims, value_dims = config.kv_cache_dims()
+        self.keys = [torch.zeros((capacity, *key_dims), dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros((capacity, *value_dims), dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
     def rows(self, batch: ForwardBatch, seq_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of `positions` (any shape) of the batch's sequences `seq_index` (same shape)."""
@@ -123,7 +125,8 @@ class PagedKVCache(FlatKVCache):
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+        (kr, kd), (vr, vd) = config.kv_cache_dims()
+        return config.num_hidden_layers * block_size * (kr * kd + vr * vd) * elem
 
     def bind(self, batch: ForwardBatch, block_tables: dict[int, list[int]]) -> None:
         """Give `batch` the block tables of its sequences (slot -> block ids in position order), as a

@@ -3,8 +3,9 @@
 Llama-4 rotates *adjacent pairs*: dims (2m, 2m+1) of a head form one complex number, rotated by
 angle pos * inv_freq[m] with inv_freq[m] = theta^(-2m/D). (Llama-2/3 in HF format rotate the two
 halves instead; mixing the two up is the classic Llama-4 port bug.) The `llama3` rule rescales the
-low frequencies for long context; `linear` divides all of them by `factor`. Qwen3-MoE rotates the
-halves (`apply_rope_halves`), with the same frequencies.
+low frequencies for long context; `linear` divides all of them by `factor`; `yarn` (DeepSeek) blends
+the original and the stretched frequencies over a band of dims and lengthens the rotation
+(`yarn_attention_factor`). Qwen3-MoE rotates the halves (`apply_rope_halves`), with the same frequencies.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, head_dim, inv_freq)
     if rope.rope_type != "llama3":
         return inv_freq
     # llama3: wavelengths longer than the original context are stretched by `factor`, shorter than
@@ -34,6 +37,38 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(rope: RopeConfig) -> float:
+    """The length yarn gives each rotation (cos and sin are multiplied by it); 1 for other rules."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_get_mscale(rope.factor)
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Dims rotating fewer than beta_slow times over the original context take the stretched frequency
+    (divided by factor), more than beta_fast times the original one, a linear ramp between."""
+    base, old_len = rope.theta, rope.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_of(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a one-dim band would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of the original frequency
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
 
 
 def rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_to_hf_dict_is_read_back_by_transformers_and_by_locus():
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1, got 0"),
     ({"mlp_only_layers": [48]}, "mlp_only_layers [48] names a layer outside 0..47"),
     ({"num_experts_per_tok": 129}, "num_experts_per_tok (129) must be in 1..num_local_experts (128)"),
-    ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not a Llama-4 text model (supported: llama4, llama4_text, qwen3_moe)"),
+    ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not a Llama-4 text model (supported: llama4, llama4_text, qwen3_moe, deepseek_v3, deepseek_v2)"),
 ])
 def test_an_unsupported_value_is_one_line_naming_the_field(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, **change}))
