@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from locus.engine.checkpoint.fp8_blocks import BlockFp8Reader, is_block_fp8, take_scales
 from locus.engine.checkpoint.names import experts_per_expert, to_checkpoint_name, to_model_name
 from locus.engine.checkpoint.quantize import expert_kernel_path
 from locus.engine.checkpoint.quantized import quantized_experts, quantized_linears, read_experts, read_fp8_linear, \
@@ -133,7 +134,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     found = read_tensors(find_shards(model_dir), None if config.family == "llama4" else
                          lambda name: to_model_name(config, name))
 
-    quant = read_quantization(model_dir)
+    block_fp8 = config.family == "deepseek" and is_block_fp8(model_dir)
+    scales = take_scales(found) if block_fp8 else {}
+    quant = None if block_fp8 else read_quantization(model_dir)
     if quant is not None and config.family != "llama4":
         raise LocusError(f"{model_dir}: quantization_config ({quant.method}): pre-quantized {family.label} "
                          "checkpoints are not supported (load the float checkpoint; --quantize-experts narrows its experts)")
@@ -147,7 +150,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
-    reader = _ShardReader()
+    reader = BlockFp8Reader(_ShardReader(), scales) if block_fp8 else _ShardReader()
     shown = (lambda name: name) if config.family == "llama4" else (lambda name: to_checkpoint_name(config, name))
     expected = dict(model.named_parameters(remove_duplicate=False))
     narrow_linears = quantized_linears(model, quant) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
@@ -177,6 +180,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     if quant is not None:
         _note_quantization(model, quant, narrow_linears, narrow_experts)
     leftover = sorted(shown(name) for name in set(found) - used - {"lm_head.weight"})
+    if block_fp8:
+        leftover += reader.unused_scales()
     if leftover:
         raise LocusError(f"{model_dir}: tensors the {family.label} model does not have: {', '.join(leftover[:5])}"
                          + (f" and {len(leftover) - 5} more" if len(leftover) > 5 else ""))
