@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=run_generate)
 
     init = subparsers.add_parser("init-model", help="write a seeded random checkpoint of a preset shape")
-    init.add_argument("--preset", required=True, choices=["tiny", "small", "scout-2l", "tiny-qwen3-moe"])
+    init.add_argument("--preset", required=True, choices=["tiny", "small", "scout-2l", "tiny-qwen3-moe",
+                                                          "tiny-deepseek-v3", "tiny-deepseek-v2-lite"])
     init.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -7,6 +7,10 @@ the serving stack, not to answer questions. `small` is the benchmark shape of th
 `scout-2l` is two layers of Llama-4 Scout's shapes, for measurements on a GPU. `tiny-qwen3-moe` is
 `tiny` for the Qwen3-MoE family: softmax top-4 of 16 experts renormalised, per-head q/k norms, a dense
 layer among MoE ones (mlp_only_layers), GQA; `locus init-model` writes it as transformers reads it.
+`tiny-deepseek-v3` is `tiny` for DeepSeek-V3: latent attention with a q_lora_rank, yarn RoPE, sigmoid
+top-4 of 16 experts within 2 of 4 groups (with a score-correction bias), a shared expert, the first layer
+dense; `tiny-deepseek-v2-lite` has V2-Lite's form: no q_lora_rank, greedy softmax top-4, two shared
+experts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import torch
 
 from locus.engine.model.config import ModelConfig, RopeConfig
+from locus.engine.model.deepseek_config import V2, V3, DeepseekModelConfig
 from locus.engine.model.qwen3_config import Qwen3MoeModelConfig
 from locus.engine.model.slices import ExpertSlices, keep_slices, moe_experts
 from locus.engine.model.model import Llama4ForCausalLM
@@ -57,6 +62,27 @@ PRESETS: dict[str, ModelConfig] = {
         num_local_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=(2,),
         max_position_embeddings=4096, rope=RopeConfig(theta=10000.0), bos_token_id=ByteTokenizer.BOS,
         eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD, dtype="float32",
+    ),
+    "tiny-deepseek-v3": DeepseekModelConfig(
+        model_type=V3, vocab_size=ByteTokenizer.MIN_VOCAB, hidden_size=64, intermediate_size=32,
+        intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+        rms_norm_eps=1e-6, num_local_experts=16, num_experts_per_tok=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5,
+        topk_method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True, first_k_dense_replace=1,
+        max_position_embeddings=4096, rope=RopeConfig(rope_type="yarn", theta=10000.0, factor=4.0,
+                                                      original_max_position_embeddings=1024, mscale=1.0,
+                                                      mscale_all_dim=1.0),
+        bos_token_id=ByteTokenizer.BOS, eos_token_id=(ByteTokenizer.EOS,), pad_token_id=ByteTokenizer.PAD,
+        dtype="float32",
+    ),
+    "tiny-deepseek-v2-lite": DeepseekModelConfig(
+        model_type=V2, vocab_size=ByteTokenizer.MIN_VOCAB, hidden_size=64, intermediate_size=32,
+        intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+        rms_norm_eps=1e-6, num_local_experts=16, num_experts_per_tok=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=2, routed_scaling_factor=1.0,
+        topk_method="greedy", norm_topk_prob=False, first_k_dense_replace=1, max_position_embeddings=4096,
+        rope=RopeConfig(theta=10000.0), bos_token_id=ByteTokenizer.BOS, eos_token_id=(ByteTokenizer.EOS,),
+        pad_token_id=ByteTokenizer.PAD, dtype="float32",
     ),
 }
 

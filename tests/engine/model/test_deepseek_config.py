@@ -3,6 +3,8 @@ layer rules, and one-line refusals of what Locus does not implement."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -122,3 +124,17 @@ def test_unsupported_v2_values_are_refused_naming_the_field(change, field):
     with pytest.raises(LocusError) as err:
         config_from_hf_dict({**DEEPSEEK_V2_LITE, **change}, "ck/config.json")
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "deepseek_v3", "num_hidden_layers": 61},  # first_k_dense_replace defaults to 3
+    {"model_type": "deepseek_v2", "num_hidden_layers": 27, "num_experts_per_tok": 6},  # and to 0
+    {**DEEPSEEK_V2_LITE, "num_hidden_layers": 9, "first_k_dense_replace": 2, "moe_layer_freq": 2},
+    DEEPSEEK_V3,
+])
+def test_locus_plan_reads_the_moe_layers_the_engine_does(tmp_path, config):
+    """routing/plan/model_layers.py restates the rule (routing may not import the engine)."""
+    from locus.routing.plan.model_layers import model_moe_layers
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_moe_layers(str(tmp_path)) == config_from_hf_dict(config).moe_layers
