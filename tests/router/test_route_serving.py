@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -233,6 +234,16 @@ class FailingBackend(BaseHTTPRequestHandler):
         pass
 
 
+
+def one_node_domains(plan_path: Path) -> tuple[str, str]:
+    """A domain the plan places on node 0 only and one on node 1 only: two requests of each fill the
+    2x2 cluster one stream a rank (the grouper's node, then the rank of it with the fewest tokens admitted)."""
+    nodes = json.loads(plan_path.read_text())["grouping"]["domain_nodes"]
+    only = [[d for d, share in nodes.items() if share[n] > 0 and share[1 - n] == 0] for n in (0, 1)]
+    assert only[0] and only[1], nodes
+    return only[0][0], only[1][0]
+
+
 def test_a_request_failing_before_its_first_byte_is_retried_once_elsewhere(cluster):
     root, plan_path, backends = cluster
     stub = ThreadingHTTPServer(("127.0.0.1", 0), FailingBackend)
@@ -241,8 +252,10 @@ def test_a_request_failing_before_its_first_byte_is_retried_once_elsewhere(clust
         urls = [url for url, _, _ in backends][:3] + [f"http://127.0.0.1:{stub.server_address[1]}"]
         with router(root, plan_path, urls, name="router-retry") as (base, _, log_path):
             body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
-            with ThreadPoolExecutor(4) as pool:  # four in flight: the stream cap puts one on every rank
-                answers = list(pool.map(lambda i: send(base, body, {"X-Request-Id": f"r{i}"}), range(4)))
+            tags = one_node_domains(plan_path)
+            with ThreadPoolExecutor(4) as pool:  # four in flight, two a node: one on every rank
+                answers = list(pool.map(lambda i: send(base, {**body, "domain": tags[i // 2]},
+                                                       {"X-Request-Id": f"r{i}"}), range(4)))
             assert [a.status_code for a in answers] == [200] * 4
             assert all(a.text.rstrip().endswith("data: [DONE]") for a in answers)
             text = httpx.get(f"{base}/metrics").text
@@ -269,11 +282,14 @@ def test_a_killed_backend_ends_its_streams_with_an_error_frame_and_takes_nothing
         frames: dict[str, list[str]] = {}
         started, killed_event = threading.Barrier(5), threading.Event()
 
+        tags = one_node_domains(plan_path)
+
         def stream(rid: str) -> None:
             """Read until an error frame, or a few events after the kill; then leave."""
             got, after = b"", 0
+            tagged = {**body, "domain": tags[int(rid[1:]) // 2]}
             with httpx.Client(timeout=120) as client:
-                with client.stream("POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+                with client.stream("POST", f"{base}/v1/completions", json=tagged, headers={"X-Request-Id": rid}) as r:
                     chunks = r.iter_raw()
                     got += next(chunks)
                     started.wait(60)
@@ -287,7 +303,7 @@ def test_a_killed_backend_ends_its_streams_with_an_error_frame_and_takes_nothing
         threads = [threading.Thread(target=stream, args=(f"s{i}",)) for i in range(4)]
         for t in threads:
             t.start()
-        started.wait(60)  # four streams in flight, one on every rank (the stream cap)
+        started.wait(60)  # four streams in flight, two a node: one on every rank
         events = [json.loads(line) for line in log_path.read_text().splitlines()[1:]]
         on = {e["rank"]: e["id"] for e in events if e["event"] == "admit"}
         assert sorted(on) == [0, 1, 2, 3]
