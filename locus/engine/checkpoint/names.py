@@ -12,7 +12,9 @@ A DeepSeek-V3 / V2 checkpoint names the same `mlp.` modules, and two more:
     model.layers.i.mlp.gate.e_score_correction_bias (V3)  -> ...feed_forward.e_score_correction_bias
     model.layers.i.mlp.shared_experts.{gate,up,down}_proj -> ...feed_forward.shared_expert.{...}
 Its attention (q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
-kv_b_proj, o_proj) keeps its names.
+kv_b_proj, o_proj) keeps its names. DeepSeek-V3's published checkpoints also hold its multi-token-
+prediction layers as `model.layers.{i}` with i >= num_hidden_layers; Locus (as transformers) does not
+build them, and to_model_name gives None for their tensors: the loader skips them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _QWEN3_MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(.+)$")
 _QWEN3_FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _DEEPSEEK_BIAS = re.compile(r"^(model\.layers\.\d+)\.mlp\.gate\.e_score_correction_bias$")
 _DEEPSEEK_SHARED = re.compile(r"^(model\.layers\.\d+)\.mlp\.shared_experts\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _LOCUS_ROUTER = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.router\.weight$")
 _LOCUS_BIAS = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.e_score_correction_bias$")
 _LOCUS_SHARED = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.shared_expert\.(.+)$")
@@ -35,8 +38,9 @@ MLP_NAMED = ("qwen3_moe", "deepseek")
 _LOCUS_FFN = re.compile(r"^(model\.layers\.\d+)\.feed_forward\.(.+)$")
 
 
-def to_model_name(config: ModelConfig, name: str) -> str:
-    """The model's parameter name for checkpoint tensor `name` (prefix already stripped)."""
+def to_model_name(config: ModelConfig, name: str) -> str | None:
+    """The model's parameter name for checkpoint tensor `name` (prefix already stripped); None for a
+    tensor of a layer the family does not build (DeepSeek's multi-token-prediction layers)."""
     if config.family not in MLP_NAMED:
         return name
     if _QWEN3_FUSED.match(name):
@@ -44,6 +48,9 @@ def to_model_name(config: ModelConfig, name: str) -> str:
         raise LocusError(f"tensor {name!r}: Locus reads {label} experts one by one "
                          "(mlp.experts.J.gate_proj.weight, ...), as save_pretrained and the published checkpoints write them")
     if config.family == "deepseek":
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= config.num_hidden_layers:
+            return None
         match = _DEEPSEEK_BIAS.match(name)
         if match:
             return f"{match.group(1)}.feed_forward.e_score_correction_bias"

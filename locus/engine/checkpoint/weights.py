@@ -85,6 +85,8 @@ def read_tensors(shards: list[Path], rename=None) -> dict[str, tuple[Path, str]]
                     canonical = rename(canonical)
                 except LocusError as exc:
                     raise LocusError(f"{shard}: {exc}") from None
+                if canonical is None:  # a tensor the family reads past (names.py)
+                    continue
             if canonical in found:
                 raise LocusError(f"{shard}: tensor {name!r} also appears in {found[canonical][0]}")
             found[canonical] = (shard, name)

@@ -108,3 +108,18 @@ def test_other_quantization_is_refused_at_load(tmp_path):
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(LocusError, match="weight_block_size"):
         load_model(fp8)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path):
+    """DeepSeek-V3's published checkpoints hold the MTP layer as model.layers.{num_hidden_layers}.*;
+    Locus, as transformers, builds the model without it and loads the rest unchanged."""
+    fp8, twin = write_pair(tmp_path)
+    tensors = load_file(str(twin / "model.safetensors"))
+    extra = {name.replace("model.layers.3.", "model.layers.4.", 1): t.clone() for name, t in tensors.items()
+             if name.startswith("model.layers.3.")}
+    extra["model.layers.4.eh_proj.weight"] = torch.zeros(160, 320)
+    with_mtp = tmp_path / "mtp"
+    shutil.copytree(twin, with_mtp)
+    save_file({**tensors, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    ids = prompt_ids(16)
+    assert torch.equal(logits(with_mtp, ids), logits(twin, ids))
