@@ -8,8 +8,10 @@ V v_head_dim):
     latent      = rmsnorm(latent)                           cached, with rope(kpe): R + P values per token
     k_nope, v   = kv_b_proj(latent) split per head          [S, Hq, N], [S, Hq, V]
     scores      = (q_nope . k_nope + rope(q_pe) . rope(kpe)) * scale
-The cache keeps only the latent and the rotated key (kv_cache_dims); each step decompresses the visible
-latents with kv_b_proj (the naive form). scale = (N + P)^-0.5, times yarn_get_mscale(factor,
+The cache keeps only the latent and the rotated key (kv_cache_dims). A prefill decompresses the
+visible latents with kv_b_proj (k_nope, v per head); a decode step (one query per sequence) attends in the
+latent space instead (the absorbed form): q_nope is mapped through kv_b_proj's key half to [Hq, R],
+scored against the latents, and the weighted latent sum mapped through its value half to [Hq, V]. scale = (N + P)^-0.5, times yarn_get_mscale(factor,
 mscale_all_dim)^2 under yarn; yarn also lengthens each rotation by its attention factor (rope.py).
 V3's rope_interleave (and V2) rotate adjacent pairs, V3 without it the halves.
 
@@ -123,7 +125,37 @@ class DeepseekAttention(nn.Module):
             latents, k_pes, k_pos = latent[rows], k_pe[rows], batch.query_positions()
         else:
             raise ValueError("a span that continues a sequence needs a KV cache")
-        return self.o_proj(self._attend(q, batch, latents[:, :, 0], k_pes, k_pos).reshape(T, -1))
+        attend = self._attend_absorbed if batch.query_rows().shape[1] == 1 else self._attend
+        return self.o_proj(attend(q, batch, latents[:, :, 0], k_pes, k_pos).reshape(T, -1))
+
+    def _mask(self, batch: ForwardBatch, k_pos: torch.Tensor) -> torch.Tensor:
+        """[B, 1, Q, S] bool, shared with the other layers of the batch."""
+        key = ("attention_mask", None)
+        if key not in batch.memo:
+            mask = visible(batch.query_positions(), k_pos, None)  # [B, Q, S]
+            mask[..., 0] |= ~mask.any(-1)  # padding queries see one key so softmax stays finite
+            batch.memo[key] = mask[:, None]
+        return batch.memo[key]
+
+    def _attend_absorbed(self, q: torch.Tensor, batch: ForwardBatch, latents: torch.Tensor, k_pes: torch.Tensor,
+                         k_pos: torch.Tensor) -> torch.Tensor:
+        """Decode (one query per sequence) in the latent space: kv_b_proj's key half is folded into the
+        query and its value half applied after attention, so the S cached latents are never expanded
+        to per-head keys and values (H x (N + V) per key). The same sums as _attend, in another order."""
+        H, N, R = self.num_heads, self.nope, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, N + self.v_dim, R)
+        w_k, w_v = w[:, :N], w[:, N:]  # [H, N, R], [H, V, R]
+        dtype = q.dtype
+        rows = batch.query_rows().clamp(min=0)  # [B, 1]
+        q_pad = q[rows].float()  # [B, 1, H, N + P]
+        q_lat = torch.einsum("bqhn,hnr->bqhr", q_pad[..., :N], w_k.float())
+        lat = latents.float()
+        scores = (torch.einsum("bqhr,bsr->bhqs", q_lat, lat)
+                  + torch.einsum("bqhp,bsp->bhqs", q_pad[..., N:], k_pes[:, :, 0].float())) * self.scale
+        scores = scores.masked_fill(~self._mask(batch, k_pos), float("-inf"))
+        o_lat = torch.einsum("bhqs,bsr->bqhr", torch.softmax(scores, dim=-1), lat)
+        o = torch.einsum("bqhr,hvr->bqhv", o_lat, w_v.float())  # [B, 1, H, V]
+        return batch.unpad(o).to(dtype)
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, latents: torch.Tensor, k_pes: torch.Tensor,
                 k_pos: torch.Tensor) -> torch.Tensor:
@@ -134,16 +166,12 @@ class DeepseekAttention(nn.Module):
         keys = torch.cat([k_nope, k_pes.expand(B, S, self.num_heads, self.rope_dim)], dim=-1)
         rows = batch.query_rows()  # [B, Q]
         q_pad = q[rows.clamp(min=0)]  # [B, Q, H, N + P]
-        key = ("attention_mask", None)  # shared with the other layers of the batch
-        if key not in batch.memo:
-            mask = visible(batch.query_positions(), k_pos, None)  # [B, Q, S]
-            mask[..., 0] |= ~mask.any(-1)  # padding queries see one key so softmax stays finite
-            batch.memo[key] = mask[:, None]
+        mask = self._mask(batch, k_pos)
         dtype = q.dtype
         if dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
             q_pad, keys, values = q_pad.float(), keys.float(), values.float()  # as attention.py, for speed
         o = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=batch.memo[key], scale=self.scale)  # [B, H, Q, V]
+                                           attn_mask=mask, scale=self.scale)  # [B, H, Q, V]
         return batch.unpad(o.transpose(1, 2)).to(dtype)
 
 
