@@ -93,8 +93,9 @@ def unmeetable_error(limits: LayerCaps, layer: int, search_reach: float) -> Locu
     cap, naming the other layers EPLB misses with EPLB's figure on each."""
     cap, moe_layers = float(limits.caps[layer]), limits.moe_layers
     missed = [int(l) for l in np.flatnonzero(limits.eplb_imbalance > limits.caps) if l != layer]
+    digits = 3 if f"{search_reach:.3f}" != f"{cap:.3f}" else 5  # a miss by less than the printed precision
     text = (f"MoE layer {moe_layers[layer]}: the expert-load cap {cap:.3f} cannot be met with {limits.slots_per_gpu} "
-            f"slots per GPU (locality search reaches {search_reach:.3f}, EPLB {limits.eplb_imbalance[layer]:.3f})")
+            f"slots per GPU (locality search reaches {search_reach:.{digits}f}, EPLB {limits.eplb_imbalance[layer]:.3f})")
     if missed:
         shown = ", ".join(f"{moe_layers[l]} ({limits.eplb_imbalance[l]:.3f})" for l in missed[:SHOWN_LAYERS])
         more = f" and {len(missed) - SHOWN_LAYERS} more" if len(missed) > SHOWN_LAYERS else ""

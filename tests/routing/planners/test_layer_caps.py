@@ -62,6 +62,8 @@ def test_the_layers_eplb_misses_are_searched_first():
                        r"GPU \(locality search reaches 1.150, EPLB 1.300\); EPLB misses it on 1 more layers too: "
                        r"3 \(1.200\); EPLB's worst layer reaches 1.300"):
         limits.settle(3, 1.15)
+    with pytest.raises(LocusError, match=r"locality search reaches 1.10004, EPLB 1.300"):  # not "1.100"
+        limits.settle(3, 1.10004)
 
 
 def test_auto_keeps_the_lower_of_the_search_s_and_eplb_s_figure():
