@@ -136,7 +136,7 @@ def test_cli_round_trip_of_a_maverick_plan_takes_the_preset_layers(tmp_path, cap
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "deepseek_v3", "num_hidden_layers": 61}, "model_type 'deepseek_v3' is not a Llama-4 model"),
+    ({"model_type": "mixtral", "num_hidden_layers": 32}, "model_type 'mixtral' is not a Llama-4 model"),
     ({"model_type": "llama4_text"}, "no num_hidden_layers: cannot tell the MoE layers; pass --moe-layers"),
     ({"num_hidden_layers": 4, "moe_layers": [1, 7]}, "moe_layers [1, 7] names no layer, or one outside 0..3"),
     (None, "missing config.json"),
