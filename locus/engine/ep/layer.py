@@ -28,14 +28,14 @@ from locus.engine.ep.runtime import EPRuntime
 from locus.engine.model.expert_rows import select_experts
 from locus.engine.model.slices import slices_of
 from locus.engine.model.model import Llama4ForCausalLM
-from locus.engine.model.moe import MoEBlock
+from locus.engine.model.moe import RoutedMoE
 from locus.kernels import fused_moe
 from locus.routing.gate import TopK
 from locus.routing.plan.placement import PlacementPlan, validate
 
 
 class ExpertParallelMoE(nn.Module):
-    def __init__(self, block: MoEBlock, moe_index: int, slot_experts: list[int], runtime: EPRuntime):
+    def __init__(self, block: RoutedMoE, moe_index: int, slot_experts: list[int], runtime: EPRuntime):
         super().__init__()
         self.top_k, self.moe_backend = block.top_k, block.moe_backend
         self.router, self.shared_expert = block.router, block.shared_expert  # shared_expert: None in some families

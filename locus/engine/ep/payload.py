@@ -66,8 +66,8 @@ class Payload:
 def simulate_dispatch(model, fmt: str | None) -> None:
     """Make a one-process model compute its routed experts on rows rounded to `fmt`, as every expert
     of an expert-parallel run with `--ep-dispatch-format fmt` does (None or "model": as they are)."""
-    from locus.engine.model.moe import MoEBlock
+    from locus.engine.model.moe import RoutedMoE
 
     for module in model.modules():
-        if isinstance(module, MoEBlock):
+        if isinstance(module, RoutedMoE):
             module.dispatch_format = None if fmt in (None, "model") else fmt

@@ -36,10 +36,8 @@ from locus.engine.model.deepseek_config import V3, DeepseekModelConfig
 from locus.engine.model.forward_batch import ForwardBatch
 from locus.engine.model.kv_cache import KVCache
 from locus.engine.model.layers import RMSNorm, SwiGLU
-from locus.engine.model.moe import Experts
+from locus.engine.model.moe import RoutedMoE
 from locus.engine.model.rope import apply_rope, apply_rope_halves, yarn_attention_factor, yarn_get_mscale
-from locus.kernels import fused_moe
-from locus.kernels.formats import quantize
 from locus.routing.gate import TopK
 
 
@@ -175,21 +173,19 @@ class DeepseekAttention(nn.Module):
         return batch.unpad(o.transpose(1, 2)).to(dtype)
 
 
-class DeepseekMoEBlock(nn.Module):
-    weight_on_input = False  # the routing weight multiplies each expert's output
+class DeepseekMoEBlock(RoutedMoE):
+    """V3's biased sigmoid or V2's softmax group-limited top-k (`rule`), the weight on each expert's
+    output, n_shared_experts shared experts as one wider one."""
+
+    weight_on_input = False
 
     def __init__(self, config: DeepseekModelConfig, moe_backend: str = "torch"):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.moe_backend = moe_backend
+        super().__init__(config, moe_backend, None,
+                         SwiGLU(config.hidden_size, config.intermediate_size * config.n_shared_experts))
         self.config = config
-        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         # V3's bias shifts which experts are chosen, never their weights; V2 has none.
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(config.num_local_experts))
                                         if config.model_type == V3 else None)
-        self.experts = Experts(config)
-        self.shared_expert = SwiGLU(config.hidden_size, config.intermediate_size * config.n_shared_experts)
-        self.dispatch_format: str | None = None  # as MoEBlock's
 
     def rule(self, logits: torch.Tensor) -> TopK:
         """Router logits -> the chosen experts and their weights (the expert-parallel form calls it too)."""
@@ -198,14 +194,3 @@ class DeepseekMoEBlock(nn.Module):
             return route_sigmoid_grouped(logits, self.e_score_correction_bias, self.top_k, c.n_group, c.topk_group,
                                          c.norm_topk_prob, c.routed_scaling_factor)
         return route_softmax_grouped(logits, self.top_k, c.n_group, c.topk_group, c.routed_scaling_factor)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
-        if self.experts.expert_ids is not None:
-            raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
-        topk = self.rule(self.router(x))
-        dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
-        routed = fused_moe(
-            dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
-            weight_on_input=False, backend=self.moe_backend,
-        )
-        return self.shared_expert(x) + routed, topk

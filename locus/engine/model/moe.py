@@ -1,4 +1,8 @@
-"""The Llama-4 MoE feed-forward block.
+"""The MoE feed-forward blocks: RoutedMoE, the forward every family's block shares (router -> the
+family's rule -> the routed experts, plus its shared expert if it has one), and Llama-4's MoEBlock.
+Qwen3's and DeepSeek's blocks (qwen3.py, deepseek.py) subclass RoutedMoE with their own rule.
+
+Llama-4's:
 
 # T tokens, E experts, K top-k, H hidden, I expert width
     logits  = x @ W_router^T                                 [T, E]
@@ -67,19 +71,24 @@ class Experts(nn.Module):
         self.hold_quantized(*quantize_experts(self.gate_up_proj, self.down_proj, fmt))
 
 
-class MoEBlock(nn.Module):
-    # What every family's MoE block offers the expert-parallel form (locus/engine/ep/layer.py): the
-    # router, `rule` (router logits -> TopK), where the weight applies, the shared expert (or None).
+class RoutedMoE(nn.Module):
+    """What every family's MoE block is and offers the expert-parallel form (locus/engine/ep/layer.py):
+    the router, `rule` (router logits -> TopK), the experts, where the routing weight applies
+    (`weight_on_input`), the shared expert (or None); one forward for all of them. A family's block
+    subclasses it and passes its rule and shared expert (a family whose rule needs its own parameters
+    defines `rule` as a method and passes None)."""
+
     weight_on_input = True
 
-    def __init__(self, config: ModelConfig, moe_backend: str = "torch"):
+    def __init__(self, config: ModelConfig, moe_backend: str, rule, shared_expert: nn.Module | None):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.moe_backend = moe_backend
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
-        self.rule = functools.partial(route_llama4, top_k=self.top_k)
+        if rule is not None:
+            self.rule = rule
         self.experts = Experts(config)
-        self.shared_expert = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.shared_expert = shared_expert
         # The MX format the routed experts' input is rounded to, as an expert-parallel dispatch in that
         # format delivers it (locus/engine/ep/payload.py), in one process: the reference for the EP
         # parity tests and bench/quantized_quality.py's dispatch rows. None: the input as it is.
@@ -92,6 +101,16 @@ class MoEBlock(nn.Module):
         dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
         routed = fused_moe(
             dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
-            weight_on_input=True, backend=self.moe_backend,
+            weight_on_input=self.weight_on_input, backend=self.moe_backend,
         )
-        return self.shared_expert(x) + routed, topk
+        return (routed if self.shared_expert is None else self.shared_expert(x) + routed), topk
+
+
+class MoEBlock(RoutedMoE):
+    """Llama-4's: sigmoid top-k, the weight on the expert's input, one shared expert."""
+
+    weight_on_input = True
+
+    def __init__(self, config: ModelConfig, moe_backend: str = "torch"):
+        super().__init__(config, moe_backend, functools.partial(route_llama4, top_k=config.num_experts_per_tok),
+                         SwiGLU(config.hidden_size, config.intermediate_size))

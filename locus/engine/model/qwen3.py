@@ -19,16 +19,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from locus.engine.model.attention import Attention
 from locus.engine.model.forward_batch import ForwardBatch
 from locus.engine.model.layers import RMSNorm
-from locus.engine.model.moe import Experts
+from locus.engine.model.moe import RoutedMoE
 from locus.engine.model.qwen3_config import Qwen3MoeModelConfig
 from locus.engine.model.rope import apply_rope_halves
-from locus.kernels import fused_moe
-from locus.kernels.formats import quantize
 from locus.routing.gate import TopK
 
 
@@ -53,27 +50,11 @@ class Qwen3Attention(Attention):
         return apply_rope_halves(q, rope), apply_rope_halves(k, rope)
 
 
-class Qwen3MoEBlock(nn.Module):
-    # The routing weight multiplies each expert's output (Llama-4's multiplies its input).
+class Qwen3MoEBlock(RoutedMoE):
+    """Softmax top-k (renormalised with norm_topk_prob), the weight on each expert's output, no shared expert."""
+
     weight_on_input = False
 
     def __init__(self, config: Qwen3MoeModelConfig, moe_backend: str = "torch"):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.moe_backend = moe_backend
-        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
-        self.rule = functools.partial(route_softmax, top_k=self.top_k, norm_topk_prob=config.norm_topk_prob)
-        self.experts = Experts(config)
-        self.shared_expert = None  # the family has none
-        self.dispatch_format: str | None = None  # as MoEBlock's
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, TopK]:
-        if self.experts.expert_ids is not None:
-            raise RuntimeError("this block holds a rank's expert slice: run it through apply_expert_parallel")
-        topk = self.rule(self.router(x))
-        dispatched = x if self.dispatch_format is None else quantize(x, self.dispatch_format, axis=-1).dequantize(x.dtype)
-        routed = fused_moe(
-            dispatched, self.experts.gate_up_proj, self.experts.down_proj, topk.ids, topk.weights.to(x.dtype),
-            weight_on_input=False, backend=self.moe_backend,
-        )
-        return routed, topk
+        super().__init__(config, moe_backend, functools.partial(route_softmax, top_k=config.num_experts_per_tok,
+                                                                norm_topk_prob=config.norm_topk_prob), None)
