@@ -37,10 +37,9 @@ Lockstep balance (`balance_streams`, what expert-parallel serving and `locus rou
 in lockstep, so a decode step lasts as long as the busiest rank takes. Three rules keep the ranks level
 while the domain still picks the node wherever they hold:
   stream cap     an admission (or a move) never leaves a rank with more live sequences than
-                 max(ceil(total / ranks) + 1, floor(STREAM_CAP * total / ranks)): one above the
-                 rounded-up mean while the ranks hold few (a decode step of a few sequences costs the
-                 weights' reads, hardly its tokens, and a hard ceil would send each request wherever one
-                 just finished, whatever its domain), STREAM_CAP times the mean once they hold ten or more;
+                 max(ceil(total / ranks), floor(STREAM_CAP * total / ranks)): one above the others
+                 while the ranks hold few, STREAM_CAP times the mean when they hold many (a hard ceil there
+                 forces each admission onto whichever rank just freed a slot, whatever its tokens);
   admitted cap   once every rank holds a request, an admission also keeps the rank's tokens admitted
                  so far within ADMITTED_CAP_SHARE of the attention cap's slack over their mean (or one
                  request above it): the in-flight cap alone lets a node whose requests finish sooner
@@ -328,7 +327,7 @@ class Grouper:
     def _stream_ceiling(self, ranks: np.ndarray, adding: int) -> int:
         """The most live sequences a rank of `ranks` may hold after `adding` more (module docstring)."""
         total = int(self.streams[ranks].sum()) + adding
-        return max(-(-total // len(ranks)) + 1, int(STREAM_CAP * total / len(ranks)))
+        return max(-(-total // len(ranks)), int(STREAM_CAP * total / len(ranks)))
 
     def _every_rank_busy(self, ranks: np.ndarray) -> bool:
         """Whether the live requests are at least as many as the open ranks (the admitted cap's condition)."""
