@@ -105,10 +105,13 @@ class TraceRecorder:
 
     def __post_init__(self) -> None:
         c = self.config
+        # what the paged cache holds per token, every layer: K and V heads, or the family's own rows (a
+        # DeepSeek layer's latent and rotated key); the cache is in the served dtype
+        (key_rows, key_width), (value_rows, value_width) = c.kv_cache_dims()
+        kv_bytes = c.num_hidden_layers * (key_rows * key_width + value_rows * value_width) * self.dtype_bytes
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
-                         source="locus-engine", vocab_size=c.vocab_size,
-                         kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype_bytes)
+                         source="locus-engine", vocab_size=c.vocab_size, kv_bytes_per_token=kv_bytes)
         try:
             self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None,
                                        with_tokens=True)
