@@ -1,4 +1,5 @@
-"""Qwen3-MoE under expert parallelism on real gloo process groups (1x2, and 2x2 with replicas): each
+"""Qwen3-MoE under expert parallelism on real gloo process groups (1x2, and 2x2 with replicas; the exact
+and the fixed transport): each
 rank holds only its slots' experts, its tokens' rows travel by two-tier all-to-all with their softmax
 weights (applied on the expert output where the expert sits), the logits equal the single-process
 model's, and the bytes each rank counts are the dispatch rule's (as for Llama-4: tests/engine/ep)."""
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow  # spawns rank processes
 PRESET = "tiny-qwen3-moe"
 CONFIG = PRESETS[PRESET]
 TOPOLOGIES = {"1x2": Topology(1, 2, 8), "2x2-replicas": Topology(2, 2, 6)}  # 16 experts: 16 and 24 slots
+CASES = [(case, mode) for case in sorted(TOPOLOGIES) for mode in ("exact", "fixed")]
 
 
 def prompt_of(rank: int) -> list[int]:
@@ -36,11 +38,11 @@ def plan_for(case: str):
     return round_robin(CONFIG.num_local_experts, CONFIG.moe_layers, TOPOLOGIES[case], model=PRESET)
 
 
-def worker(rank: int, world: int, case: str, out: str) -> None:
+def worker(rank: int, world: int, case: str, mode: str, out: str) -> None:
     model = build_preset(PRESET, seed=0)
     plan = plan_for(case)
-    ctx = apply_expert_parallel(model, plan, make_groups(plan.topology.nodes, plan.topology.gpus_per_node), "exact")
-    ctx.begin_step(capacity=64)
+    ctx = apply_expert_parallel(model, plan, make_groups(plan.topology.nodes, plan.topology.gpus_per_node), mode)
+    ctx.begin_step(capacity=64)  # at least every rank's token count (the fixed transport's block size)
     held = [tuple(m.gate_up_proj.shape) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     batch = ForwardBatch.single(prompt_of(rank))
     ctx.positions = batch.positions
@@ -54,14 +56,13 @@ def worker(rank: int, world: int, case: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cases = sorted(TOPOLOGIES)
-    folders = run_cases(worker, [(TOPOLOGIES[c].ranks, (c,)) for c in cases], tmp_path_factory.mktemp("qwen3-ep"))
-    return dict(zip(cases, folders))
+    folders = run_cases(worker, [(TOPOLOGIES[c].ranks, (c, m)) for c, m in CASES], tmp_path_factory.mktemp("qwen3-ep"))
+    return dict(zip(CASES, folders))
 
 
-@pytest.mark.parametrize("case", sorted(TOPOLOGIES))
-def test_qwen3_logits_equal_one_process_and_bytes_follow_the_dispatch_rule(runs, case):
-    folder = runs[case]
+@pytest.mark.parametrize("case,mode", CASES)
+def test_qwen3_logits_equal_one_process_and_bytes_follow_the_dispatch_rule(runs, case, mode):
+    folder = runs[case, mode]
     assert not failures(folder), failures(folder)
     plan = plan_for(case)
     reference = build_preset(PRESET, seed=0)
