@@ -133,6 +133,7 @@ class EPDriver:
         # it resumes, so that iteration drops them (step)
         self._resumed_in_regroup: set[str] = set()
         self._last_commands: dict[int, Commands] = {}
+        self._recovered: list[RequestOutput] = []  # read from a failed iteration's reports, out with the next step's
         self.recovering = False
         self.recoveries: list[dict] = []  # what each regrouping did
         self.stopping = threading.Event()  # the server is stopping: a regroup under way gives up
@@ -252,17 +253,43 @@ class EPDriver:
         it = self.worker.iterate(commands)
         resumed, self._resumed_in_regroup = self._resumed_in_regroup, set()
         self.last_stepped = it.stepped
-        now = time.monotonic()
-        outputs = []  # the other ranks' (their previous step's) first: a request moved to rank 0 this
-        # iteration has its source's last tokens in a report and its next ones in rank 0's own outputs
-        prefills, moved = [(0, p) for p in it.prefills], [(0, m) for m in it.moved]
+        # the other ranks' (their previous step's) first: a request moved to rank 0 this iteration has
+        # its source's last tokens in a report and its next ones in rank 0's own outputs. Before them,
+        # what a regroup read from the iteration that failed (released there already).
+        recovered, self._recovered = self._recovered, []
         own = self.ranks[0]
         # (a copy of the step times: the worker updates its own field by field, and a reader in another
         # thread must never see a split that a later update takes back)
         own.stats, own.times, own.counters = self.core.stats(), replace(self.worker.times), self.runtime.counters()
         own.epochs, own.move = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
-        for rank, report in sorted(it.reports.items()):
+        outputs, prefills, moved = self._read_reports(it.reports, resumed)
+        prefills, moved = [(0, p) for p in it.prefills] + prefills, [(0, m) for m in it.moved] + moved
+        if self.worker.elastic is not None:  # rank 0's own too: a request that moves away may be resumed
+            for out in it.outputs:
+                request = self._requests.get(out.request_id)
+                if request is not None:
+                    note_delivered(request, out)
+        outputs += it.outputs
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        for rank, (request_id, tokens) in moved:
+            self._moved(request_id, tokens)
+        for rank, (request_id, index, count) in prefills:
+            self._observe(request_id, index, count)
+        if self.replanner is not None:
+            self.replanner.after_iteration()
+        return recovered + outputs
+
+    def _read_reports(self, reports: dict, resumed: set[str]) -> tuple[list[RequestOutput], list, list]:
+        """Take the other ranks' reports into their records; returns their outputs (a request's streamed
+        tokens noted under elastic EP), prefill signatures and moves out, each by rank. A report read
+        already (resent after a regroup) gives nothing; `resumed`: requests a regroup resumed from what
+        they had streamed, whose tokens in these reports (made before it) are not theirs any more."""
+        now = time.monotonic()
+        outputs, prefills, moved = [], [], []
+        for rank, report in sorted(reports.items()):
             record = self.ranks[rank]
             record.stats, record.counters, record.times = report.stats, report.counters, report.times
             record.epochs, record.move, record.expert_bytes = report.epochs, report.move, report.expert_bytes
@@ -284,22 +311,7 @@ class EPDriver:
                 if self.worker.elastic is not None:
                     note_delivered(request, out)
                 outputs.append(out)
-        if self.worker.elastic is not None:  # rank 0's own too: a request that moves away may be resumed
-            for out in it.outputs:
-                request = self._requests.get(out.request_id)
-                if request is not None:
-                    note_delivered(request, out)
-        outputs += it.outputs
-        for out in outputs:
-            if out.finished:
-                self._release(out.request_id)
-        for rank, (request_id, tokens) in moved:
-            self._moved(request_id, tokens)
-        for rank, (request_id, index, count) in prefills:
-            self._observe(request_id, index, count)
-        if self.replanner is not None:
-            self.replanner.after_iteration()
-        return outputs
+        return outputs, prefills, moved
 
     # --- moves after prefill (--ep-moves) -------------------------------------------------------------
     def _observe(self, request_id: str, index, count) -> None:
@@ -383,15 +395,16 @@ class EPDriver:
             return False
         finally:
             self.recovering = False
+        # the survivors' plan has no grouping (the placement state regrouped): balanced from now on, and
+        # no grouper of the old plan is told about requests any more
+        for request in self._requests.values():
+            request.grouper = None
+        self._read_failed_iteration()
         lost = [r for r in range(old_world) if r not in mapping]
         ranks, gone = self.roster
         self.roster = ([ranks[r] for r in sorted(mapping, key=mapping.get)],  # old ranks, in new rank order
                        gone + [ranks[r] for r in lost])
         self.ranks[0].expert_bytes = self.worker.expert_bytes
-        # the survivors' plan has no grouping (the placement state regrouped): balanced from now on, and
-        # no grouper of the old plan is told about requests any more
-        for request in self._requests.values():
-            request.grouper = None
         # A re-plan was made for the old membership: the re-planner discards it, and no command of it
         # (a window request, a move) reaches the survivors, queued or resent.
         if self.replanner is not None:
@@ -430,6 +443,22 @@ class EPDriver:
         log.warning("recovered from the loss of rank(s) %s in %.2f s: %d requests re-admitted, %d failed",
                     lost, record["seconds"], readmitted, failed)
         return True
+
+    def _read_failed_iteration(self) -> None:
+        """Read the reports that reached rank 0 in the iteration that failed, in the old numbering, before
+        anything is resumed. Their tokens reach no one otherwise: a lost rank never sends its report
+        again (and a request it moved out in that iteration goes on where it went, from past those
+        tokens), and a survivor whose own step of that iteration ran sends its next report instead. A
+        resumed request then resumes from every token it streamed. The outputs go out with the next
+        step's (finished requests released now: none of them is resumed); the prefill signatures are
+        dropped with the grouper they were for."""
+        outputs, _, moved = self._read_reports(self.worker.take_unread_reports(), self._resumed_in_regroup)
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        for rank, (request_id, tokens) in moved:
+            self._moved(request_id, tokens)
+        self._recovered += outputs
 
     def _resume_moves(self, mapping: dict[int, int]) -> None:
         """The failed iteration's moves: with both ranks alive, sent again (the target ignores a request it

@@ -75,6 +75,7 @@ class RankWorker:
         # had it: reports are numbered), and outputs/errors gathered before the failure.
         self._sent, self._report_seq = b"", 0
         self._carry: tuple[list, list] = ([], [])
+        self._unread: dict[int, Report] = {}  # rank 0: the reports that arrived in a failed iteration
         self._load_sent: np.ndarray | None = None
         config = core.config
         self.step_budget = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -109,14 +110,24 @@ class RankWorker:
         the other ranks pass nothing."""
         outputs, errors = self._carry  # filled in place: what a failing iteration gathered stays here
         self._carry = ([], [])
+        received: dict[int, Report] = {}  # (rank 0) filled in place as well
         try:
-            return self._iterate(commands or {}, stop, outputs, errors)
+            return self._iterate(commands or {}, stop, outputs, errors, received)
         except BaseException:
             self._carry = (outputs, errors)
+            self._unread = received
             raise
 
+    def take_unread_reports(self) -> dict[int, Report]:
+        """Rank 0: the reports that arrived in an iteration that then failed, by the rank (old numbering)
+        that sent them. The others' outputs in them reached no one: a lost rank never sends them again,
+        and a survivor whose step succeeded sends its next report instead (rank 0's driver reads them
+        while it recovers)."""
+        unread, self._unread = self._unread, {}
+        return unread
+
     def _iterate(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
-                 errors: list[tuple[str, str]]) -> Iteration:
+                 errors: list[tuple[str, str]], received: dict[int, Report]) -> Iteration:
         start = time.perf_counter()
         self._iterations += 1
         core, control = self.core, self.control
@@ -144,7 +155,8 @@ class RankWorker:
             self._sent, self._report = self._report, b""
         it = Iteration(stop=agreement.stop, errors=errors)
         if self.rank == 0:
-            it.reports = {r: decode_report(data) for r, data in incoming.items()}
+            received.update((r, decode_report(data)) for r, data in incoming.items())
+            it.reports = received
         elif 0 in incoming:
             mine = decode(incoming[0])
             outputs += self._apply(mine, errors)

@@ -11,8 +11,12 @@ from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 from locus.engine.core.engine_core import EngineStats
+from locus.engine.core.outputs import CompletionOutput, RequestOutput
+from locus.engine.core.sequence import RequestMetrics
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.driver import GAUGES, EPDriver
+from locus.engine.ep.ranks.messages import Report, pack_output
+from locus.engine.ep.ranks.worker import Iteration
 from locus.engine.ep.ranks.stats import ep_stats_of
 from locus.engine.sampling.sampler import SamplingParams
 from locus.routing.plan.topology import Topology
@@ -38,6 +42,9 @@ class StandInWorker:
         survivors = [r for r in range(self.world) if r not in self.lost]
         self.members = survivors
         return {old: new for new, old in enumerate(survivors)}
+
+    def take_unread_reports(self) -> dict:
+        return {}  # (no iteration ran)
 
 
 def admit(driver: EPDriver, request_id: str, charge: int) -> int:
@@ -124,3 +131,99 @@ def test_no_counter_of_ep_stats_or_metrics_runs_backwards_after_a_regroup():
     assert [r["identity"] for r in stats["retired"]["per_rank"]] == [2]
     assert stats["retired"]["inter_node_bytes"] == 2 * 20 and stats["inter_node_bytes"] == 2 * (40 + 30 + 20 + 10)
     assert driver.tokens_run() == 40 + 30 + 20 + 10  # (one MoE layer)
+
+
+# --- elastic EP: the reports that reached rank 0 in the iteration that failed ---------------------------
+class ScriptedWorker(StandInWorker):
+    """A stand-in whose iterations are scripted: each is {rank: [(request id, new token ids, finished)]},
+    one report per rank numbered as its rank would; `fail=True`: those reports reach rank 0, then the
+    iteration fails (a rank died in its step). `resend=rank`: that rank's last report arrives again."""
+
+    def __init__(self, world: int, lost: list[int]):
+        super().__init__(world, lost)
+        self.times, self.last_move, self.seqs, self.sent, self.unread = StepTimes(), None, {}, {}, {}
+        self.given: list[dict] = []  # the commands of each iteration
+        self.core.stats = lambda: engine_stats(0)
+        self.runtime.counters, self.runtime.counters_by_epoch = ExchangeCounters, dict
+
+    def report(self, rank: int, outputs: list[tuple[str, list[int], bool]]) -> Report:
+        self.seqs[rank] = self.seqs.get(rank, 0) + 1
+        packed = [pack_output(RequestOutput(rid, [1], [CompletionOutput(0, "", ids if done else [], "", ids,
+                                                                        finish_reason="length" if done else None)],
+                                            done, RequestMetrics())) for rid, ids, done in outputs]
+        self.sent[rank] = Report(packed, [], engine_stats(0), ExchangeCounters(), StepTimes(), 0, None,
+                                 seq=self.seqs[rank])
+        return self.sent[rank]
+
+    def script(self, reports: dict[int, list], fail: bool = False, resend: tuple[int, ...] = ()):
+        received = {rank: self.report(rank, outputs) for rank, outputs in reports.items()}
+        received.update({rank: self.sent[rank] for rank in resend})
+        if fail:
+            self.unread = received
+            raise RuntimeError("Connection closed by peer")
+        return Iteration(stop=False, stepped=True, reports=received)
+
+    def take_unread_reports(self) -> dict[int, Report]:
+        unread, self.unread = self.unread, {}
+        return unread
+
+
+def streamed(outputs: list[RequestOutput]) -> dict[str, list[int]]:
+    """What each request's client received, in order."""
+    out: dict[str, list[int]] = {}
+    for o in outputs:
+        out.setdefault(o.request_id, []).extend(o.outputs[0].delta_token_ids)
+    return out
+
+
+def run(driver: EPDriver, worker: ScriptedWorker, script: list[dict]) -> dict[str, list[int]]:
+    """Step the driver through `script` (each entry ScriptedWorker.script's arguments); a failed iteration
+    is recovered from, as AsyncEngine does. Returns what every client received."""
+    outputs = []
+    for entry in script:
+        worker.iterate = lambda commands=None, entry=entry: worker.given.append(commands) or worker.script(**entry)
+        try:
+            outputs += driver.step()
+        except RuntimeError as exc:
+            assert driver.recover(exc)
+    return streamed(outputs)
+
+
+def test_a_lost_ranks_tokens_that_reached_rank_0_in_the_failed_iteration_are_streamed_before_its_move_goes_on():
+    """die-after-move's failure, in the driver: request d (rank 3) is moving to rank 1 when rank 3 dies in
+    the step of that iteration; its second token came in the report rank 0 received in that iteration,
+    and rank 1 holds the request with that token (the move went through). Rank 0 used to drop the report
+    with the failed iteration: the client never got the token, and the resumed add (ignored by rank 1,
+    which holds d) said one token had been streamed."""
+    worker = ScriptedWorker(4, lost=[3])
+    driver = EPDriver(worker)
+    assert [admit(driver, rid, 20) for rid in "abcd"] == [0, 1, 2, 3]
+    got = run(driver, worker, [{"reports": {3: [("d", [207], False)]}}])
+    driver.move("d", 1)
+    got2 = run(driver, worker, [{"reports": {3: [("d", [99], False)], 1: [("b", [5], False)]}, "fail": True}])
+    assert driver.recoveries[-1]["lost_ranks"] == [3] and got2 == {}
+    resumed = [a for a in driver.command(1).adds if a.request_id == "d"]
+    assert [a.resumed.token_ids for a in resumed] == [[207, 99]]  # from every token d streamed
+    # the survivors resend their last report (made before the failure): it was read already
+    got3 = run(driver, worker, [{"reports": {}, "resend": (1,)}, {"reports": {1: [("d", [188], False)]}}])
+    assert {rid: got.get(rid, []) + got3.get(rid, []) for rid in "bd"} == {"b": [5], "d": [207, 99, 188]}
+
+
+def test_a_survivors_report_of_the_failed_iteration_is_streamed_when_its_next_report_follows():
+    """The re-plan test's failure, in the driver: rank 1's step of the failed iteration ran (rank 2 died
+    after its last exchange with rank 1), so after the regroup rank 1 sends its next report, not the one
+    rank 0 received in the failed iteration: that report's token (b's 11) used to be lost mid-stream.
+    Rank 2's request c resumes from every token it streamed, and one that finished in the lost rank's
+    last report is not run again."""
+    worker = ScriptedWorker(4, lost=[2])
+    driver = EPDriver(worker)
+    assert [admit(driver, rid, charge) for rid, charge in zip("abcde", (20, 20, 5, 20, 2))] == [0, 1, 2, 3, 2]
+    got = run(driver, worker, [
+        {"reports": {1: [("b", [10], False)], 2: [("c", [20], False)]}},
+        {"reports": {1: [("b", [11], False)], 2: [("c", [21], False), ("e", [30], True)]}, "fail": True},
+        {"reports": {1: [("b", [12], False)]}},
+    ])
+    assert got == {"b": [10, 11, 12], "c": [20, 21], "e": [30]}
+    assert driver.recoveries[-1]["readmitted"] == 1 and "e" not in driver.requests()
+    after = worker.given[2]  # the commands of the first iteration after the regroup
+    assert [(a.request_id, a.resumed.token_ids) for c in after.values() for a in c.adds] == [("c", [20, 21])]
