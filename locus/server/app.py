@@ -70,21 +70,19 @@ def create_app(config: ServerConfig) -> FastAPI:
 async def shut_down(state: ServerState) -> None:
     """At exit: stop admitting, write the trace being recorded, stop the engine (and the re-planner);
     under expert parallelism, merge the ranks' trace parts into the one --record-trace asked for."""
-    config = state.config
-    if state.engine is not None:
-        state.engine.stop_admitting()
-        if state.engine.core.recorder is not None and state.engine.healthy:
-            summary = await state.engine.call(lambda core: core.dump_recording())
+    config, engine = state.config, state.engine
+    if engine is not None:
+        engine.stop_admitting()
+        if engine.recording().state != "idle" and engine.healthy:
+            summary = await engine.dump_recording()
             if summary.status == "failed":
                 log.warning("trace %s: the recording failed (%s); %s", summary.path, summary.reason,
                             f"{summary.requests} requests kept" if summary.kept else "nothing could be kept")
             else:
                 log.info("trace written to %s: %d requests, %d tokens", summary.path, summary.requests,
                          summary.tokens)
-        await asyncio.to_thread(state.engine.shutdown, 10.0)
-        if state.ep_driver is not None and state.ep_driver.replanner is not None:
-            await asyncio.to_thread(state.ep_driver.replanner.close)  # its temporary files go too
-        if config.ep is not None and config.record_trace and not state.engine.failed:
+        await asyncio.to_thread(engine.shutdown, 10.0)  # a re-planner's temporary files go too
+        if config.ep is not None and config.record_trace and not engine.failed:
             # each rank wrote its part under the rank it started as; a rank lost under --ep-elastic wrote none
             ranks = [r for r in range(config.ep.world) if Path(rank_trace_path(config.record_trace, r)).exists()]
             if len(ranks) < config.ep.world:
@@ -92,9 +90,7 @@ async def shut_down(state: ServerState) -> None:
                             "nothing); their requests are not in it",
                             config.record_trace, sorted(set(range(config.ep.world)) - set(ranks)))
             parts = [rank_trace_path(config.record_trace, r) for r in ranks]
-            driver = state.ep_driver
-            admissions = driver.admissions.records if driver is not None and driver.admissions is not None else None
-            count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks, admissions)
+            count = await asyncio.to_thread(merge_traces, parts, config.record_trace, ranks, engine.admission_log())
             for part in parts:
                 shutil.rmtree(part, ignore_errors=True)
             log.info("trace written to %s: %d requests from %d ranks", config.record_trace, count, len(ranks))

@@ -6,7 +6,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from locus.engine.ep.ranks.health import RankSnapshot
 from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.frontend.health import RecordingState
 from locus.engine.core.outputs import RequestOutput
 from locus.engine.core.sequence import RequestMetrics
 
@@ -16,9 +18,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 class EngineCollector:
     """Reads the engine's snapshot on every scrape, so gauges are never stale."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, ep_driver=None):
+    def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.ep_driver = ep_driver  # rank 0's EPDriver under expert parallelism: its exchange counters too
 
     def collect(self):
         s = self.engine.stats()
@@ -46,58 +47,57 @@ class EngineCollector:
         yield counter("locus_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("locus_prefix_cache_hits", "Prompt blocks reused from the prefix cache.", s.prefix_cache_hits)
         # under expert parallelism, every rank's load (each rank counts the tokens it routes)
-        load = self.engine.backend.expert_load
+        load = self.engine.expert_load()
         if load is not None:
             c = CounterMetricFamily("locus_expert_tokens", "(token, slot) pairs routed to each expert, per MoE layer.",
                                     labels=["model_name", "layer", "expert"])
-            for layer, counts in load.snapshot().items():
+            for layer, counts in load.items():
                 for expert, n in enumerate(counts):
                     c.add_metric([self.model_name, str(layer), str(expert)], n)
             yield c
-        yield from recording_metrics(self.engine.core, self.model_name)
-        if self.ep_driver is not None:
-            yield from ep_metrics(self.ep_driver, self.model_name)
+        yield from recording_metrics(self.engine.recording(), self.model_name)
+        ranks = self.engine.ep_ranks()  # under expert parallelism: its exchange counters too
+        if ranks:
+            yield from ep_metrics(ranks, self.model_name)
 
 
 RECORDING_STATES = ("idle", "recording", "stopped", "failed")
 
 
-def recording_metrics(core, model_name: str):
+def recording_metrics(recording: RecordingState, model_name: str):
     """The trace recording (--record-trace or /traces/start): its state (1 = current), why it stopped or
     failed (a short code: requested, budget, or the error's, e.g. ENOSPC), its bytes, and how many
     recordings an error stopped."""
-    recorder = core.recorder
-    current = recorder.state if recorder is not None else "idle"
+    current = recording.state
     g = GaugeMetricFamily("locus_trace_recording_state", "The trace recording's state: 1 for the current one.",
                           labels=["model_name", "state"])
     for name in RECORDING_STATES:
         g.add_metric([model_name, name], 1.0 if name == current else 0.0)
     yield g
-    if recorder is not None and recorder.stop_reason is not None:
+    if recording.stop_reason is not None:
         r = GaugeMetricFamily("locus_trace_recording_stop_reason", "Why the recording takes no more requests "
                               "(requested, budget, or the error that failed it, e.g. ENOSPC).",
                               labels=["model_name", "reason"])
-        r.add_metric([model_name, recorder.stop_reason], 1.0)
+        r.add_metric([model_name, recording.stop_reason], 1.0)
         yield r
     b = GaugeMetricFamily("locus_trace_recording_bytes", "Bytes the current recording's trace holds.",
                           labels=["model_name"])
-    b.add_metric([model_name], recorder.written_bytes if recorder is not None else 0)
+    b.add_metric([model_name], recording.written_bytes)
     yield b
     c = CounterMetricFamily("locus_trace_recording_failures", "Recordings stopped by an error (a full disk, say); "
                             "requests are never failed by one.", labels=["model_name"])
-    c.add_metric([model_name], core.recording_failures)
+    c.add_metric([model_name], recording.failures)
     yield c
 
 
-def ep_metrics(driver, model_name: str):
+def ep_metrics(ranks: list[RankSnapshot], model_name: str):
     """Expert parallelism: exchange bytes summed over ranks by tier and direction (docs/design.md's
     definitions, as GET /ep/stats and `locus replay`), and per rank its tokens, expert load and step
     time split, as of the last iteration every rank reported. Every rank that served counts, the ones
     a regroup lost included (frozen at their last report), and a rank's series is labelled with the
     rank it was started as, which a regroup never renumbers: no counter runs backwards."""
-    records = driver.records
-    counters, times = [r.counters for r in records], [r.times for r in records]
-    labels = [str(r.identity) for r in records]
+    counters, times = [r.counters for r in ranks], [r.times for r in ranks]
+    labels = [str(r.identity) for r in ranks]
     b = CounterMetricFamily("locus_ep_bytes", "Expert-parallel payload bytes sent, summed over ranks.",
                             labels=["model_name", "tier", "direction"])
     for tier in ("inter_node", "intra_node"):
@@ -119,7 +119,7 @@ def ep_metrics(driver, model_name: str):
     yield wire
     rank_families = [
         ("locus_ep_rank_tokens", "Tokens this rank ran through the MoE layers (its requests' tokens).",
-         lambda i: driver.tokens_of(records[i])),
+         lambda i: ranks[i].tokens),
         ("locus_ep_rank_expert_pairs", "(token, slot) pairs this rank's experts computed, summed over MoE layers: its expert load.",
          lambda i: counters[i].expert_pairs),
         ("locus_ep_rank_steps", "Iterations in which this rank ran a step.", lambda i: times[i].steps),
@@ -140,9 +140,9 @@ def ep_metrics(driver, model_name: str):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str, ep_driver=None):
+    def __init__(self, engine: AsyncEngine, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name, ep_driver))
+        self.registry.register(EngineCollector(engine, model_name))
         h = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("locus_time_to_first_token_seconds", "Time to first token.", **h)
         self.itl = Histogram("locus_inter_token_latency_seconds", "Time between consecutive output tokens.", **h)

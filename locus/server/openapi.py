@@ -402,9 +402,9 @@ def apply_limits(schemas: dict, state) -> None:
     engine = state.engine
     vocab = max_len = max_chars = None
     if engine is not None:
-        vocab = engine.core.model.config.vocab_size
-        max_len = engine.core.max_model_len
-        max_chars = max_len * max(1, engine.core.tokenizer.max_token_chars)
+        vocab = engine.info.vocab_size
+        max_len = engine.info.max_model_len
+        max_chars = max_len * max(1, engine.info.tokenizer.max_token_chars)
     token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
     names = sorted({state.model_name, *([state.config.model] if state.config.model else [])})
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -420,7 +420,7 @@ def apply_limits(schemas: dict, state) -> None:
             _set_number(props, "top_k", maximum=vocab)
         if max_len:
             _set_number(props, "max_tokens", maximum=max_len - 1)
-        props["guided_choice"]["anyOf"][0]["maxItems"] = engine.core.grammars.limits.max_choices if engine else 1024
+        props["guided_choice"]["anyOf"][0]["maxItems"] = engine.info.grammars.limits.max_choices if engine else 1024
     props = schemas["CompletionRequest"]["properties"]
     text = {"type": "string", **({"maxLength": max_chars} if max_chars else {})}
     ids = {"type": "array", "minItems": 1, "items": token, **({"maxItems": max_len} if max_len else {})}

@@ -13,7 +13,6 @@ from locus.engine.frontend.async_engine import AsyncEngine
 from locus.engine.frontend.build import build_engine
 from locus.engine.core.engine_core import EngineConfig
 from locus.engine.structured.limits import CompilePools
-from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.ranks.launch import EPSetup
 from locus.engine.sampling.sampler import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line
@@ -61,7 +60,6 @@ class ServerState:
         self.load_error: str | None = None
         self.on_load_failed = None  # callable; `locus serve` uses it to exit instead of serving 503s
         self.on_engine_dead = None  # callable; `locus serve` uses it to exit non-zero
-        self.ep_driver: EPDriver | None = None
         self.created = int(time.time())
         self.compile_pools = CompilePools(config.engine.grammar_limits)
 
@@ -75,12 +73,8 @@ class ServerState:
                                  engine_config=c.engine, quantize_experts=c.quantize_experts, plan=c.plan, ep=c.ep,
                                  record_trace=c.record_trace, model_name=self.model_name,
                                  chat_template=c.chat_template, burst_wait_s=c.burst_wait_ms / 1000.0)
-            core, loaded = built.core, built.loaded
-            if isinstance(built.backend, EPDriver):
-                self.ep_driver = built.backend
-            engine = AsyncEngine(built.backend, max_waiting=c.max_waiting, on_dead=self._engine_died,
-                                 burst_wait_s=built.burst_wait_s)
-            self.metrics = ServerMetrics(engine, self.model_name, self.ep_driver)
+            engine = built.serve(max_waiting=c.max_waiting, on_dead=self._engine_died)
+            self.metrics = ServerMetrics(engine, self.model_name)
             engine.on_finished = self.metrics.observe_output
             engine.start()
             self.engine = engine
@@ -88,9 +82,10 @@ class ServerState:
             # generations, so full collections (100+ ms pauses mid-stream) stay short.
             gc.collect()
             gc.freeze()
-            if loaded.random_weights:
+            if built.loaded.random_weights:
                 log.warning("model %r is a preset with RANDOM weights: its text is gibberish", self.model_name)
-            log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, core.blocks.num_blocks, core.blocks.block_size)
+            log.info("model %r ready: %d KV blocks of %d tokens", self.model_name, engine.info.num_blocks,
+                     engine.info.block_size)
         except Exception as exc:  # reported by /health (and by `locus serve` in one line as it exits)
             if debug_enabled():
                 log.exception("model failed to load")

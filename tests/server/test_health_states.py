@@ -9,15 +9,18 @@ import json
 from types import SimpleNamespace
 
 from locus.engine.ep.invariant import PlacementDisagreement
+from locus.engine.ep.ranks.health import EPHealth
+from locus.engine.frontend.health import EngineHealth
 from locus.server.routes.health import health_of
 
 
 def state(*, healthy=True, error=None, recovering=False, world=4, members=(0, 1, 2, 3), load_error=None,
           loaded=True):
-    engine = SimpleNamespace(healthy=healthy, error=error) if loaded else None
-    driver = SimpleNamespace(recovering=recovering, world=world, worker=SimpleNamespace(members=list(members)))
-    return SimpleNamespace(engine=engine, ep_driver=driver, load_error=load_error,
-                           config=SimpleNamespace(ep=SimpleNamespace(world=4)))
+    assert world == len(members)  # the ranks serving are the members
+    health = EngineHealth(running=healthy, error=error, ep=EPHealth(started=4, serving=tuple(members),
+                                                                   recovering=recovering, replanning=False))
+    engine = SimpleNamespace(health=lambda: health) if loaded else None
+    return SimpleNamespace(engine=engine, load_error=load_error)
 
 
 def answer(response) -> tuple[int, dict, dict]:

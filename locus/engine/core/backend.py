@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from locus.engine.core.engine_core import EngineCore, EngineStats
+from locus.engine.core.engine_core import EngineCore, EngineStats, ValidatedRequest
 from locus.engine.core.outputs import RequestOutput
-from locus.engine.sampling.sampler import SamplingParams
 
 IDLE_POLL_S = 0.5  # an idle single-process engine re-checks its stopping flag this often
 
@@ -23,8 +22,8 @@ IDLE_POLL_S = 0.5  # an idle single-process engine re-checks its stopping flag t
 class EngineBackend(Protocol):
     core: EngineCore  # this process's engine: tokenizer, validation, recording, calls between steps
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> object:
-        """Take a validated request (a LocusError refuses it now; `take_refused` refuses it later)."""
+    def add(self, request_id: str, request: ValidatedRequest, domain: str | None) -> object:
+        """Take a validated request, unchecked (a LocusError refuses it now; `take_refused` refuses it later)."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request: its aborted output now, or None when it comes back from a later step."""
@@ -70,8 +69,8 @@ class LocalBackend:
     def __init__(self, core: EngineCore):
         self.core = core
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> None:
-        self.core.add_request(request_id, prompt_ids, params, domain)
+    def add(self, request_id: str, request: ValidatedRequest, domain: str | None) -> None:
+        self.core.admit(request_id, request, domain)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.core.abort(request_id)

@@ -102,6 +102,15 @@ class EngineStats:
     prefix_cache_hits: int  # of which reused
 
 
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A prompt and its sampling parameters as `EngineCore.validate` passed them: the engine's one check of
+    a request. `admit` and the backends' `add` take it without checking again."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 def experts_capturable(model: Llama4ForCausalLM) -> bool:
     """Whether every MoE block's experts run without asking the host anything (the Triton kernels on
     float weights; quantized weights still take the reference on CUDA): what a CUDA graph capture needs."""
@@ -176,8 +185,10 @@ class EngineCore:
         return sum(self.graphs.compile_seconds.values()) if self.graphs is not None else 0.0
 
     # --- requests -------------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidParameter/LocusError for a request that can never run; the engine keeps nothing."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> ValidatedRequest:
+        """The one check of a request (its sampling ranges, its constraint, its prompt against the vocabulary,
+        the context and the KV pool): InvalidParameter/LocusError for one that can never run, else the
+        request as `admit` takes it. The engine keeps nothing."""
         params.validate(self.model.config.vocab_size)
         if params.structured is not None:  # a spec that does not compile, or that no output meets, is a 400
             self.grammars.check_satisfiable(params.structured)
@@ -201,6 +212,7 @@ class EngineCore:
             raise InvalidParameter("prompt", f"the prompt has {len(prompt_ids)} tokens but the KV cache holds only {pool_tokens}")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > pool_tokens:
             raise InvalidParameter("max_tokens", f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the {pool_tokens} tokens the KV cache holds")
+        return ValidatedRequest(list(prompt_ids), params)
 
     @property
     def pool_tokens(self) -> int:
@@ -208,10 +220,18 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None = None,
                     resumed: Resumed | None = None) -> Request:
-        """resumed: output already streamed elsewhere, taken as this request's first tokens (n = 1 only)."""
+        """Validate the request and add it (offline callers; the server validates at admission and calls
+        `admit`). resumed: output already streamed elsewhere, taken as this request's first tokens (n = 1 only)."""
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        self.validate(prompt_ids, params)
+        return self.admit(request_id, self.validate(prompt_ids, params), domain, resumed)
+
+    def admit(self, request_id: str, request: ValidatedRequest, domain: str | None = None,
+              resumed: Resumed | None = None) -> Request:
+        """Add a request `validate` passed, without checking it again."""
+        if request_id in self.requests:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        prompt_ids, params = request.prompt_ids, request.params
         if resumed is not None and params.n != 1:
             raise InvalidParameter("n", "only a request with n = 1 can resume from streamed output")
         if params.max_tokens is None:  # up to the context limit (or what the KV pool holds, if less)

@@ -6,9 +6,16 @@ engine thread applies them between steps, runs `step()`, and hands each request'
 request's sink with `call_soon_threadsafe`. A caller that stops listening (client gone, task
 cancelled) aborts its request, which frees its KV blocks at the next step boundary.
 
-Admission is decided synchronously by `add` (queue room, validation), before a caller sends any
+Admission is decided synchronously by `admit` (queue room) for a request `validate` passed (the
+engine's one check of a request, EngineCore.validate; `add` does both), before a caller sends any
 response byte, and exactly: requests admitted but not yet seen by the engine thread are counted
-under the same lock as the snapshot of the engine's waiting queue.
+under the same lock as the snapshot of the engine's waiting queue. Nothing after `validate` checks the
+request again.
+
+What a caller may read of the engine is one interface of named snapshots (health.py): `info`,
+`stats()`, `health()`, `recording()`, the expert load, and under expert parallelism each rank's
+figures and /ep/stats; the recording and a re-plan are asked for through methods, never through the
+engine's parts.
 
 Failure policy (as vLLM's): an error the engine can pin on one request (see EngineCore.step) fails
 that request only. Any other exception in the engine thread is fatal: it is logged with its
@@ -20,17 +27,23 @@ dead engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 from locus.engine.core.backend import EngineBackend, LocalBackend
-from locus.engine.core.engine_core import EngineCore, EngineStats
+from locus.engine.core.engine_core import EngineCore, EngineStats, ValidatedRequest
 from locus.engine.core.outputs import RequestOutput, merge_outputs
+from locus.engine.ep.ranks.health import RankSnapshot, ep_view_of
+from locus.engine.frontend.health import EngineHealth, EngineInfo, RecordingState, recording_state
+from locus.engine.observers.trace_recorder import RecordingSummary
 from locus.engine.sampling.sampler import SamplingParams
 from locus.errors import LocusError, forget_frames
 
@@ -54,8 +67,7 @@ class ShuttingDownError(QueueFullError):
 @dataclass
 class _Add:
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: ValidatedRequest
     domain: str | None
     sink: "_Sink"
     loop: asyncio.AbstractEventLoop
@@ -87,6 +99,7 @@ class AsyncEngine:
         # passes its driver (build.py's build_engine makes either)
         self.backend = LocalBackend(backend) if isinstance(backend, EngineCore) else backend
         self.core = self.backend.core
+        self._ep = ep_view_of(self.backend)  # rank 0's driver under expert parallelism, else None
         self.max_waiting = max_waiting
         # An idle engine that gets a request first waits until none has arrived for this long (at
         # most BURST_WAIT_CAP times as long), so that a burst is prefilled in one step (0: no wait).
@@ -121,6 +134,8 @@ class AsyncEngine:
         self.backend.interrupt()  # a regroup under way (elastic EP) gives up rather than hold the exit
         self._wake.set()
         self._thread.join(timeout)
+        if self._ep is not None:
+            self._ep.close()
 
     @property
     def failed(self) -> bool:
@@ -136,16 +151,85 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    # --- what callers read: snapshots, safe from any thread (health.py) ---------------------------
     def stats(self) -> EngineStats:
         """Counters as of the end of the last step (a snapshot; safe from any thread)."""
         return self._stats
 
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """What stays fixed while the engine serves: tokenizer, context limit, vocabulary, KV pool, constraint compiler."""
+        return EngineInfo.of(self.core)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.healthy, self._error, self._ep.health() if self._ep is not None else None)
+
+    def recording(self) -> RecordingState:
+        """The trace recording as it stands now (its counts move while requests run)."""
+        return recording_state(self.core)
+
+    def expert_load(self) -> dict[int, list[int]] | None:
+        """(token, slot) pairs routed to each expert so far, per MoE layer (every rank's under expert
+        parallelism); None when not counted."""
+        load = self.backend.expert_load
+        return None if load is None else load.snapshot()
+
+    def ep_ranks(self) -> list[RankSnapshot]:
+        """Under expert parallelism, every rank's figures as of its last report (lost ranks' last); else none."""
+        return self._ep.ranks() if self._ep is not None else []
+
+    def ep_stats(self) -> dict | None:
+        """GET /ep/stats' document; None without expert parallelism."""
+        return self._ep.stats() if self._ep is not None else None
+
+    def admission_log(self) -> dict | None:
+        """Under expert parallelism with a recording, rank 0's admission log (the ranks' trace parts are
+        merged in its order); else None."""
+        return self._ep.admissions() if self._ep is not None else None
+
+    # --- asked of the engine --------------------------------------------------------------------
+    async def start_recording(self, path: str | Path, model_name: str, max_bytes: int | None) -> None:
+        await self.call(lambda core: core.start_recording(path, model_name, max_bytes))
+
+    async def stop_recording(self) -> RecordingState:
+        """Record no new requests; the recording as it stands after."""
+        def stop(core: EngineCore) -> RecordingState:
+            core.stop_recording()
+            return recording_state(core)
+
+        return await self.call(stop)
+
+    async def recording_between_steps(self) -> RecordingState:
+        """The recording as the engine thread sees it between two steps (counts of whole steps)."""
+        return await self.call(recording_state)
+
+    async def dump_recording(self) -> RecordingSummary:
+        """Write the trace and end the recording."""
+        return await self.call(lambda core: core.dump_recording())
+
+    def request_replan(self, force: bool) -> Future:
+        """Under expert parallelism with live re-planning (`health().ep.replanning`), re-plan now: the
+        future holds the decision (replan.py raises ReplanBusy while one is under way)."""
+        future = self._ep.request_replan(force)
+        self._wake.set()  # the re-planner runs between the engine's iterations
+        return future
+
     # --- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> ValidatedRequest:
+        """The engine's one check of a request (EngineCore.validate): InvalidParameter / LocusError, or
+        the request as `admit` takes it. Safe on the event loop for a constraint already compiled."""
+        return self.core.validate(prompt_ids, params)
+
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             domain: str | None = None, final_only: bool = False) -> "RequestStream":
-        """Admit a request now (or raise EngineDeadError, QueueFullError, InvalidParameter) and
-        return the stream of its outputs. Call from the event loop that will read the stream."""
-        self.core.validate(prompt_ids, params)
+        """Validate and admit a request now (or raise EngineDeadError, QueueFullError, InvalidParameter)
+        and return the stream of its outputs. Call from the event loop that will read the stream."""
+        return self.admit(self.validate(prompt_ids, params), request_id, domain, final_only)
+
+    def admit(self, request: ValidatedRequest, request_id: str | None = None, domain: str | None = None,
+              final_only: bool = False) -> "RequestStream":
+        """Admit a validated request now (or raise EngineDeadError, QueueFullError) and return the stream of
+        its outputs. Call from the event loop that will read the stream."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._sinks:
             raise LocusError(f"request id {request_id!r} is already in use")
@@ -155,7 +239,7 @@ class AsyncEngine:
             self._check_admission(1)
             self._unapplied_adds += 1
             self._sinks[request_id] = (sink, loop)
-            self._commands.put(_Add(request_id, prompt_ids, params, domain, sink, loop))
+            self._commands.put(_Add(request_id, request, domain, sink, loop))
         self._wake.set()
         return RequestStream(self, request_id, sink)
 
@@ -307,8 +391,8 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add):
                 adds += 1
-                try:  # validated at admission; under expert parallelism the driver picks the rank
-                    backend.add(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.domain)
+                try:  # validated before admission; under expert parallelism the driver picks the rank
+                    backend.add(cmd.request_id, cmd.request, cmd.domain)
                 except LocusError as exc:
                     self._deliver(cmd.request_id, exc)
             elif isinstance(cmd, _Abort):

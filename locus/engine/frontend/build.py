@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from locus.engine.core.backend import EngineBackend, LocalBackend
 from locus.engine.checkpoint.loader import LoadedModel, load
 from locus.engine.checkpoint.tokenizer import read_chat_template
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.errors import LocusError
+
+if TYPE_CHECKING:
+    from locus.engine.frontend.async_engine import AsyncEngine
 
 log = logging.getLogger("locus.engine")
 
@@ -31,6 +35,13 @@ class BuiltEngine:
     @property
     def core(self) -> EngineCore:
         return self.backend.core
+
+    def serve(self, **options) -> AsyncEngine:
+        """The engine for serving: this backend driven from a background thread, with the burst wait it
+        allows (options: AsyncEngine's)."""
+        from locus.engine.frontend.async_engine import AsyncEngine  # the EP view it holds: not for offline callers
+
+        return AsyncEngine(self.backend, burst_wait_s=self.burst_wait_s, **options)
 
 
 def build_engine(model: str | None, *, dtype: str | None = None, device: str | None = None,

@@ -50,15 +50,16 @@ def routes(state: ServerState) -> APIRouter:
     async def completions(body: CompletionRequest, raw: Request):
         engine = state.accept(body)
         params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs())
-        tok, chars = engine.core.tokenizer, text_chars(body.prompt)
+        info, chars = engine.info, text_chars(body.prompt)
+        tok = info.tokenizer
         if isinstance(body.prompt, str):
-            check_text_size(chars, tok, engine.core.max_model_len, "prompt")
+            check_text_size(chars, tok, info.max_model_len, "prompt")
         elif body.prompt and isinstance(body.prompt[0], str):
             for text in body.prompt:
-                check_text_size(len(text), tok, engine.core.max_model_len, "prompt")
+                check_text_size(len(text), tok, info.max_model_len, "prompt")
         prompts = await off_loop_if_large(chars, lambda: responses.completion_prompts(body.prompt, tok,
                                                                                       body.add_special_tokens))
-        state.config.limits.check_logprob_entries(body, [len(p) for p in prompts], engine.core.max_model_len)
+        state.config.limits.check_logprob_entries(body, [len(p) for p in prompts], info.max_model_len)
         fmt = responses.CompletionFormat.for_request(state.model_name, tok, body)
         return await serve(raw, engine, prompts, params, body, "cmpl", fmt)
 
@@ -66,10 +67,10 @@ def routes(state: ServerState) -> APIRouter:
     async def chat(body: ChatCompletionRequest, raw: Request):
         engine = state.accept(body)
         params = body.sampling_params(body.effective_max_tokens, body.logprobs_count)
-        tok = engine.core.tokenizer
+        tok = engine.info.tokenizer
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         chars = text_chars(messages)
-        check_text_size(chars, tok, engine.core.max_model_len, "messages")
+        check_text_size(chars, tok, engine.info.max_model_len, "messages")
         prompt = await off_loop_if_large(chars, lambda: tok.encode(
             tok.apply_chat_template(messages, body.add_generation_prompt), add_special_tokens=body.add_special_tokens))
         return await serve(raw, engine, [prompt], params, body, "chatcmpl", responses.ChatFormat(state.model_name, tok))
@@ -77,7 +78,7 @@ def routes(state: ServerState) -> APIRouter:
     async def compile_constraint(engine: AsyncEngine, so) -> None:
         """Compile (and check) an output constraint in the compile pools; past its time budget the
         request is refused and the compile's result only goes to the cache (structured/limits.py)."""
-        grammars = engine.core.grammars
+        grammars = engine.info.grammars
         if grammars.is_compiled(so):
             return
         if not grammars.prepared:  # the server's one-time cost (xgrammar's import, the vocabulary): not timed
@@ -93,10 +94,10 @@ def routes(state: ServerState) -> APIRouter:
     async def serve(raw: Request, engine: AsyncEngine, prompts, params, body, prefix: str, fmt):
         if params.structured is not None:  # compiling can take a while: in its pool, within its budget
             await compile_constraint(engine, params.structured)
-        # Everything that can refuse the request does so here, before a byte is sent: validation,
-        # then admission, synchronously (no await in between), so the queue limit is exact.
-        for p in prompts:
-            engine.core.validate(p, params)
+        # Everything that can refuse the request does so here, before a byte is sent: the engine's one
+        # check of each prompt (nothing checks it again), then admission, synchronously (no await in
+        # between), so the queue limit is exact.
+        requests = [engine.validate(p, params) for p in prompts]
         engine.check_admission(len(prompts))
         request_id = f"{prefix}-{body.request_id or uuid.uuid4().hex[:24]}"
         domain = body.domain or raw.headers.get("x-locus-domain")
@@ -105,8 +106,8 @@ def routes(state: ServerState) -> APIRouter:
         final_only = not body.stream  # a whole response needs only each request's finished output
         streams = []
         try:
-            for i, p in enumerate(prompts):
-                streams.append(engine.add(p, params, f"{request_id}-{i}", domain, final_only))
+            for i, request in enumerate(requests):
+                streams.append(engine.admit(request, f"{request_id}-{i}", domain, final_only))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

@@ -7,7 +7,6 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from locus.engine.ep.ranks.stats import ep_stats_of
 from locus.errors import LocusError
 from locus.server.errors import APIError, parse_json
 from locus.server.state import ServerState
@@ -20,18 +19,18 @@ def routes(state: ServerState) -> APIRouter:
     @router.get("/ep/stats")
     async def ep_stats():
         """Expert-parallel traffic measured so far, summed over ranks (replay's field names)."""
-        driver = state.ep_driver
-        if driver is None:
+        stats = state.engine.ep_stats() if state.engine is not None else None
+        if stats is None:
             raise APIError(404, "this server does not run expert parallelism (--ep-ranks)", "not_found_error")
-        return ep_stats_of(driver)
+        return stats
 
     @router.post("/ep/replan")
     async def ep_replan(request: Request):
         """Re-plan the expert placement now (admin, --replan-api): the decision, and the move in progress."""
         from locus.engine.ep.rebalance.replan import ReplanAborted, ReplanBusy
 
-        driver = state.ep_driver
-        if driver is None or driver.replanner is None or not config.ep.replan_api:
+        ep = state.engine.health().ep if state.engine is not None else None
+        if ep is None or not ep.replanning or not config.ep.replan_api:
             raise APIError(404, "live re-planning is off (start the server with --ep-ranks N --replan-api)",
                            "not_found_error")
         raw = await request.body()
@@ -40,10 +39,9 @@ def routes(state: ServerState) -> APIRouter:
             raise APIError(400, "the body is {} or {\"force\": true|false}", "invalid_request_error", "force")
         engine = state.ready_engine()
         try:
-            future = driver.replanner.request(body.get("force", False))
+            future = engine.request_replan(body.get("force", False))
         except ReplanBusy as exc:
             raise APIError(409, str(exc), "conflict_error") from None
-        engine.wake()
         try:
             decision = await asyncio.wait_for(asyncio.wrap_future(future), timeout=600)
         except ReplanAborted as exc:  # a rank was lost meanwhile: the survivors' placement stands

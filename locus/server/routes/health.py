@@ -14,22 +14,23 @@ def health_of(state: ServerState):
     with, after a lost rank); 503 `loading`; 503 `recovering` (the survivors of a lost rank are
     regrouping: requests admitted meanwhile wait for it; Retry-After); 503 `error` (the model failed to
     load, or the engine stopped: the server is exiting). docs/expert_parallel.md lists them."""
-    engine, driver = state.engine, state.ep_driver
+    engine = state.engine
     if engine is None:
         if state.load_error:
             return JSONResponse({"status": "error", "detail": state.load_error}, status_code=503)
         return JSONResponse({"status": "loading", "detail": None}, status_code=503)
-    if not engine.healthy:
-        error = engine.error
+    health = engine.health()
+    if not health.running:
+        error = health.error
         detail = f"the engine stopped: {type(error).__name__}: {error}" if error is not None else "the engine stopped"
         return JSONResponse({"status": "error", "detail": detail}, status_code=503)
-    if driver is not None and driver.recovering:
+    ep = health.ep
+    if ep is not None and ep.recovering:
         return JSONResponse({"status": "recovering", "detail": "a rank was lost; the survivors are regrouping (requests "
                              "admitted meanwhile wait for it)"}, status_code=503, headers={"Retry-After": "2"})
-    if driver is not None and state.config.ep is not None and driver.world < state.config.ep.world:
-        lost = sorted(set(range(state.config.ep.world)) - set(driver.worker.members))
-        return {"status": "degraded", "detail": f"serving on {driver.world} of {state.config.ep.world} expert-parallel "
-                                                f"ranks; lost: {lost}"}
+    if ep is not None and ep.lost:
+        return {"status": "degraded", "detail": f"serving on {len(ep.serving)} of {ep.started} expert-parallel "
+                                                f"ranks; lost: {ep.lost}"}
     return {"status": "ok"}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from fastapi import APIRouter
 
 from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.frontend.health import RecordingState
 from locus.engine.observers.trace_recorder import MIN_TRACE_BYTES, RecordingStorageError
 from locus.engine.sampling.sampler import InvalidParameter
 from locus.files import directory_bytes
@@ -63,16 +64,15 @@ def trace_budget(trace_dir: str, max_bytes: int) -> int:
     return left
 
 
-def recording_status(core) -> dict:
+def recording_status(recording: RecordingState) -> dict:
     """GET /traces/status (and what /traces/stop answers): the recording's state, counts, budget and,
     when it stopped or failed, why. The trace is named, not located (the server's paths stay its own)."""
-    recorder = core.recorder
-    if recorder is None:
-        return {"state": "idle", "recording_failures": core.recording_failures}
-    return {"state": recorder.state, "name": recorder.path.name, "requests": recorder.requests,
-            "tokens": recorder.tokens, "bytes": recorder.written_bytes, "max_bytes": recorder.max_bytes,
-            "stop_reason": recorder.stop_reason, "reason": recorder.failure,
-            "recording_failures": core.recording_failures}
+    if recording.state == "idle":
+        return {"state": "idle", "recording_failures": recording.failures}
+    return {"state": recording.state, "name": recording.name, "requests": recording.requests,
+            "tokens": recording.tokens, "bytes": recording.written_bytes, "max_bytes": recording.max_bytes,
+            "stop_reason": recording.stop_reason, "reason": recording.failure,
+            "recording_failures": recording.failures}
 
 
 def routes(state: ServerState) -> APIRouter:
@@ -83,7 +83,7 @@ def routes(state: ServerState) -> APIRouter:
         if not config.trace_api:
             raise APIError(404, "the trace API is off (start the server with --enable-trace-api)", "not_found_error")
         engine = state.ready_engine()
-        if state.ep_driver is not None:
+        if engine.health().ep is not None:
             raise APIError(400, "recording on demand is not supported under expert parallelism yet; "
                                 "start the server with --record-trace", "invalid_request_error")
         return engine
@@ -91,35 +91,31 @@ def routes(state: ServerState) -> APIRouter:
     @router.post("/traces/start")
     async def traces_start(body: TraceStartRequest):
         engine = recording_engine()
-        recorder = engine.core.recorder
-        if recorder is not None:  # its name only: the server's paths are not a client's business
-            raise APIError(400, f"already recording trace {recorder.path.name!r} ({recorder.state}); "
+        recording = engine.recording()
+        if recording.state != "idle":  # its name only: the server's paths are not a client's business
+            raise APIError(400, f"already recording trace {recording.name!r} ({recording.state}); "
                                 "POST /traces/dump first", "invalid_request_error")
         name = body.path or default_trace_name(config.trace_dir, state.model_name)
         path = trace_path(config.trace_dir, name)
         budget = await asyncio.to_thread(trace_budget, config.trace_dir, config.trace_max_bytes)
         try:
-            await engine.call(lambda core: core.start_recording(path, state.model_name, budget))
+            await engine.start_recording(path, state.model_name, budget)
         except RecordingStorageError as exc:
             raise APIError(507, str(exc), "insufficient_storage") from None
         return {"status": "recording", "path": str(path)}
 
     @router.get("/traces/status")
     async def traces_status():
-        return await recording_engine().call(recording_status)
+        return recording_status(await recording_engine().recording_between_steps())
 
     @router.post("/traces/stop")
     async def traces_stop():
-        def stop(core):
-            core.stop_recording()
-            return recording_status(core)
-
-        status = await recording_engine().call(stop)
+        status = recording_status(await recording_engine().stop_recording())
         return {**status, "status": "failed" if status["state"] == "failed" else "stopped"}
 
     @router.post("/traces/dump")
     async def traces_dump():
-        summary = await recording_engine().call(lambda core: core.dump_recording())
+        summary = await recording_engine().dump_recording()
         return summary.__dict__
 
     return router

@@ -49,7 +49,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     driver = EPDriver(worker)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(engine_prompts()):
-        driver.add(f"p{i}", prompt, params, None)
+        driver.add(f"p{i}", core.validate(prompt, params), None)
     moved, tokens, logprobs = set(), {}, {}
     while driver.has_unfinished():
         for output in driver.step():

@@ -193,7 +193,7 @@ class BusyDriver:
         self.core, self.errors, self.added = core, [], []
         self.stopping, self.entered = threading.Event(), threading.Event()
 
-    def add(self, request_id, prompt_ids, params, domain):
+    def add(self, request_id, request, domain):
         self.added.append(request_id)
 
     def abort(self, request_id):

@@ -13,7 +13,7 @@ import pytest
 from locus.engine.frontend.async_engine import AsyncEngine, EngineDeadError
 from locus.engine.core.backend import LocalBackend
 from locus.engine.frontend.build import build_engine
-from locus.engine.core.engine_core import EngineStats
+from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.core.sequence import RequestMetrics
@@ -29,8 +29,8 @@ def output(request_id: str, token: int, finish: str | None) -> RequestOutput:
 class FakeCore:
     """What AsyncEngine reads of a backend's core: validation only."""
 
-    def validate(self, prompt_ids, params) -> None:
-        pass
+    def validate(self, prompt_ids, params) -> ValidatedRequest:
+        return ValidatedRequest(list(prompt_ids), params)
 
 
 class ScriptedBackend:
@@ -48,8 +48,8 @@ class ScriptedBackend:
         self.recovered: list[BaseException] = []
         self.closed = threading.Event()
 
-    def add(self, request_id, prompt_ids, params, domain):
-        if prompt_ids == [0]:
+    def add(self, request_id, request, domain):
+        if request.prompt_ids == [0]:
             self.refused.append((request_id, "refused by its rank"))
         else:
             self.left[request_id] = self.tokens

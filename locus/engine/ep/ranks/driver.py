@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from locus.engine.core.engine_core import EngineStats
+from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
 from locus.engine.ep.ranks.worker import RankWorker, failure_cause
@@ -197,7 +197,8 @@ class EPDriver:
             bound = max(0, min(self.core.max_model_len, self.core.pool_tokens) - len(prompt_ids))
         return len(prompt_ids) + bound * params.n
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, domain: str | None) -> int:
+    def add(self, request_id: str, request: ValidatedRequest, domain: str | None) -> int:
+        prompt_ids, params = request.prompt_ids, request.params  # validated on admission; each rank's add checks its own pool
         charge = self.charge_of(prompt_ids, params)
         grouper = self.grouper
         if grouper is not None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 
-from locus.engine.core.engine_core import EngineStats
+from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.core.sequence import RequestMetrics
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.driver import GAUGES, EPDriver
+from locus.engine.ep.ranks.health import EPView
 from locus.engine.ep.ranks.messages import Report, pack_output
 from locus.engine.ep.ranks.worker import Iteration
 from locus.engine.ep.ranks.stats import ep_stats_of
@@ -49,7 +50,7 @@ class StandInWorker:
 
 def admit(driver: EPDriver, request_id: str, charge: int) -> int:
     """Admit a one-token prompt charged `charge` tokens; the rank balanced admission chose."""
-    return driver.add(request_id, [1], SamplingParams(max_tokens=charge - 1), None)
+    return driver.add(request_id, ValidatedRequest([1], SamplingParams(max_tokens=charge - 1)), None)
 
 
 def readmitted_to(driver: EPDriver) -> dict[str, int]:
@@ -84,7 +85,7 @@ def test_a_lost_request_that_cannot_resume_fails_and_leaves_the_survivors_counts
     driver = EPDriver(StandInWorker(4, lost=[3]))
     for rid, charge in (("a", 10), ("b", 20), ("c", 30)):
         admit(driver, rid, charge)
-    assert driver.add("n2", [1], SamplingParams(max_tokens=4, n=2), None) == 3
+    assert driver.add("n2", ValidatedRequest([1], SamplingParams(max_tokens=4, n=2)), None) == 3
     assert driver.recover(RuntimeError("rank 3 lost"))
     assert driver.take_refused() == [("n2", "its rank was lost and a request with n = 2 cannot be resumed")]
     assert [r.in_flight for r in driver.ranks] == [10, 20, 30] and driver.requests() == ["a", "b", "c"]
@@ -103,7 +104,7 @@ def engine_stats(n: int) -> EngineStats:
 def every_counter(driver: EPDriver) -> dict[str, float]:
     """/ep/stats' and /metrics' EP counters, and the engine counters /metrics sums over ranks."""
     engine = {f"engine {k}": v for k, v in asdict(driver.stats()).items() if k not in GAUGES}
-    return {**stats_counters(ep_stats_of(driver)), **families_counters(ep_metrics(driver, "tiny")), **engine}
+    return {**stats_counters(ep_stats_of(driver)), **families_counters(ep_metrics(EPView(driver).ranks(), "tiny")), **engine}
 
 
 def test_no_counter_of_ep_stats_or_metrics_runs_backwards_after_a_regroup():

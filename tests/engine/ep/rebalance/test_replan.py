@@ -72,7 +72,7 @@ def worker(rank: int, world: int, port: int, out: str, quantize_experts: str | N
         replanner = attach_replanner(driver, ReplanSchedule(), layers_per_step=1, model_name="small")
         params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
         for i, prompt in enumerate(prompts()):
-            driver.add(f"p{i}", prompt, params, None)
+            driver.add(f"p{i}", core.validate(prompt, params), None)
         finals, future, iterations, epochs_seen = {}, None, 0, set()
         while driver.has_unfinished() or replanner.state != "idle" or runtime.move is not None:
             for output in driver.step():
