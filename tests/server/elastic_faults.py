@@ -28,7 +28,8 @@ import time
 
 from locus.cli import main
 from locus.engine.ep.ranks import migrate
-from locus.engine.ep.rebalance import elastic, replan
+from locus.engine.ep.ranks import elastic
+from locus.engine.ep.rebalance import replan
 
 FAULTS = "LOCUS_TEST_FAULTS"
 

@@ -366,7 +366,7 @@ def test_a_loss_inside_torchs_rendezvous_of_the_regroup_restarts_it(monkeypatch)
             got, stats, regrouped = streams_through_a_kill(base, ranks[2], recovery_timeout=90)
             assert [g["text"] for g in got] == want and {g["end"] for g in got} == {"done"}
             assert [r["lost_ranks"] for r in stats["recoveries"]] == [[2, 3]] and stats["ranks"] == 2
-            from locus.engine.ep.rebalance.elastic import JOIN_TIMEOUT_S
+            from locus.engine.ep.ranks.elastic import JOIN_TIMEOUT_S
 
             assert regrouped < JOIN_TIMEOUT_S + 15, f"the regroup took {regrouped:.1f} s (--ep-timeout 40)"
             assert not alive(ranks[3])

@@ -18,7 +18,7 @@ from locus.routing.plan.placement import PlacementPlan
 
 
 class Move(Protocol):
-    """A move to a target placement (rebalance/move.py's PlacementMove)."""
+    """A move to a target placement (placement_move.py's PlacementMove)."""
 
     target: PlacementPlan
 

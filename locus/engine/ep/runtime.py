@@ -130,7 +130,7 @@ class EPRuntime:
 
     @property
     def move(self):
-        """A placement move in flight (rebalance/move.py), advanced by the worker before each step."""
+        """A placement move in flight (placement_move.py), advanced by the worker before each step."""
         return self.state.move
 
     def advance_move(self):

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from locus.engine.ep.ranks.control import DIGEST, FIXED_FIELDS, Agreement
-from locus.engine.ep.rebalance.elastic import lost_peer, new_plan_of, plan_onto, ready_barrier, RegroupRestart, rendezvous_members
+from locus.engine.ep.ranks.elastic import lost_peer, new_plan_of, plan_onto, ready_barrier, RegroupRestart, rendezvous_members
 from locus.engine.ep.invariant import BROKEN, PlacementDisagreement, expert_fingerprint, wrong_slots
-from locus.engine.ep.rebalance.move import PlacementMove
+from locus.engine.ep.placement_move import PlacementMove
 from locus.engine.ep.placement import ExpertPlacement
 from locus.engine.ep.ranks.rendezvous import RendezvousRefused, SignedStore
 from locus.engine.ep.rebalance.replan import ReplanAborted, ReplanDecision, Replanner, ReplanSchedule

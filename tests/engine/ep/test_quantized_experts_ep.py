@@ -20,7 +20,7 @@ from locus.engine.checkpoint.weights import load_model, save_checkpoint
 from locus.engine.ep.groups import make_groups
 from locus.engine.ep.invariant import expert_fingerprint, held_fingerprints, share_fingerprints
 from locus.engine.ep.layer import ExpertParallelMoE, apply_expert_parallel
-from locus.engine.ep.rebalance.move import PlacementMove, align, move_bytes
+from locus.engine.ep.placement_move import PlacementMove, align, move_bytes
 from locus.engine.model.expert_rows import expert_nbytes
 from locus.engine.model.forward_batch import ForwardBatch
 from locus.engine.model.slices import expert_memory, moe_experts, slices_of

@@ -38,7 +38,7 @@ from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
 from locus.engine.ep.ranks.worker import RankWorker, failure_cause
-from locus.engine.ep.rebalance.move import MoveStats
+from locus.engine.ep.placement_move import MoveStats
 from locus.engine.core.outputs import RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.core.sequence import RequestMetrics, Resumed
@@ -375,7 +375,7 @@ class EPDriver:
     def recoverable(self, exc: BaseException) -> bool:
         """Whether a regroup may survive `exc`: a lost or hung peer, never a fault of rank 0's own or a
         disagreement between the ranks (elastic.lost_peer)."""
-        from locus.engine.ep.rebalance.elastic import lost_peer
+        from locus.engine.ep.ranks.elastic import lost_peer
 
         return self.can_recover and lost_peer(exc)
 

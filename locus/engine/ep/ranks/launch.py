@@ -203,7 +203,7 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
         where = setup.plan_path or "the placement plan"
         raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
     if setup.elastic:  # refuse now what a loss would refuse later: survivors must be able to hold every expert
-        from locus.engine.ep.rebalance.elastic import survivor_slots
+        from locus.engine.ep.ranks.elastic import survivor_slots
 
         E = config.num_local_experts
         try:

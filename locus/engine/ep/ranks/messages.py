@@ -18,6 +18,7 @@ import numpy as np
 
 from locus.engine.core.engine_core import EngineStats, RequestFailedError
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
+from locus.engine.ep.rebalance.replan import Replan
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.core.sequence import RequestMetrics, Resumed
@@ -31,16 +32,6 @@ class Add:
     domain: str | None
     resumed: Resumed | None = None  # a lost rank's request: what it had streamed there
     retry: bool = False  # resent after a regroup: the rank may have it already (then it is ignored)
-
-
-@dataclass
-class Replan:
-    """Move to `plan` (a placement plan as a JSON object, aligned to the current one), `layers_per_step`
-    MoE layers an iteration, starting in the iteration this command arrives (every rank alike)."""
-
-    plan: dict
-    layers_per_step: int
-    base: int = 0  # the digest of the placement it was made from and aligned to (invariant.py)
 
 
 @dataclass

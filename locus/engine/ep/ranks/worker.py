@@ -32,9 +32,9 @@ from locus.engine.ep.ranks.launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.ep.ranks.migrate import RequestMover, drop
 from locus.engine.observers.prefill_signatures import PrefillSignatures
 from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
-from locus.engine.ep.rebalance.move import MoveStats, PlacementMove
+from locus.engine.ep.placement_move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
-from locus.engine.ep.rebalance.window import RoutingWindow
+from locus.engine.ep.routing_window import RoutingWindow
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.core.sequence import RequestMetrics
 from locus.errors import LocusError, forget_frames
@@ -296,7 +296,7 @@ class RankWorker:
     # --- elastic EP ------------------------------------------------------------------------------
     def regroup(self) -> dict[int, int]:
         """After a failed collective: regroup with the survivors (elastic.py); {old rank: new rank}."""
-        from locus.engine.ep.rebalance.elastic import regroup
+        from locus.engine.ep.ranks.elastic import regroup
 
         if self.elastic is None:
             raise LocusError("this rank is not elastic (--ep-elastic)")
@@ -315,7 +315,7 @@ class RankWorker:
                     break
                 continue
             except Exception as exc:  # a peer died or hung: elastic ranks regroup, the others leave
-                from locus.engine.ep.rebalance.elastic import lost_peer
+                from locus.engine.ep.ranks.elastic import lost_peer
 
                 if self.elastic is None or not lost_peer(exc):  # a fault of this rank's own: no regroup repairs it
                     raise
@@ -348,7 +348,7 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
     if setup.moves:
         worker.enable_moves()
     if setup.elastic:
-        from locus.engine.ep.rebalance.elastic import ElasticOptions, expert_reader
+        from locus.engine.ep.ranks.elastic import ElasticOptions, expert_reader
 
         worker.elastic = ElasticOptions(setup.rendezvous, dist.get_backend(),
                                         expert_reader(model, dtype, device, moe_backend, seed, quantize_experts),

@@ -2,7 +2,7 @@
 
     idle --(every N steps / seconds, or POST /ep/replan)--> collecting: every rank sends its routing window
     collecting --(every window in)--> planning: a thread writes the windows as a trace, runs the plan's own
-        planner on the same topology and slot count, aligns the result to the current plan (move.py), and
+        planner on the same topology and slot count, aligns the result to the current plan (placement_move.py), and
         replays the window under both (`locus replay --assign recorded`, in process)
     planning --(decided)--> moving: a Replan command to every rank (or idle, if not worth it)
     moving --(the last layer switched)--> idle
@@ -25,8 +25,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from locus.engine.ep.rebalance.move import align, move_bytes
-from locus.engine.ep.rebalance.window import WindowTokens, write_window_trace
+from locus.engine.ep.placement_move import align, move_bytes
+from locus.engine.ep.routing_window import WindowTokens, write_window_trace
 from locus.errors import LocusError
 from locus.traces.format import TraceMeta
 
@@ -43,6 +43,16 @@ class ReplanAborted(LocusError):
 
 
 MIN_REPLAN_SECONDS = 1.0  # --replan-every below this would re-plan back to back (each takes a window and a plan)
+
+
+@dataclass
+class Replan:
+    """Move to `plan` (a placement plan as a JSON object, aligned to the current one), `layers_per_step`
+    MoE layers an iteration, starting in the iteration this command arrives (every rank alike)."""
+
+    plan: dict
+    layers_per_step: int
+    base: int = 0  # the digest of the placement it was made from and aligned to (invariant.py)
 
 
 @dataclass
@@ -175,8 +185,6 @@ class Replanner:
                     self._discard("the placement changed while the re-plan was being made")  # never sent
                     return
                 if decision is not None and decision.applied:
-                    from locus.engine.ep.ranks.messages import Replan
-
                     for rank in range(self.driver.world):
                         self.driver.command(rank).replan = Replan(target.to_dict(), self.layers_per_step,
                                                                   self._planned_from)

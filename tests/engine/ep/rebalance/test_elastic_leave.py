@@ -22,7 +22,7 @@ from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.ep.ranks.control import ControlPlane
-from locus.engine.ep.rebalance.elastic import leave_groups
+from locus.engine.ep.ranks.elastic import leave_groups
 from locus.engine.ep.groups import make_groups
 from locus.engine.ep.layer import apply_expert_parallel
 from locus.engine.ep.ranks.worker import RankWorker

@@ -14,7 +14,7 @@ from locus.engine.checkpoint.presets import PRESETS, build_preset
 from locus.engine.checkpoint.quantize import quantize_model_experts
 from locus.engine.checkpoint.weights import load_model
 from locus.engine.ep.invariant import expert_fingerprint
-from locus.engine.ep.rebalance.elastic import expert_reader, plan_onto, refill_experts
+from locus.engine.ep.ranks.elastic import expert_reader, plan_onto, refill_experts
 from locus.engine.model.slices import moe_experts, slices_of
 from locus.kernels.formats import QuantizedTensor
 from locus.routing.plan.topology import Topology

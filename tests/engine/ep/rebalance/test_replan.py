@@ -20,7 +20,7 @@ from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.ranks.driver import EPDriver
 from locus.engine.ep.groups import make_groups
 from locus.engine.ep.layer import apply_expert_parallel
-from locus.engine.ep.rebalance.move import align, fills
+from locus.engine.ep.placement_move import align, fills
 from locus.engine.ep.rebalance.replan import ReplanSchedule, attach_replanner
 from locus.engine.model.slices import slices_of
 from locus.engine.ep.ranks.worker import RankWorker
@@ -159,7 +159,7 @@ def test_replan_schedule_parses_seconds_and_steps():
 
 
 def test_plan_onto_survivors_keeps_held_experts_and_places_every_lost_one():
-    from locus.engine.ep.rebalance.elastic import plan_onto, survivor_topology
+    from locus.engine.ep.ranks.elastic import plan_onto, survivor_topology
     from locus.errors import LocusError
 
     plan = round_robin(8, (0, 1), Topology(2, 2, 2), model="toy")  # rank r holds experts r, r + 4
