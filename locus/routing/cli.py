@@ -38,7 +38,10 @@ def register(subparsers) -> None:
                         "routed by their epoch's plan (--plan then names epoch 0's, or use --plan embedded)")
     p.add_argument("--topology", help="NODESxGPUS, e.g. 2x8 (required with a built-in planner)")
     p.add_argument("--slots", type=int, help="expert slots per GPU for a built-in planner (default: just enough)")
-    p.add_argument("--expert-groups", type=int, help="eplb: expert groups, for the hierarchical policy (DeepSeek-V3: 8)")
+    p.add_argument("--expert-groups", type=int, help="the model's expert groups (DeepSeek-V3: 8; default: known from the "
+                   "trace's model name): eplb's hierarchical policy, and the plan's split-groups figures")
+    p.add_argument("--topk-group", type=int, help="groups a token is routed within (DeepSeek-V3: 4; default: known from "
+                   "the model name), for the nodes-per-token bound")
     p.add_argument("--plan-requests", metavar="START:STOP",
                    help="request range a built-in planner counts loads on (default: the replayed range)")
     p.add_argument("--save-plan", metavar="FILE", help="write the plan used (useful with a built-in planner)")
@@ -113,6 +116,7 @@ def register(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from locus.routing.expert_groups import group_figures, resolve_groups
     from locus.routing.replay.assignment import save_assignment
     from locus.routing.plan.placement import load_plan
     from locus.routing.replay.simulator import replay, parse_request_range
@@ -165,6 +169,7 @@ def run_replay(args: argparse.Namespace) -> int:
         shape = load_model_shape(args.model_shape or reader.meta.model)
         shape.check_trace(reader.meta)  # before the replay runs
 
+    groups = resolve_groups(reader.meta.model, reader.meta.num_experts, args.expert_groups, args.topk_group)
     epoch_plans = None
     if args.plan == "embedded" or args.plans:
         epoch_plans = _epoch_plans(args, reader)
@@ -172,9 +177,8 @@ def run_replay(args: argparse.Namespace) -> int:
     elif args.plan in BUILTIN_PLANS:
         plan, plan_range = _builtin_plan(args, reader, (start, stop))
     else:
-        for flag, value in (("--plan-requests", args.plan_requests), ("--expert-groups", args.expert_groups)):
-            if value is not None:
-                raise LocusError(f"{flag} applies to a built-in planner, not to a plan file")
+        if args.plan_requests is not None:
+            raise LocusError("--plan-requests applies to a built-in planner, not to a plan file")
         plan, plan_range = load_plan(args.plan), None
         if args.slots is not None and args.slots != plan.topology.slots_per_gpu:
             raise LocusError(f"--slots {args.slots} contradicts the plan's {plan.topology.slots_per_gpu} slots per GPU")
@@ -209,6 +213,8 @@ def run_replay(args: argparse.Namespace) -> int:
                     two_batch_overlap=args.two_batch_overlap)
     if bar:
         bar.close()
+    if groups is not None:
+        report.expert_groups = group_figures(plan.slots, groups, plan.topology, reader.meta.top_k).to_dict()
     print(report.format_table())
     if pairs is not None:
         _write_chakra(args, reader.meta, plan.topology, pairs)

@@ -93,7 +93,13 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="plan JSON to write (atomically)")
     p.add_argument("--requests", metavar="START:STOP", help="requests to plan on, e.g. 0:0.5 (default: all)")
     _caps_arguments(p, auto=True)
-    p.add_argument("--expert-groups", type=int, help="eplb: hierarchical policy over this many expert groups")
+    p.add_argument("--expert-groups", type=int, help="the model's expert groups (DeepSeek-V3: 8; default: known "
+                   "from the trace's model name): eplb's hierarchical policy, --align-groups, the split-groups figure")
+    p.add_argument("--topk-group", type=int, help="groups a token is routed within (DeepSeek-V3: 4; default: known "
+                   "from the model name), for the nodes-per-token bound")
+    p.add_argument("--align-groups", action="store_true",
+                   help="locality: every replica of each expert group on one node, then locality within that "
+                   "(bounds the nodes a token reaches by --topk-group; docs/planner.md)")
     p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
                    "(default: from the model name, see docs/planner.md)")
@@ -185,12 +191,16 @@ def run_plan(args: argparse.Namespace) -> int:
     reader = _open_trace(args.trace)
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
     requests = parse_request_range(args.requests, len(reader.requests))
+    groups = _plan_groups(args, reader.meta, topology)
     options = PlanOptions(caps=caps, seed=args.seed, expert_groups=args.expert_groups, rounds=args.rounds,
                           kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
                           replica_budget=args.replica_budget, load_model=args.load_model,
                           predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts,
-                          expert_cap_auto=auto)
+                          expert_cap_auto=auto, align_groups=groups if args.align_groups else None)
     objective = _step_objective(args, reader, topology)
+    if objective is not None and args.align_groups:
+        raise LocusError("--align-groups is not a candidate of the step-time objective: drop --hardware, or "
+                         "--align-groups")
     if objective is None:
         result = make_plan(args.planner, reader, topology, requests, options, trace=args.trace)
     else:
@@ -200,8 +210,17 @@ def run_plan(args: argparse.Namespace) -> int:
                                      log=lambda line: print(line, file=sys.stderr, flush=True))
         result = stepped.result
         print(format_scores(stepped))
+    figures = None
+    if groups is not None:
+        from locus.routing.expert_groups import group_figures
+
+        figures = group_figures(result.plan.slots, groups, topology, reader.meta.top_k)
+        result.plan.provenance["expert_groups"] = {"groups": groups.num_groups, "topk_group": groups.topk_group,
+                                                   "aligned": bool(args.align_groups)}
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
+    if figures is not None:
+        print(f"expert groups  {figures.describe()}")
     predictor = (result.plan.grouping or {}).get("predictor")
     if predictor is not None:
         size = len(json.dumps(predictor))
@@ -214,8 +233,28 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         from locus.files import write_text_atomic
 
-        _write(args.json, lambda path: write_text_atomic(Path(path), json.dumps(result.summary.to_dict(), indent=1) + "\n"))
+        doc = result.summary.to_dict()
+        if figures is not None:
+            doc["expert_groups"] = figures.to_dict()
+        _write(args.json, lambda path: write_text_atomic(Path(path), json.dumps(doc, indent=1) + "\n"))
     return 0
+
+
+def _plan_groups(args: argparse.Namespace, meta, topology):
+    """The trace model's expert groups (None when unknown), checked against the flags before any work."""
+    from locus.routing.expert_groups import resolve_groups
+    from locus.routing.planners.group_alignment import check_alignable
+
+    groups = resolve_groups(meta.model, meta.num_experts, args.expert_groups, args.topk_group)
+    if args.align_groups:
+        if args.planner != "locality":
+            raise LocusError(f"--align-groups applies to --planner locality (EPLB's own aligned policy is --planner "
+                             f"eplb --expert-groups G), not {args.planner}")
+        if groups is None:
+            raise LocusError(f"--align-groups needs the expert groups: the trace's model {meta.model!r} is not one "
+                             f"whose groups Locus knows; give --expert-groups G (and --topk-group K)")
+        check_alignable(groups, topology)
+    return groups
 
 
 def evaluate_parser() -> argparse.ArgumentParser:

@@ -45,6 +45,8 @@ from locus.routing.planners.expected_load import rank_loads
 from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.planners.layer_caps import layer_caps
 from locus.routing.planners.locality import BUDGETS, place_layer
+from locus.routing.planners.group_alignment import place_aligned
+from locus.routing.expert_groups import ExpertGroups
 from locus.routing.plan.placement import PlacementPlan, validate
 from locus.routing.replay.simulator import count_expert_loads
 from locus.routing.planners.summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
@@ -81,6 +83,8 @@ class PlanOptions:
     # locality: plan each layer at the larger of caps.expert (then a floor) and EPLB's figure on it, instead of
     # failing where the cap cannot be met (`--expert-cap auto`, layer_caps.py)
     expert_cap_auto: bool = False
+    # locality: keep every replica of each expert group on one node (`--align-groups`, group_alignment.py)
+    align_groups: ExpertGroups | None = None
 
 
 @dataclass
@@ -163,6 +167,8 @@ def load_model_for(options: PlanOptions) -> str:
 def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
     """Whether the load model must measure the node-aware rule's remote split: the rules differ only with
     top-k > 1 and three or more nodes (docs/replay.md)."""
+    if options.align_groups is not None:  # every expert on one node: both rules route alike
+        return False
     rule = options.dispatch or DEFAULT_RULE
     return load_model_for(options) == "dispatch" and rule == "node-aware" and top_k > 1 and topology.nodes > 2
 
@@ -272,6 +278,9 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
     figure reached."""
     if options.replica_budget not in BUDGETS:
         raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
+    if options.align_groups is not None:
+        return place_aligned(demand, meta.moe_layers, topology, options.align_groups, options.caps.expert,
+                             options.expert_cap_auto)
     limits = layer_caps(demand, meta.moe_layers, topology, options.caps.expert, options.expert_cap_auto)
     slots = np.empty_like(limits.eplb_slots)
     missed = []

@@ -85,6 +85,8 @@ class TrafficTotals:
     step_attention_imbalance_worst: float
     a2a_seconds: float
     epochs: dict[int, tuple[int, int, int]] | None = None  # per placement epoch: (tokens, inter sends, intra sends)
+    # (token, layer) rows by the distinct remote nodes their destinations lie on: [N] (0 .. N - 1 remote nodes)
+    remote_nodes: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ class TrafficMeter:
         self.rows = 0
         self.counts = np.zeros(5, dtype=np.int64)  # own_rank, own_node, inter sends, intra sends, intra pairs
         self.none_pairs = 0
+        self.remote_nodes = np.zeros(topology.nodes, dtype=np.int64)
         self.layer_loads = np.zeros((L, R), dtype=np.int64)
         self.rank_tokens = np.zeros(R, dtype=np.int64)
         self.open = None  # the step still being filled: (loads [L, R], inter [L, R], intra [L, R], tokens [R])
@@ -228,6 +231,7 @@ class TrafficMeter:
         distinct[..., 1:] = ranks[..., 1:] != ranks[..., :-1]
         inter = _popcount(remote_nodes)  # [T, L] distinct remote nodes
         intra = np.count_nonzero(distinct & (ranks < R), axis=2)  # [T, L] distinct tier-2 destinations
+        self.remote_nodes += np.bincount(inter.ravel(), minlength=len(self.remote_nodes))
         self.counts += (np.count_nonzero(own_rank), np.count_nonzero(own_node),
                         int(inter.sum(dtype=np.int64)), int(intra.sum(dtype=np.int64)), np.count_nonzero(tier2))
         if self.epoch_tables is not None and epochs is not None:
@@ -373,6 +377,7 @@ class TrafficMeter:
             intra_node_pairs=intra_pairs,
             bytes_per_send=self.bytes_per_send,
             epochs={e: tuple(int(x) for x in s) for e, s in sorted(self.epoch_sums.items())} if self.epoch_tables else None,
+            remote_nodes=self.remote_nodes.copy(),
             layer_loads=self.layer_loads.copy(),
             rank_tokens=self.rank_tokens.copy(),
             step_expert_imbalance_sum=self.imb_sum,

@@ -58,6 +58,11 @@ class ReplayReport:
     # with a hardware profile: the predicted step time (step_time.StepTimes.summary, plus the profile,
     # model shape and two_batch_overlap); None without one
     step_time: dict | None = None
+    # (token, layer) rows by the distinct remote nodes they reach, index = that count: the nodes per token a
+    # placement implies (its mean is inter_node_bytes / (2 sends x row bytes x rows))
+    remote_nodes: list[int] = field(default_factory=list)
+    # with the model's expert groups known (expert_groups.group_figures): the plan's split groups and node bound
+    expert_groups: dict | None = None
 
     @classmethod
     def from_totals(cls, t: TrafficTotals, *, model, planner, topology, assignment, requests, batch_tokens,
@@ -115,12 +120,13 @@ class ReplayReport:
                 for e, (n, inter, intra) in t.epochs.items()],
             concurrency=concurrency,
             step_time=step_time,
+            remote_nodes=[] if t.remote_nodes is None else [int(x) for x in t.remote_nodes],
         )
 
     def to_dict(self) -> dict:
         """JSON-ready: NaN (a figure with nothing to measure) becomes null; the step-time fields only when set."""
         doc = asdict(self)
-        for key in ("concurrency", "step_time"):
+        for key in ("concurrency", "step_time", "expert_groups"):
             if doc[key] is None:
                 del doc[key]
         return json_safe(doc)
@@ -151,6 +157,7 @@ class ReplayReport:
             *([("placement epochs (tokens, inter / intra B)", "; ".join(
                 f"{e['epoch']}: {e['tokens']:,}, {e['inter_node_bytes']:,} / {e['intra_node_bytes']:,}" for e in self.epochs))]
               if self.epochs else []),
+            *self._node_rows(),
             ("est. all-to-all time", f"{self.a2a_seconds:.4f} s ({self.a2a_ms_per_step:.3f} ms/step)"),
             ("link model", f"{self.links.inter_gbps:g} GB/s inter, {self.links.intra_gbps:g} GB/s intra, {self.links.latency_us:g} us"),
             *self._step_time_rows(),
@@ -158,6 +165,26 @@ class ReplayReport:
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
+
+    def remote_nodes_mean_max(self) -> tuple[float, int]:
+        """Mean and most remote nodes a (token, layer) row reaches (nan, 0 without rows)."""
+        counts = np.asarray(self.remote_nodes, dtype=np.int64)
+        if counts.sum() == 0:
+            return math.nan, 0
+        return float((counts * np.arange(len(counts))).sum() / counts.sum()), int(np.flatnonzero(counts).max())
+
+    def _node_rows(self) -> list[tuple[str, str]]:
+        rows = []
+        if self.remote_nodes:
+            mean, most = self.remote_nodes_mean_max()
+            rows.append(("remote nodes per token and layer (mean/max)", f"{mean:.3f} / {most}"))
+        if self.expert_groups is not None:
+            g = self.expert_groups
+            limit = f"top {g['topk_group']}" if g["topk_group"] is not None else "limit unknown"
+            rows.append(("expert groups split across nodes", f"{g['split_groups']} of {g['layer_groups']} (layer, group); "
+                         f"{g['num_groups']} groups of {g['group_size']}, {limit}"))
+            rows.append(("nodes a token's experts lie on, most (plan / aligned)", f"{g['node_bound']} / {g['aligned_bound']}"))
+        return rows
 
     def _steps_text(self) -> str:
         if self.step_order == "decode":
