@@ -41,7 +41,7 @@ import numpy as np
 
 from locus.errors import LocusError
 from locus.routing.node_cover import cover_nodes, popcount, replica_in
-from locus.routing.plan.placement import DISPATCH_RULES, PlacementPlan, validate
+from locus.routing.plan.placement import DISPATCH_RULES, PlacementPlan
 
 RULES = DISPATCH_RULES
 DEFAULT_RULE = "node-aware"  # measured: docs/replay.md, "The dispatch rule"
@@ -94,12 +94,16 @@ def planner_rule(planner: str, rule: str | None = None) -> str:
 
 
 def build_dispatch_table(plan: PlacementPlan, rule: str | None = None) -> DispatchTable:
-    """Lookup tables for `plan` under `rule` (default: the plan's own, see resolve_rule)."""
+    """Lookup tables for `plan` under `rule` (default: the plan's own, see resolve_rule). `plan` is one
+    its maker checked (placement.validate: loaded, planned, re-planned); what the tables rely on is
+    asserted, since a plan that breaks it would give wrong tables without an error."""
     rule = resolve_rule(plan, rule)
-    validate(plan)  # the tables assume every expert has a slot in every layer
     slots = np.asarray(plan.slots, dtype=np.int64)  # [L, R, S]
     L, R, S = slots.shape
     E, G, P = plan.num_experts, plan.topology.gpus_per_node, R * S
+    # an id outside 0..E-1 would land in another rank's or layer's keys below
+    assert (L, R, S) == (len(plan.moe_layers), plan.topology.ranks, plan.topology.slots_per_gpu) and (
+        not slots.size or 0 <= slots.min() <= slots.max() < E), "the plan's slots do not match its topology and experts"
     if R + 1 > np.iinfo(np.int16).max:
         raise ValueError(f"{R} ranks do not fit the int16 dispatch tables")
     if L * R * (E + 1) >= 2**31:
@@ -111,6 +115,7 @@ def build_dispatch_table(plan: PlacementPlan, rule: str | None = None) -> Dispat
     below = np.zeros((L, R + 1, E), dtype=np.int64)
     np.cumsum(held, axis=1, out=below[:, 1:])
     total = below[:, R]  # [L, E]
+    assert total.all(), "an expert has no slot in some layer"  # its tier would be empty: no rank to send to
     expert_start = np.arange(L)[:, None] * P + np.cumsum(total, axis=1) - total  # [L, E]
 
     # Sorting each layer's slots by expert (stable, slots are rank-major) lists replicas by rank.

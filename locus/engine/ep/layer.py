@@ -31,7 +31,7 @@ from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.model.moe import RoutedMoE
 from locus.kernels import fused_moe
 from locus.routing.gate import TopK
-from locus.routing.plan.placement import PlacementPlan, validate
+from locus.routing.plan.placement import PlacementPlan
 
 
 class ExpertParallelMoE(nn.Module):
@@ -122,9 +122,7 @@ def apply_expert_parallel(model: Llama4ForCausalLM, plan: PlacementPlan, groups:
     """Swap every MoE block of `model` for its expert-parallel form on this rank; returns the runtime
     whose placement the layers read and whose exchanges count the bytes. dispatch_format /
     combine_format: how the exchanged rows travel (payload.py; "model": the model's dtype)."""
-    config = model.config
-    validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
-    topo = plan.topology
+    topo = plan.topology  # the plan fits the model: checked where it entered (ranks/launch.py, load_rank)
     if (topo.nodes, topo.gpus_per_node) != (groups.nodes, groups.gpus_per_node):
         raise ValueError(f"the plan's topology {topo.nodes}x{topo.gpus_per_node} is not the process groups' "
                          f"{groups.nodes}x{groups.gpus_per_node}")
