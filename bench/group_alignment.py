@@ -118,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topologies", default="2x2:5,4x2:3", help="NxG:SLOTS, comma-separated (default 2x2:5,4x2:3)")
     ap.add_argument("--expert-cap", default="auto", help="every plan's --expert-cap (default auto)")
     ap.add_argument("--out", default="results/group_alignment.json")
+    ap.add_argument("--work", default="results/tmp/group_alignment", help="where the plans and replay reports go")
     args = ap.parse_args(argv)
 
     trace = Path(args.trace)
     if not (trace / "meta.json").is_file():
         trace.parent.mkdir(parents=True, exist_ok=True)
         record_trace(trace, args.corpus, args.requests_per_domain, args.max_tokens, args.seed)
-    work = Path("results/tmp/group_alignment")  # the plans and replay reports behind the rows
+    work = Path(args.work)  # the plans and replay reports behind the rows
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in args.topologies.split(","):
