@@ -85,6 +85,16 @@ def test_nodes_per_token_never_exceed_topk_group_under_alignment(trace, tmp_path
         reports[name] = json.loads(out.read_text())
     counts = reports["aligned"]["remote_nodes"]
     assert max(i for i, c in enumerate(counts) if c) <= TOPK_GROUP  # remote nodes of a (token, layer)
+    # every node holding any replica of any of a token's experts, own node included: at most topk_group
+    plan = load_plan(aligned)
+    holders = [[set() for _ in range(E)] for _ in plan.moe_layers]
+    for l, layer in enumerate(np.asarray(plan.slots)):
+        for rank, slots in enumerate(layer):
+            for e in slots:
+                holders[l][int(e)].add(rank)  # 8x1: a rank is a node
+    ids = np.asarray(TraceReader(trace).expert_ids)
+    reached = [len(set().union(*(holders[l][int(e)] for e in row))) for token in ids for l, row in enumerate(token)]
+    assert max(reached) == TOPK_GROUP
     assert reports["aligned"]["expert_groups"]["split_groups"] == 0
     assert reports["aligned"]["expert_groups"]["node_bound"] == TOPK_GROUP
     spread = reports["round_robin"]
