@@ -14,6 +14,7 @@ from locus.engine.frontend.async_engine import AsyncEngine, EngineDeadError
 from locus.engine.core.backend import LocalBackend
 from locus.engine.frontend.build import build_engine
 from locus.engine.core.engine_core import EngineStats, ValidatedRequest
+from locus.engine.frontend.health import EngineHealth
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.core.sequence import RequestMetrics
@@ -182,7 +183,8 @@ def test_build_engine_makes_the_single_process_engine_the_server_and_llm_use():
     built = build_engine("tiny", dtype="float32", device="cpu", moe_backend="torch", burst_wait_s=0.002)
     assert isinstance(built.backend, LocalBackend) and built.core is built.backend.core
     assert built.loaded.random_weights and built.burst_wait_s == 0.002
-    engine = AsyncEngine(built.backend, burst_wait_s=built.burst_wait_s)
+    engine = built.serve()
+    assert engine.burst_wait_s == 0.002
     engine.start()
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -194,3 +196,34 @@ def test_build_engine_makes_the_single_process_engine_the_server_and_llm_use():
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
     finally:
         engine.shutdown()
+
+
+def test_the_engine_interface_reads_the_one_process_engine():
+    """What the server reads (frontend/health.py): the engine's fixed facts, its health before and after it
+    stops, the counters of a finished request, no recording, the expert load, and no expert parallelism."""
+    built = build_engine("tiny", dtype="float32", device="cpu", moe_backend="torch")
+    core = built.core
+    engine = built.serve()
+    info = engine.info
+    assert (info.tokenizer, info.max_model_len, info.vocab_size) == (core.tokenizer, core.max_model_len,
+                                                                     core.model.config.vocab_size)
+    assert (info.num_blocks, info.block_size, info.grammars) == (core.blocks.num_blocks, core.blocks.block_size,
+                                                                 core.grammars)
+    assert engine.health() == EngineHealth(running=False, error=None)  # not started
+    engine.start()
+    try:
+        assert engine.health() == EngineHealth(running=True, error=None, ep=None)
+
+        async def run():
+            request = engine.validate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+            return [o async for o in engine.admit(request, "r")]
+
+        asyncio.run(run())
+        assert engine.stats().prompt_tokens == 3 and engine.stats().generation_tokens == 2
+        assert engine.recording().state == "idle" and engine.recording().failures == 0
+        load = engine.expert_load()
+        assert sorted(load) == list(core.model.config.moe_layers) and sum(map(sum, load.values())) > 0
+        assert engine.ep_ranks() == [] and engine.ep_stats() is None and engine.admission_log() is None
+    finally:
+        engine.shutdown()
+    assert not engine.health().running
