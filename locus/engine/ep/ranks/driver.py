@@ -22,7 +22,8 @@ total, so no counter of /ep/stats or /metrics runs backwards after a regroup. Pe
 one record (`AdmittedRequest`): its rank (a moving request's is its target's), charge, prompt,
 parameters, the grouper that admitted it and what it has streamed. The expert load of every rank is
 kept summed (what /metrics shows). The grouper that admits is derived from the placement state
-(placement_state.py): the plan whose grouping admits requests.
+(placement_state.py): the plan whose grouping admits requests. After a lost rank (`--ep-elastic`),
+recovery.py regroups the ranks and puts these records in the survivors' numbering.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import numpy as np
 from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
-from locus.engine.ep.ranks.worker import RankWorker, failure_cause
+from locus.engine.ep.ranks.recovery import Recovery
+from locus.engine.ep.ranks.worker import Iteration, RankWorker, failure_cause
 from locus.engine.ep.placement_move import MoveStats
 from locus.engine.core.outputs import RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
@@ -121,24 +123,13 @@ class EPDriver:
         # counted twice, or not at all
         self.roster: tuple[list[RankRecord], list[RankRecord]] = ([RankRecord(i) for i in worker.members], [])
         self.ranks[0].expert_bytes = worker.expert_bytes
-        self._requests: dict[str, AdmittedRequest] = {}  # the unfinished ones
-        self._pending: dict[int, Commands] = {}  # rank -> commands of the next iteration
+        self.admitted: dict[str, AdmittedRequest] = {}  # the unfinished requests
+        self.pending: dict[int, Commands] = {}  # rank -> commands of the next iteration
         self.expert_load = SummedExpertLoad(self.core.expert_load, self.world) if self.core.expert_load is not None else None
         self.errors: list[tuple[str, str]] = []  # refused adds, for AsyncEngine to deliver
         self.last_stepped = False  # the last iteration ran a step: the others have reports to send
         self.replanner = None  # replan.Replanner, when live re-planning is on
-        # Requests a regroup resumed from what they had streamed (a lost rank's, or a move's whose
-        # target was lost). The survivors' reports read in the first iteration after it were made
-        # before it: a move's source may report tokens of such a request that it will run again where
-        # it resumes, so that iteration drops them (step)
-        self._resumed_in_regroup: set[str] = set()
-        self._last_commands: dict[int, Commands] = {}
-        self._recovered: list[RequestOutput] = []  # read from a failed iteration's reports, out with the next step's
-        self.recovering = False
-        self.recoveries: list[dict] = []  # what each regrouping did
-        self.stopping = threading.Event()  # the server is stopping: a regroup under way gives up
-        if worker.elastic is not None:
-            worker.elastic.cancelled = self.stopping.is_set
+        self.recovery = Recovery(self)  # elastic EP: surviving a lost rank
         # Recording: the order of admissions and releases, which the replay's grouper runs through again
         self.admissions = AdmissionLog() if self.core.recorder is not None else None
 
@@ -205,41 +196,41 @@ class EPDriver:
             rank = grouper.admit(request_id, domain, charge, prompt_tokens=len(prompt_ids), streams=params.n,
                                  prompt_ids=prompt_ids)
         else:
-            rank = self._least_loaded()
-        self._requests[request_id] = AdmittedRequest(rank, charge, list(prompt_ids), params, domain, grouper=grouper)
+            rank = self.least_loaded()
+        self.admitted[request_id] = AdmittedRequest(rank, charge, list(prompt_ids), params, domain, grouper=grouper)
         self.ranks[rank].in_flight += charge
         if self.admissions is not None:
             self.admissions.admit(request_id, charge)
-        self._pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
+        self.pending.setdefault(rank, Commands()).adds.append(Add(request_id, list(prompt_ids), params, domain))
         return rank
 
     def abort(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
+        request = self.admitted.get(request_id)
         if request is not None:
-            self._pending.setdefault(request.rank, Commands()).aborts.append(request_id)
+            self.pending.setdefault(request.rank, Commands()).aborts.append(request_id)
 
     def requests(self) -> list[str]:
         """The unfinished requests, on any rank."""
-        return list(self._requests)
+        return list(self.admitted)
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank an unfinished request runs on (a moving one's target); None when it is not unfinished."""
-        request = self._requests.get(request_id)
+        request = self.admitted.get(request_id)
         return None if request is None else request.rank
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self.last_stepped
+        return bool(self.admitted) or bool(self.pending) or self.last_stepped
 
-    def _least_loaded(self) -> int:
+    def least_loaded(self) -> int:
         """Balanced admission: the rank with the fewest tokens in flight, ties to the lowest."""
         return min(range(self.world), key=lambda r: (self.ranks[r].in_flight, r))
 
     def wait_s(self) -> float:
         """How long rank 0's loop may wait before the next iteration: none while anything runs or a
         placement moves, a little while a re-plan is being computed, else a heartbeat."""
-        if self.last_stepped or self._pending or self.runtime.move is not None:
+        if self.last_stepped or self.pending or self.runtime.move is not None:
             return 0.0
-        if self._requests:  # requests in flight, but no rank stepped (a rank compiling a grammar, say): poll
+        if self.admitted:  # requests in flight, but no rank stepped (a rank compiling a grammar, say): poll
             return 0.005
         if self.replanner is not None and self.replanner.state != "idle":
             return 0.02
@@ -247,43 +238,46 @@ class EPDriver:
 
     def step(self) -> list[RequestOutput]:
         """One iteration of every rank; the outputs of all of them (the others': their previous step's)."""
+        commands = self._take_commands()
+        it = self.worker.iterate(commands)
+        return self._outputs_of(it)
+
+    def _take_commands(self) -> dict[int, Commands]:
+        """The commands of the iteration about to run: those queued (adds, aborts, moves) and the
+        re-planner's."""
         if self.replanner is not None:
             self.replanner.before_iteration(self.last_stepped)
-        commands, self._pending = self._pending, {}
-        self._last_commands = commands  # elastic EP: resent to survivors if this iteration fails
-        it = self.worker.iterate(commands)
-        resumed, self._resumed_in_regroup = self._resumed_in_regroup, set()
+        commands, self.pending = self.pending, {}
+        self.recovery.sending(commands)
+        return commands
+
+    def _outputs_of(self, it: Iteration) -> list[RequestOutput]:
+        """The iteration's outputs to stream, with the books kept: what a regroup read from a failed
+        iteration, then the other ranks' (their previous step's: a request moved to rank 0 this
+        iteration has its source's last tokens in a report and its next ones in rank 0's own outputs),
+        then rank 0's own; finished requests released, the moves' and prefills' word acted on."""
+        resumed, recovered = self.recovery.iteration_ran()
         self.last_stepped = it.stepped
-        # the other ranks' (their previous step's) first: a request moved to rank 0 this iteration has
-        # its source's last tokens in a report and its next ones in rank 0's own outputs. Before them,
-        # what a regroup read from the iteration that failed (released there already).
-        recovered, self._recovered = self._recovered, []
         own = self.ranks[0]
         # (a copy of the step times: the worker updates its own field by field, and a reader in another
         # thread must never see a split that a later update takes back)
         own.stats, own.times, own.counters = self.core.stats(), replace(self.worker.times), self.runtime.counters()
         own.epochs, own.move = self.runtime.counters_by_epoch(), self.worker.last_move
         self._refused(it.errors)
-        outputs, prefills, moved = self._read_reports(it.reports, resumed)
-        prefills, moved = [(0, p) for p in it.prefills] + prefills, [(0, m) for m in it.moved] + moved
-        if self.worker.elastic is not None:  # rank 0's own too: a request that moves away may be resumed
-            for out in it.outputs:
-                request = self._requests.get(out.request_id)
-                if request is not None:
-                    note_delivered(request, out)
+        outputs, prefills, moved = self.read_reports(it.reports, resumed)
+        for out in it.outputs:  # (a request that moves away may be resumed from what it streamed)
+            request = self.admitted.get(out.request_id)
+            if request is not None:
+                self.recovery.note(request, out)
         outputs += it.outputs
-        for out in outputs:
-            if out.finished:
-                self._release(out.request_id)
-        for rank, (request_id, tokens) in moved:
-            self._moved(request_id, tokens)
-        for rank, (request_id, index, count) in prefills:
+        self.settle(outputs, [(0, m) for m in it.moved] + moved)
+        for rank, (request_id, index, count) in [(0, p) for p in it.prefills] + prefills:
             self._observe(request_id, index, count)
         if self.replanner is not None:
             self.replanner.after_iteration()
         return recovered + outputs
 
-    def _read_reports(self, reports: dict, resumed: set[str]) -> tuple[list[RequestOutput], list, list]:
+    def read_reports(self, reports: dict, resumed: set[str]) -> tuple[list[RequestOutput], list, list]:
         """Take the other ranks' reports into their records; returns their outputs (a request's streamed
         tokens noted under elastic EP), prefill signatures and moves out, each by rank. A report read
         already (resent after a regroup) gives nothing; `resumed`: requests a regroup resumed from what
@@ -305,20 +299,28 @@ class EPDriver:
             prefills += [(rank, p) for p in report.prefills]
             moved += [(rank, m) for m in report.moved if m[0] not in resumed]
             for packed in report.outputs:
-                request = self._requests.get(packed[0])
+                request = self.admitted.get(packed[0])
                 if request is None or packed[0] in resumed:
                     continue  # (resumed: made before the regroup that resumed it from what it had streamed)
                 out = unpack_output(packed, request.prompt, request.metrics, now)
-                if self.worker.elastic is not None:
-                    note_delivered(request, out)
+                self.recovery.note(request, out)
                 outputs.append(out)
         return outputs, prefills, moved
+
+    def settle(self, outputs: list[RequestOutput], moved: list) -> None:
+        """Release the requests `outputs` finish; take each move's word from its source (`moved`:
+        (rank, (request id, KV positions sent or -1)))."""
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        for rank, (request_id, tokens) in moved:
+            self._moved(request_id, tokens)
 
     # --- moves after prefill (--ep-moves) -------------------------------------------------------------
     def _observe(self, request_id: str, index, count) -> None:
         """A request's prefill has run: offer its signature to the grouper that admitted it, and move it
         where that grouper says (the replay offers it at the same point of the admission log)."""
-        request = self._requests.get(request_id)
+        request = self.admitted.get(request_id)
         if request is None:
             return
         grouper, params = request.grouper, request.params
@@ -339,7 +341,7 @@ class EPDriver:
         """Move a running request to rank `target` in the next iteration: its KV cache and sampler
         state go from its rank to `target` before that iteration's step (migrate.py). The grouper's
         books are the caller's (observe_prefill has moved it there already)."""
-        request = self._requests.get(request_id)
+        request = self.admitted.get(request_id)
         if request is None or request.rank == target:
             return
         source, params = request.rank, request.params
@@ -347,8 +349,8 @@ class EPDriver:
             raise LocusError(f"request {request_id!r} cannot move: it has n > 1 or an output grammar")
         self._move_number += 1
         number = self._move_number
-        self._pending.setdefault(source, Commands()).moves_out.append(Move(request_id, target, number))
-        self._pending.setdefault(target, Commands()).moves_in.append(
+        self.pending.setdefault(source, Commands()).moves_out.append(Move(request_id, target, number))
+        self.pending.setdefault(target, Commands()).moves_in.append(
             Move(request_id, source, number, tokens=request.charge))
         request.rank = target
         self.ranks[source].in_flight -= request.charge
@@ -363,150 +365,47 @@ class EPDriver:
             if self.admissions is not None:
                 self.admissions.moved_tokens(request_id, tokens)
             return
-        if request_id in self._requests:  # neither finished nor aborted there: it cannot be anywhere
+        if request_id in self.admitted:  # neither finished nor aborted there: it cannot be anywhere
             log.error("request %s was not on its rank when it was to move", request_id)
             self._refused([(request_id, "the request was lost while moving between expert-parallel ranks")])
 
-    # --- elastic EP: a lost rank ----------------------------------------------------------------------
+    # --- elastic EP: a lost rank (recovery.py) --------------------------------------------------------
     @property
     def can_recover(self) -> bool:
-        return self.worker.elastic is not None
+        return self.recovery.enabled
+
+    @property
+    def recovering(self) -> bool:
+        """The survivors of a lost rank are regrouping."""
+        return self.recovery.recovering
+
+    @property
+    def recoveries(self) -> list[dict]:
+        """What each recovery did."""
+        return self.recovery.records
 
     def recoverable(self, exc: BaseException) -> bool:
-        """Whether a regroup may survive `exc`: a lost or hung peer, never a fault of rank 0's own or a
-        disagreement between the ranks (elastic.lost_peer)."""
-        from locus.engine.ep.ranks.elastic import lost_peer
-
-        return self.can_recover and lost_peer(exc)
+        return self.recovery.recoverable(exc)
 
     def recover(self, exc: BaseException) -> bool:
-        """A collective failed: regroup with the survivors (elastic.py) and re-admit the lost ranks'
-        requests from their prompt and what they streamed. False when not elastic, or when it fails."""
-        if self.worker.elastic is None:
-            return False
-        started, old_world = time.monotonic(), self.world
-        self.recovering = True
-        try:
-            mapping = self.worker.regroup()
-        except Exception as error:  # noqa: BLE001 - no way on: the caller fails the server
-            if isinstance(error, LocusError):
-                log.error("regrouping after a lost rank failed: %s", error)
-            else:
-                log.exception("regrouping after a lost rank failed")
-            return False
-        finally:
-            self.recovering = False
-        # the survivors' plan has no grouping (the placement state regrouped): balanced from now on, and
-        # no grouper of the old plan is told about requests any more
-        for request in self._requests.values():
-            request.grouper = None
-        self._read_failed_iteration()
-        lost = [r for r in range(old_world) if r not in mapping]
+        """A collective failed: regroup with the survivors and resume the lost ranks' requests from their
+        prompt and what they streamed (recovery.py). False when not elastic, or when it fails."""
+        return self.recovery.recover()
+
+    def renumber_ranks(self, mapping: dict[int, int], lost: list[int]) -> None:
+        """A regroup: the survivors' records in their new rank order, the lost ranks' kept as their last
+        report left them (swapped as one: see `roster`)."""
         ranks, gone = self.roster
-        self.roster = ([ranks[r] for r in sorted(mapping, key=mapping.get)],  # old ranks, in new rank order
-                       gone + [ranks[r] for r in lost])
+        self.roster = ([ranks[r] for r in sorted(mapping, key=mapping.get)], gone + [ranks[r] for r in lost])
         self.ranks[0].expert_bytes = self.worker.expert_bytes
-        # A re-plan was made for the old membership: the re-planner discards it, and no command of it
-        # (a window request, a move) reaches the survivors, queued or resent.
-        if self.replanner is not None:
-            self.replanner.membership_changed()
-        self._pending = {mapping[r]: replace(c, send_window=False, replan=None)
-                         for r, c in self._pending.items() if r in mapping}
-        for r, c in self._last_commands.items():  # the failed iteration's: a survivor may not have them
-            if r != 0 and r in mapping:
-                resend = self._pending.setdefault(mapping[r], Commands())
-                resend.adds[:0] = [replace(a, retry=True) for a in c.adds if self.rank_of(a.request_id) == r]
-                resend.aborts[:0] = c.aborts
-        self._resume_moves(mapping)
-        self._last_commands = {}
-        # the survivors' requests keep their rank (renumbered) and charge it; then each lost rank's
-        # request goes to the least-loaded survivor, counted in the survivors' numbering
-        lost_requests = []
-        for r in self.ranks:
-            r.in_flight = 0
-        for request_id, request in self._requests.items():
-            if request.rank in mapping:
-                request.rank = mapping[request.rank]
-                self.ranks[request.rank].in_flight += request.charge
-            else:
-                request.rank = None  # charged to no survivor until re-admitted
-                lost_requests.append(request_id)
-        readmitted, failed = 0, 0
-        for request_id in lost_requests:
-            if self._readmit(request_id):
-                readmitted += 1
-            else:
-                failed += 1
-        record = {"lost_ranks": lost, "survivors": self.world, "readmitted": readmitted, "failed": failed,
-                  "seconds": time.monotonic() - started, "epoch": self.runtime.placement.epoch,
-                  "topology": str(self.runtime.placement.plan.topology)}
-        self.recoveries.append(record)
-        log.warning("recovered from the loss of rank(s) %s in %.2f s: %d requests re-admitted, %d failed",
-                    lost, record["seconds"], readmitted, failed)
-        return True
-
-    def _read_failed_iteration(self) -> None:
-        """Read the reports that reached rank 0 in the iteration that failed, in the old numbering, before
-        anything is resumed. Their tokens reach no one otherwise: a lost rank never sends its report
-        again (and a request it moved out in that iteration goes on where it went, from past those
-        tokens), and a survivor whose own step of that iteration ran sends its next report instead. A
-        resumed request then resumes from every token it streamed. The outputs go out with the next
-        step's (finished requests released now: none of them is resumed); the prefill signatures are
-        dropped with the grouper they were for."""
-        outputs, _, moved = self._read_reports(self.worker.take_unread_reports(), self._resumed_in_regroup)
-        for out in outputs:
-            if out.finished:
-                self._release(out.request_id)
-        for rank, (request_id, tokens) in moved:
-            self._moved(request_id, tokens)
-        self._recovered += outputs
-
-    def _resume_moves(self, mapping: dict[int, int]) -> None:
-        """The failed iteration's moves: with both ranks alive, sent again (the target ignores a request it
-        holds already, the source resends what it sent); with the source lost, the target is told to
-        resume the request from what it streamed unless it holds it; with the target lost, the source
-        forgets it (the loop after this resumes it on a survivor, as any lost rank's request)."""
-        for source, c in self._last_commands.items():
-            for m in c.moves_out:
-                target, request = m.peer, self._requests.get(m.request_id)
-                if request is None or request.rank != target:
-                    continue  # finished since
-                if source in mapping and target in mapping:
-                    self.command(mapping[source]).moves_out.insert(0, replace(m, peer=mapping[target], retry=True))
-                    self.command(mapping[target]).moves_in.insert(0, Move(m.request_id, mapping[source], m.number,
-                                                                          True, request.charge))
-                elif target in mapping:
-                    self.command(mapping[target]).adds.insert(0, resumed_add(m.request_id, request, retry=True))
-                    self._resumed_in_regroup.add(m.request_id)
-                elif source in mapping:
-                    self.command(mapping[source]).drops.append(m.request_id)
-
-    def _readmit(self, request_id: str) -> bool:
-        """Re-add a lost rank's request on a survivor with what it streamed (preemption by recompute,
-        across ranks): the survivor recomputes prompt + streamed tokens and the stream goes on."""
-        request = self._requests[request_id]
-        params = request.params
-        if params.n != 1:
-            self.errors.append((request_id, f"its rank was lost and a request with n = {params.n} cannot be resumed"))
-            self._release(request_id)
-            return False
-        if params.max_tokens is not None and len(request.delivered.token_ids) >= params.max_tokens:
-            self.errors.append((request_id, "its rank was lost after its last token, before its final output"))
-            self._release(request_id)
-            return False
-        request.rank = self._least_loaded()
-        self.ranks[request.rank].in_flight += request.charge
-        self.command(request.rank).adds.append(resumed_add(request_id, request))
-        self._resumed_in_regroup.add(request_id)
-        return True
 
     # --- what the re-planner asks of the driver -------------------------------------------------------
     def command(self, rank: int) -> Commands:
         """The commands going to `rank` in the next iteration (to add to)."""
-        return self._pending.setdefault(rank, Commands())
+        return self.pending.setdefault(rank, Commands())
 
     def has_replan_queued(self) -> bool:
-        return any(c.replan is not None for c in self._pending.values())
+        return any(c.replan is not None for c in self.pending.values())
 
     def adopt_grouping(self, plan) -> None:
         """New admissions follow the new plan's grouping (the placement state's rule); requests already
@@ -539,7 +438,7 @@ class EPDriver:
 
     def interrupt(self) -> None:
         """A regroup under way gives up (the server stops, or every request fails)."""
-        self.stopping.set()
+        self.recovery.stopping.set()
 
     def take_refused(self) -> list[tuple[str, str]]:
         """(request id, why) of the adds a rank refused, and of the requests a lost rank took with it."""
@@ -573,11 +472,15 @@ class EPDriver:
 
     def _refused(self, errors: list[tuple[str, str]]) -> None:
         for request_id, message in errors:
-            self._release(request_id)
-            self.errors.append((request_id, message))
+            self.refuse(request_id, message)
+
+    def refuse(self, request_id: str, message: str) -> None:
+        """End an unfinished request with an error (AsyncEngine delivers it)."""
+        self._release(request_id)
+        self.errors.append((request_id, message))
 
     def _release(self, request_id: str) -> None:
-        request = self._requests.pop(request_id, None)
+        request = self.admitted.pop(request_id, None)
         if self.admissions is not None:
             self.admissions.release(request_id)
         if request is not None:
@@ -586,16 +489,3 @@ class EPDriver:
             if request.grouper is not None:
                 request.grouper.finish(request_id)
 
-
-def note_delivered(request: AdmittedRequest, out: RequestOutput) -> None:
-    """Keep what a request has streamed: if its rank dies, a survivor resumes it from there."""
-    c = out.outputs[0]
-    request.delivered.token_ids += c.delta_token_ids
-    request.delivered.logprobs += c.delta_logprobs or []
-
-
-def resumed_add(request_id: str, request: AdmittedRequest, retry: bool = False) -> Add:
-    """The add that resumes `request` on a survivor from its prompt and what it streamed (preemption by
-    recompute, across ranks); the add owns its copy of what was streamed."""
-    resumed = Resumed(list(request.delivered.token_ids), list(request.delivered.logprobs))
-    return Add(request_id, request.prompt, request.params, request.domain, resumed, retry=retry)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from locus.engine.ep.groups import make_groups, set_timeout
 from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.model.expert_rows import stack_experts
+from locus.engine.ep.ranks.control import ControlPlane
 from locus.engine.ep.ranks.rendezvous import RecoveryCancelled, RendezvousRefused, SignedStore
 from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import PlacementPlan, plan_from_dict, validate
@@ -351,7 +352,6 @@ def regroup(worker) -> dict[int, int]:
 
 def _join_survivors(worker, timeout: timedelta, excluded: set[int]) -> None:
     """One attempt of regroup (generation `worker.generation`)."""
-    from locus.engine.ep.ranks.control import ControlPlane
     from locus.engine.model.slices import expert_memory
 
     opts, runtime = worker.elastic, worker.runtime

@@ -2,15 +2,17 @@
 its engine, its EP runtime and the control plane, built by one function for rank 0 and every other
 rank, and one iteration that every rank runs in lockstep.
 
-An iteration, on every rank:
-    1. rank 0 applies its own commands (requests it keeps, aborts of them);
-    2. control exchange (control.py): headers from everyone, then rank 0's commands to each rank and
-       each rank's report of its previous step to rank 0;
-    3. each rank applies the commands addressed to it;
-    4. if any rank has work, every rank runs `EngineCore.step()`: the same number of forwards, each
-       entering every MoE layer's exchange (runtime.py), with the transport the headers chose;
-    5. a rank other than 0 packs its report for the next iteration's exchange; rank 0 has its own
-       outputs at once.
+An iteration, on every rank (`RankWorker._iterate`'s phases, each taking what the one before gave):
+    1. `_announce`: rank 0 applies its own commands (requests it keeps, aborts of them); every rank
+       makes its header;
+    2. `_exchange`: the control exchange (control.py): headers from everyone, then rank 0's commands
+       to each rank and each rank's report of its previous step to rank 0;
+    3. `_take_in`: each rank applies the commands addressed to it (rank 0 decodes the reports);
+    4. `_ready`, `_step`: the placements agree, the request moves run, and if any rank has work, every
+       rank runs `EngineCore.step()`: the same number of forwards, each entering every MoE layer's
+       exchange (runtime.py), with the transport the headers chose;
+    5. `_pack_report`: a rank other than 0 packs its report for the next iteration's exchange; rank 0
+       has its own outputs at once.
 So a request on rank r reports its tokens at the start of the next iteration: one control exchange
 later than rank 0's own, not one step later, since the next iteration starts as soon as a step ends.
 """
@@ -25,7 +27,8 @@ import numpy as np
 import torch.distributed as dist
 
 from locus.engine.core.engine_core import EngineConfig, EngineCore
-from locus.engine.ep.ranks.control import ControlPlane, Header
+from locus.engine.ep.ranks.control import Agreement, ControlPlane, Header
+from locus.engine.ep.ranks.elastic import ElasticOptions, expert_reader, lost_peer, regroup
 from locus.engine.ep.counters import StepTimes
 from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.ep.ranks.launch import EPSetup, load_rank, rank_trace_path
@@ -128,75 +131,114 @@ class RankWorker:
 
     def _iterate(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
                  errors: list[tuple[str, str]], received: dict[int, Report]) -> Iteration:
+        """The iteration's phases (the module docstring's steps), each taking what the one before gave."""
         start = time.perf_counter()
         self._iterations += 1
-        core, control = self.core, self.control
-        outgoing: dict[int, bytes] = {}
-        mine = commands.get(0) if self.rank == 0 else None
-        outputs += self._unpark(errors)
-        # every rank, in the same iteration, before its header: the placement the header names (its
-        # digest, invariant.py) is the one this iteration's step routes by
+        header, outgoing = self._announce(commands, stop, outputs, errors)
+        agreement, incoming, control_s = self._exchange(header, outgoing)
+        mine = self._take_in(incoming, commands, outputs, errors, received)
+        it = Iteration(stop=agreement.stop, errors=errors, reports=received if self.rank == 0 else {})
+        if not it.stop:
+            capacity = self._ready(agreement, mine, outputs)
+            transport = self._step(capacity, outputs)
+            it.stepped, it.transport = transport is not None, transport or ""
+            self._count_times(it.stepped, time.perf_counter() - start, control_s)
+        it.outputs = outputs
+        if not it.stop:
+            self._pack_report(it)
+        return it
+
+    def _announce(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
+                  errors: list[tuple[str, str]]) -> tuple[Header, dict[int, bytes]]:
+        """Steps 1 and 2's first half: this rank's header and what it sends (rank 0: its commands to
+        each rank, after applying its own; another rank: its report). Every rank first adds the requests
+        whose grammar has compiled and advances a placement move: the placement the header names (its
+        digest, invariant.py) is the one this iteration's step routes by."""
+        self._unpark(errors)
         self._advance_move()
         digest = self.runtime.served_digest()
-        if self.rank == 0:
-            outputs += self._apply(commands.get(0, Commands()), errors)
-            outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
-            header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
-                            tuple(len(outgoing.get(r, b"")) for r in range(self.world)),
-                            tuple(incoming_tokens(commands[r], r) if r in commands else 0 for r in range(self.world)),
-                            digest)
-        else:
-            if self._report:
-                outgoing = {0: self._report}
-            header = Header(core.has_unfinished(), core.pending_tokens(), len(self._report), digest=digest)
-        control_before = control.seconds
-        agreement, incoming = control.exchange(header, outgoing)
+        core = self.core
+        if self.rank != 0:
+            outgoing = {0: self._report} if self._report else {}
+            return Header(core.has_unfinished(), core.pending_tokens(), len(self._report), digest=digest), outgoing
+        outputs += self._apply(commands.get(0, Commands()), errors)
+        outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
+        header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
+                        tuple(len(outgoing.get(r, b"")) for r in range(self.world)),
+                        tuple(incoming_tokens(commands[r], r) if r in commands else 0 for r in range(self.world)),
+                        digest)
+        return header, outgoing
+
+    def _exchange(self, header: Header, outgoing: dict[int, bytes]) -> tuple[Agreement, dict[int, bytes], float]:
+        """Step 2: the control exchange; returns what every rank agreed, what came in, and the seconds it
+        took. A report sent is kept until the next one (resent after a regroup: it may not have arrived)."""
+        before = self.control.seconds
+        agreement, incoming = self.control.exchange(header, outgoing)
         if self._report:
             self._sent, self._report = self._report, b""
-        it = Iteration(stop=agreement.stop, errors=errors)
+        return agreement, incoming, self.control.seconds - before
+
+    def _take_in(self, incoming: dict[int, bytes], commands: dict[int, Commands], outputs: list[RequestOutput],
+                 errors: list[tuple[str, str]], received: dict[int, Report]) -> Commands | None:
+        """Step 3: rank 0 decodes the others' reports (into `received`, which a failed iteration keeps);
+        another rank applies the commands addressed to it. Returns this rank's commands (rank 0's own
+        were applied before its header)."""
         if self.rank == 0:
             received.update((r, decode_report(data)) for r, data in incoming.items())
-            it.reports = received
-        elif 0 in incoming:
-            mine = decode(incoming[0])
-            outputs += self._apply(mine, errors)
-        if agreement.stop:
-            it.outputs = outputs
-            return it
+            return commands.get(0)
+        if 0 not in incoming:
+            return None
+        mine = decode(incoming[0])
+        outputs += self._apply(mine, errors)
+        return mine
+
+    def _ready(self, agreement: Agreement, mine: Commands | None, outputs: list[RequestOutput]) -> int | None:
+        """Before the step: the ranks agree on the placement (else none of them steps: every rank read the
+        same headers), this iteration's request moves run (a moved request skips no step), and an abort
+        that came with its request's move applies. Returns the step's token capacity; None: no rank has
+        work."""
         problem = agreement.disagreement()
-        if problem is not None:  # every rank read the same headers: none of them steps
+        if problem is not None:
             raise PlacementDisagreement(f"the ranks disagree on the expert placement ({problem}); no rank may answer")
-        if mine is not None and (mine.moves_out or mine.moves_in):  # before the step: a moved request skips none
+        if mine is not None and (mine.moves_out or mine.moves_in):
             self._moved_out += self.mover.run(mine.moves_out, mine.moves_in, self._iterations)
         # after this iteration's moves: every rank got past the previous iteration, and a move it held
         # that a regroup sent again (in the first iteration after it) has just been resent
         self.mover.settle(self._iterations)
-        for request_id in self._missed_aborts:  # an abort that arrived with the request's move in
-            out = core.abort(request_id)
+        for request_id in self._missed_aborts:
+            out = self.core.abort(request_id)
             if out is not None:
                 outputs.append(out)
         self._missed_aborts = []
-        if agreement.any_work:
-            it.transport = self.runtime.begin_step(agreement.capacity(self.step_budget))
-            outputs += core.step()
-            self.runtime.end_step()
-            it.stepped = True
-        exchange_s = self.runtime.counters().exchange_s
-        if it.stepped:
-            times = self.times
-            times.steps += 1
-            times.step_s += time.perf_counter() - start
-            times.control_s += control.seconds - control_before
-        self.times.exchange_s = exchange_s
-        it.outputs = outputs
+        return agreement.capacity(self.step_budget) if agreement.any_work else None
+
+    def _step(self, capacity: int | None, outputs: list[RequestOutput]) -> str | None:
+        """Step 4: if any rank has work, every rank runs `EngineCore.step()` (the same number of forwards,
+        each entering every MoE layer's exchange). Returns the transport it ran with; None: no step."""
+        if capacity is None:
+            return None
+        transport = self.runtime.begin_step(capacity)
+        outputs += self.core.step()
+        self.runtime.end_step()
+        return transport
+
+    def _count_times(self, stepped: bool, seconds: float, control_s: float) -> None:
+        if stepped:
+            self.times.steps += 1
+            self.times.step_s += seconds
+            self.times.control_s += control_s
+        self.times.exchange_s = self.runtime.counters().exchange_s
+
+    def _pack_report(self, it: Iteration) -> None:
+        """Step 5: rank 0 keeps its own prefill signatures and moves out; another rank packs its report
+        for the next iteration's exchange when it has anything to say."""
         moved, self._moved = self._moved, False
-        prefills = self.signatures.drain(core.requests) if self.signatures is not None else []
+        prefills = self.signatures.drain(self.core.requests) if self.signatures is not None else []
         moved_out, self._moved_out = self._moved_out, []
         if self.rank == 0:
             it.prefills, it.moved = prefills, moved_out
-        elif it.stepped or outputs or errors or self._send_window or moved or prefills or moved_out:
-            self._report = encode_report(self.report(outputs, errors, prefills, moved_out))
-        return it
+        elif it.stepped or it.outputs or it.errors or self._send_window or moved or prefills or moved_out:
+            self._report = encode_report(self.report(it.outputs, it.errors, prefills, moved_out))
 
     def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]], prefills: list | None = None,
                moved_out: list | None = None) -> Report:
@@ -241,7 +283,7 @@ class RankWorker:
                 self._park(add)  # its grammar compiles in a thread; the add waits, the lockstep does not
                 continue
             self._add(add, errors)
-        outputs += self._unpark(errors)
+        self._unpark(errors)
         for request_id in commands.aborts:
             parked = self._parked.pop(request_id, None)
             if parked is not None:  # aborted before it ever ran here
@@ -269,7 +311,7 @@ class RankWorker:
         future = self._compiler_pool.submit(self.core.grammars.compile, add.params.structured)
         self._parked[add.request_id] = (add, future)
 
-    def _unpark(self, errors: list[tuple[str, str]]) -> list[RequestOutput]:
+    def _unpark(self, errors: list[tuple[str, str]]) -> None:
         """Add the parked requests whose grammar has compiled (a failure is that request's error)."""
         for request_id, (add, future) in list(self._parked.items()):
             if not future.done():
@@ -279,7 +321,6 @@ class RankWorker:
                 errors.append((request_id, str(future.exception())))
             else:
                 self._add(add, errors)
-        return []
 
     def _load_increment(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Expert-load counts since the last report, sparse (a decode step touches few experts)."""
@@ -296,8 +337,6 @@ class RankWorker:
     # --- elastic EP ------------------------------------------------------------------------------
     def regroup(self) -> dict[int, int]:
         """After a failed collective: regroup with the survivors (elastic.py); {old rank: new rank}."""
-        from locus.engine.ep.ranks.elastic import regroup
-
         if self.elastic is None:
             raise LocusError("this rank is not elastic (--ep-elastic)")
         mapping = regroup(self)
@@ -315,8 +354,6 @@ class RankWorker:
                     break
                 continue
             except Exception as exc:  # a peer died or hung: elastic ranks regroup, the others leave
-                from locus.engine.ep.ranks.elastic import lost_peer
-
                 if self.elastic is None or not lost_peer(exc):  # a fault of this rank's own: no regroup repairs it
                     raise
                 log.error("rank %d: a collective failed (%s); regrouping with the survivors", self.rank, exc)
@@ -348,8 +385,6 @@ def build_worker(setup: EPSetup, model: str | None, engine_config: EngineConfig,
     if setup.moves:
         worker.enable_moves()
     if setup.elastic:
-        from locus.engine.ep.ranks.elastic import ElasticOptions, expert_reader
-
         worker.elastic = ElasticOptions(setup.rendezvous, dist.get_backend(),
                                         expert_reader(model, dtype, device, moe_backend, seed, quantize_experts),
                                         setup.max_slots or loaded.model.config.num_local_experts,
