@@ -34,7 +34,9 @@ from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.ep.ranks.launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.ep.ranks.migrate import RequestMover, drop
 from locus.engine.observers.prefill_signatures import PrefillSignatures
-from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_report, encode, encode_report, pack_output
+from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_report, encode, pack_output
+from locus.engine.ep.ranks.outbox import ReportOutbox
+from locus.engine.ep.ranks.parking import ParkedAdds
 from locus.engine.ep.placement_move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
 from locus.engine.ep.routing_window import RoutingWindow
@@ -72,11 +74,9 @@ class RankWorker:
         self.elastic = None  # elastic.ElasticOptions under --ep-elastic
         self.expert_bytes = expert_bytes
         self.times: StepTimes = runtime.times
-        self._report = b""  # this rank's report, sent in the next iteration (ranks other than 0)
-        # What a failed iteration must not lose (elastic EP): the last report sent, which rank 0 may not
-        # have received when a peer died mid-exchange (resent after a regroup; rank 0 drops it if it
-        # had it: reports are numbered), and outputs/errors gathered before the failure.
-        self._sent, self._report_seq = b"", 0
+        self.outbox = ReportOutbox()  # this rank's reports to rank 0 (ranks other than 0)
+        # What a failed iteration must not lose (elastic EP): outputs/errors gathered before the failure
+        # (and the last report sent: the outbox keeps it)
         self._carry: tuple[list, list] = ([], [])
         self._unread: dict[int, Report] = {}  # rank 0: the reports that arrived in a failed iteration
         self._load_sent: np.ndarray | None = None
@@ -91,8 +91,7 @@ class RankWorker:
         self._send_window = False
         self.last_move: MoveStats | None = None
         self._moved = False
-        self._parked: dict[str, tuple] = {}  # request id -> (add, future): waiting for its grammar to compile
-        self._compiler_pool = None
+        self.parked = ParkedAdds(core.grammars.compile)  # adds waiting for their grammar to compile
         # Moves after prefill (--ep-moves, migrate.py): this rank's prefill signatures for rank 0's grouper
         self.signatures: PrefillSignatures | None = None
         self.mover = RequestMover(self)
@@ -159,8 +158,9 @@ class RankWorker:
         digest = self.runtime.served_digest()
         core = self.core
         if self.rank != 0:
-            outgoing = {0: self._report} if self._report else {}
-            return Header(core.has_unfinished(), core.pending_tokens(), len(self._report), digest=digest), outgoing
+            report = self.outbox.waiting
+            return Header(core.has_unfinished(), core.pending_tokens(), len(report), digest=digest), \
+                ({0: report} if report else {})
         outputs += self._apply(commands.get(0, Commands()), errors)
         outgoing = {r: encode(c) for r, c in commands.items() if r != 0 and c}
         header = Header(core.has_unfinished(), core.pending_tokens(), 0, stop,
@@ -174,8 +174,7 @@ class RankWorker:
         took. A report sent is kept until the next one (resent after a regroup: it may not have arrived)."""
         before = self.control.seconds
         agreement, incoming = self.control.exchange(header, outgoing)
-        if self._report:
-            self._sent, self._report = self._report, b""
+        self.outbox.exchanged()
         return agreement, incoming, self.control.seconds - before
 
     def _take_in(self, incoming: dict[int, bytes], commands: dict[int, Commands], outputs: list[RequestOutput],
@@ -238,17 +237,16 @@ class RankWorker:
         if self.rank == 0:
             it.prefills, it.moved = prefills, moved_out
         elif it.stepped or it.outputs or it.errors or self._send_window or moved or prefills or moved_out:
-            self._report = encode_report(self.report(it.outputs, it.errors, prefills, moved_out))
+            self.outbox.put(self.report(it.outputs, it.errors, prefills, moved_out))
 
     def report(self, outputs: list[RequestOutput], errors: list[tuple[str, str]], prefills: list | None = None,
                moved_out: list | None = None) -> Report:
         window = None
         if self._send_window:
             window, self._send_window = self.window_tokens(), False
-        self._report_seq += 1
         return Report([pack_output(o) for o in outputs], errors, self.core.stats(), self.runtime.counters(),
                       self.times, self.expert_bytes, self._load_increment(), self.runtime.counters_by_epoch(),
-                      window, self.last_move, self._report_seq, prefills or [], moved_out or [])
+                      window, self.last_move, 0, prefills or [], moved_out or [])
 
     def window_tokens(self):
         if self.window is None:
@@ -274,20 +272,20 @@ class RankWorker:
                 self.runtime.state.begin_move(PlacementMove(target, commands.replan.layers_per_step))
         for request_id in commands.drops:  # before the adds: a dropped request may be resumed here
             drop(self.core, request_id)
-            self._parked.pop(request_id, None)
+            self.parked.pop(request_id)
         for add in commands.adds:
-            if add.retry and (add.request_id in self.core.requests or add.request_id in self._parked):
+            if add.retry and (add.request_id in self.core.requests or add.request_id in self.parked):
                 continue
             so = add.params.structured
             if so is not None and not self.core.grammars.is_compiled(so):
-                self._park(add)  # its grammar compiles in a thread; the add waits, the lockstep does not
+                self.parked.park(add)  # its grammar compiles in a thread; the add waits, the lockstep does not
                 continue
             self._add(add, errors)
         self._unpark(errors)
         for request_id in commands.aborts:
-            parked = self._parked.pop(request_id, None)
+            parked = self.parked.pop(request_id)
             if parked is not None:  # aborted before it ever ran here
-                outputs.append(aborted_output(parked[0]))
+                outputs.append(aborted_output(parked))
                 continue
             out = self.core.abort(request_id)
             if out is not None:
@@ -302,23 +300,11 @@ class RankWorker:
         except LocusError as exc:
             errors.append((add.request_id, str(exc)))
 
-    def _park(self, add) -> None:
-        """Compile `add`'s output constraint in the background; it is added once that is done."""
-        if self._compiler_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._compiler_pool = ThreadPoolExecutor(1, thread_name_prefix="locus-grammar")
-        future = self._compiler_pool.submit(self.core.grammars.compile, add.params.structured)
-        self._parked[add.request_id] = (add, future)
-
     def _unpark(self, errors: list[tuple[str, str]]) -> None:
         """Add the parked requests whose grammar has compiled (a failure is that request's error)."""
-        for request_id, (add, future) in list(self._parked.items()):
-            if not future.done():
-                continue
-            del self._parked[request_id]
-            if future.exception() is not None:
-                errors.append((request_id, str(future.exception())))
+        for add, failure in self.parked.ready():
+            if failure is not None:
+                errors.append((add.request_id, str(failure)))
             else:
                 self._add(add, errors)
 
@@ -340,8 +326,8 @@ class RankWorker:
         if self.elastic is None:
             raise LocusError("this rank is not elastic (--ep-elastic)")
         mapping = regroup(self)
-        if self.rank != 0 and not self._report:
-            self._report = self._sent  # perhaps lost in the failed exchange; rank 0 knows if it was not
+        if self.rank != 0:
+            self.outbox.after_regroup()
         return mapping
 
     # --- a rank other than 0 --------------------------------------------------------------------
