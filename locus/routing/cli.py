@@ -116,7 +116,7 @@ def register(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from locus.routing.expert_groups import group_figures, resolve_groups
+    from locus.routing.expert_groups import group_figures, trace_groups
     from locus.routing.replay.assignment import save_assignment
     from locus.routing.plan.placement import load_plan
     from locus.routing.replay.simulator import replay, parse_request_range
@@ -169,7 +169,7 @@ def run_replay(args: argparse.Namespace) -> int:
         shape = load_model_shape(args.model_shape or reader.meta.model)
         shape.check_trace(reader.meta)  # before the replay runs
 
-    groups = resolve_groups(reader.meta.model, reader.meta.num_experts, args.expert_groups, args.topk_group)
+    groups = trace_groups(reader.meta, args.expert_groups, args.topk_group)
     epoch_plans = None
     if args.plan == "embedded" or args.plans:
         epoch_plans = _epoch_plans(args, reader)

@@ -9,8 +9,9 @@ nodes lifts that bound by its span. The bytes a plan costs already follow from w
 plan splits across nodes, and the most nodes a token of the model can reach under it.
 
 Where the group structure comes from (`resolve_groups`): `--expert-groups G [--topk-group K]`, else the
-trace's model name in KNOWN_GROUPS with the trace's expert count (a trace's meta.json does not record
-the router's groups).
+trace's meta.json (`n_group`, `topk_group`: an engine recording of a group-limited model writes them),
+else the trace's model name in KNOWN_GROUPS with the trace's expert count (traces recorded before, or
+synthesized).
 
 Shape legend: L MoE layers, R ranks, S slots per GPU, N nodes, E experts, Gn groups.
 """
@@ -66,14 +67,17 @@ class ExpertGroups:
 
 
 def resolve_groups(model: str, num_experts: int, expert_groups: int | None = None,
-                   topk_group: int | None = None) -> ExpertGroups | None:
-    """The expert groups of a trace's model: the flags' if given, else KNOWN_GROUPS by model name and expert
-    count (its topk_group for its own group count unless --topk-group says otherwise), else None."""
-    if topk_group is not None and expert_groups is None and model not in KNOWN_GROUPS:
-        raise LocusError("--topk-group needs --expert-groups G (the trace's model is not one whose groups Locus knows)")
+                   topk_group: int | None = None, recorded: tuple[int, int] | None = None) -> ExpertGroups | None:
+    """The expert groups of a trace's model: the flags' if given, else the trace's own (`recorded`: its
+    meta.json's n_group, topk_group), else KNOWN_GROUPS by model name and expert count (a known or recorded
+    topk_group goes with its own group count unless --topk-group says otherwise), else None."""
     known = KNOWN_GROUPS.get(model)
     if known is not None and known[0] != num_experts:  # the name reused by a model of another shape
         known = None
+    if recorded is not None:
+        known = (num_experts, *recorded)
+    if topk_group is not None and expert_groups is None and known is None:
+        raise LocusError("--topk-group needs --expert-groups G (the trace's model is not one whose groups Locus knows)")
     if expert_groups is None:
         if known is None:
             return None
@@ -105,6 +109,12 @@ class GroupFigures:
         return (f"{self.num_groups} of {self.group_size} experts ({limit}): {self.split_groups} of {self.layer_groups} "
                 f"(layer, group) split across nodes; a token reaches at most {self.node_bound} nodes "
                 f"({self.aligned_bound} if aligned)")
+
+
+def trace_groups(meta, expert_groups: int | None = None, topk_group: int | None = None) -> ExpertGroups | None:
+    """resolve_groups for a trace's meta (TraceMeta): its recorded n_group / topk_group count."""
+    recorded = None if getattr(meta, "n_group", None) is None else (meta.n_group, meta.topk_group)
+    return resolve_groups(meta.model, meta.num_experts, expert_groups, topk_group, recorded)
 
 
 def group_figures(slots, groups: ExpertGroups, topology: Topology, top_k: int) -> GroupFigures:

@@ -67,6 +67,10 @@ class TraceMeta:
     # KV cache bytes one token occupies as served (all layers, K and V), when an engine recorded it: what
     # the replay counts per position a request moved after its prefill sent
     kv_bytes_per_token: int | None = None
+    # group-limited routing (DeepSeek's n_group / topk_group), when the recording model has it: each token's
+    # experts lie within topk_group of n_group groups of consecutive experts (what routing/expert_groups.py reads)
+    n_group: int | None = None
+    topk_group: int | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence for moe_layers but store a tuple, so the dataclass stays hashable.
@@ -90,6 +94,7 @@ class TraceMeta:
             "source": self.source,
             **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
             **({"kv_bytes_per_token": self.kv_bytes_per_token} if self.kv_bytes_per_token is not None else {}),
+            **({"n_group": self.n_group, "topk_group": self.topk_group} if self.n_group is not None else {}),
         }
 
     @classmethod
@@ -113,6 +118,8 @@ class TraceMeta:
         _expect(d, "source", str, path, optional=True)
         _expect(d, "vocab_size", int, path, optional=True)
         _expect(d, "kv_bytes_per_token", int, path, optional=True)
+        _expect(d, "n_group", int, path, optional=True)
+        _expect(d, "topk_group", int, path, optional=True)
         layers = d["moe_layers"]
         if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
             raise TraceFormatError(f"{path}: \"moe_layers\" must be a list of integers, got {layers!r}")
@@ -127,6 +134,8 @@ class TraceMeta:
                 source=d.get("source", ""),
                 vocab_size=d.get("vocab_size"),
                 kv_bytes_per_token=d.get("kv_bytes_per_token"),
+                n_group=d.get("n_group"),
+                topk_group=d.get("topk_group"),
             )
         except TraceFormatError as exc:  # re-label: the dataclass check does not know the file
             raise TraceFormatError(f"{path}: {str(exc).removeprefix('TraceMeta: ')}") from None
@@ -216,6 +225,12 @@ def check_meta(meta: TraceMeta, where: str) -> None:
         raise TraceFormatError(f"{where}: \"vocab_size\" must be a positive integer, got {meta.vocab_size!r}")
     if meta.kv_bytes_per_token is not None and (not _is_int(meta.kv_bytes_per_token) or meta.kv_bytes_per_token < 1):
         raise TraceFormatError(f"{where}: \"kv_bytes_per_token\" must be a positive integer, got {meta.kv_bytes_per_token!r}")
+    if (meta.n_group is None) != (meta.topk_group is None):
+        raise TraceFormatError(f"{where}: \"n_group\" and \"topk_group\" go together (give both or neither)")
+    if meta.n_group is not None and (not _is_int(meta.n_group) or meta.n_group < 1 or meta.num_experts % meta.n_group):
+        raise TraceFormatError(f"{where}: \"n_group\" must divide num_experts ({meta.num_experts}), got {meta.n_group!r}")
+    if meta.topk_group is not None and (not _is_int(meta.topk_group) or not 1 <= meta.topk_group <= meta.n_group):
+        raise TraceFormatError(f"{where}: \"topk_group\" must be in 1..n_group ({meta.n_group}), got {meta.topk_group!r}")
 
 
 def load_object(text: str, where: str, position: bool = False) -> dict[str, Any]:

@@ -80,3 +80,37 @@ def test_groups_that_do_not_fit_the_nodes_are_refused():
     ExpertGroups(16, 4, 2).check_fits(Topology(2, 1, 8))  # two groups a node
     with pytest.raises(LocusError, match="4 groups of 4 experts do not fit 2 nodes of 6 slots"):
         ExpertGroups(16, 4, 2).check_fits(Topology(2, 2, 3))  # 6 slots a node hold one group of 4
+
+
+def test_a_trace_s_recorded_groups_are_read_and_checked(tmp_path):
+    from locus.routing.expert_groups import trace_groups
+    from locus.traces.format import TraceFormatError, TraceMeta
+    from locus.traces.reader import TraceReader
+    from locus.traces.writer import TraceWriter
+
+    meta = TraceMeta("my-checkpoint", 16, 4, (1, 2), hidden_size=8, n_group=4, topk_group=2)
+    with TraceWriter(tmp_path / "t", meta) as writer:
+        writer.add_request("r0", "", 1, np.array([[[0, 1, 4, 5], [8, 9, 12, 13]]], dtype=np.int16))
+    read = TraceReader(tmp_path / "t").meta
+    assert (read.n_group, read.topk_group) == (4, 2)
+    assert trace_groups(read) == ExpertGroups(16, 4, 2)
+    assert trace_groups(read, expert_groups=8) == ExpertGroups(16, 8, None)  # the flag wins; 2 was for 4 groups
+    assert trace_groups(TraceMeta("my-checkpoint", 16, 4, (1, 2), hidden_size=8)) is None
+    for bad, message in (({"n_group": 4}, "go together"), ({"n_group": 5, "topk_group": 1}, "must divide"),
+                         ({"n_group": 4, "topk_group": 5}, "must be in 1..n_group")):
+        with pytest.raises(TraceFormatError, match=message):
+            TraceMeta("m", 16, 4, (1,), hidden_size=8, **bad)
+
+
+def test_an_engine_recording_of_a_group_limited_model_writes_its_groups(tmp_path):
+    from locus.engine.frontend.llm import LLM
+    from locus.engine.sampling.sampler import SamplingParams
+    from locus.traces.reader import TraceReader
+
+    for preset, groups in (("tiny-deepseek-v3", (4, 2)), ("tiny-deepseek-v2-lite", (None, None))):
+        llm = LLM(preset, seed=0)
+        llm.engine.start_recording(tmp_path / preset, preset)
+        llm.generate(["2 + 2 ="], SamplingParams(temperature=0.0, max_tokens=2))
+        llm.engine.dump_recording()
+        meta = TraceReader(tmp_path / preset).meta
+        assert (meta.n_group, meta.topk_group) == groups

@@ -111,7 +111,8 @@ class TraceRecorder:
         kv_bytes = c.num_hidden_layers * (key_rows * key_width + value_rows * value_width) * self.dtype_bytes
         meta = TraceMeta(model=self.model_name, num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_layers=tuple(c.moe_layers), hidden_size=c.hidden_size, dtype_bytes=self.dtype_bytes,
-                         source="locus-engine", vocab_size=c.vocab_size, kv_bytes_per_token=kv_bytes)
+                         source="locus-engine", vocab_size=c.vocab_size, kv_bytes_per_token=kv_bytes,
+                         **_expert_groups(c))
         try:
             self._writer = TraceWriter(self.path, meta, with_weights=True, with_epochs=self.placement is not None,
                                        with_tokens=True)
@@ -265,6 +266,13 @@ class TraceRecorder:
     def _request_id(seq: Sequence) -> str:
         rid = seq.request.request_id
         return rid if seq.request.params.n == 1 else f"{rid}#{seq.index}"
+
+
+def _expert_groups(config) -> dict:
+    """The trace's n_group / topk_group for a group-limited router (DeepSeek's config keeps n_group 1 for
+    one that is not), so the replay and planner know the nodes a token can reach; nothing otherwise."""
+    n_group = getattr(config, "n_group", 1)
+    return {"n_group": n_group, "topk_group": config.topk_group} if n_group > 1 else {}
 
 
 def ran_rows(ids: np.ndarray, limit: int) -> int:

@@ -242,17 +242,18 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_groups(args: argparse.Namespace, meta, topology):
     """The trace model's expert groups (None when unknown), checked against the flags before any work."""
-    from locus.routing.expert_groups import resolve_groups
+    from locus.routing.expert_groups import trace_groups
     from locus.routing.planners.group_alignment import check_alignable
 
-    groups = resolve_groups(meta.model, meta.num_experts, args.expert_groups, args.topk_group)
+    groups = trace_groups(meta, args.expert_groups, args.topk_group)
     if args.align_groups:
         if args.planner != "locality":
             raise LocusError(f"--align-groups applies to --planner locality (EPLB's own aligned policy is --planner "
                              f"eplb --expert-groups G), not {args.planner}")
         if groups is None:
-            raise LocusError(f"--align-groups needs the expert groups: the trace's model {meta.model!r} is not one "
-                             f"whose groups Locus knows; give --expert-groups G (and --topk-group K)")
+            raise LocusError(f"--align-groups needs the expert groups: the trace records none and its model "
+                             f"{meta.model!r} is not one whose groups Locus knows; give --expert-groups G (and "
+                             f"--topk-group K)")
         check_alignable(groups, topology)
     return groups
 

@@ -119,7 +119,7 @@ def test_groups_go_where_their_demand_is_when_balance_allows():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--align-groups"], "--align-groups needs the expert groups: the trace's model 'toy' is not one whose groups"),
+    (["--align-groups"], "--align-groups needs the expert groups: the trace records none and its model 'toy' is not one"),
     (["--align-groups", "--expert-groups", "5"], "--expert-groups 5 does not divide the model's 32 experts"),
     (["--align-groups", "--expert-groups", "8", "--topk-group", "9"], "--topk-group must be in 1..8"),
     (["--align-groups", "--expert-groups", "2", "--topology", "4x1", "--slots", "9"],
