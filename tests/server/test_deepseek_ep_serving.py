@@ -1,9 +1,11 @@
-"""A DeepSeek-V3 checkpoint served on two expert-parallel ranks with a live re-plan (issue 57, scope 3):
+"""A DeepSeek-V3 checkpoint served by expert-parallel ranks through a live re-plan and a lost rank (issue
+57, scope 3). The re-plan:
 `locus serve --ep-ranks 2 --plan STALE --replan-api` of a tiny-deepseek-v3 checkpoint; while greedy
 streams decode, POST /ep/replan {"force": true} re-plans from the ranks' routing windows with the
 plan's own planner (EPLB) and the ranks move the changed experts layer by layer. Every stream's text
 equals one process's, and /ep/stats' bytes per placement epoch equal `locus replay --plan embedded
---assign recorded` of the trace the server recorded (as Llama-4's test_expert_parallel_serving does)."""
+--assign recorded` of the trace the server recorded (as Llama-4's test_expert_parallel_serving does).
+The lost rank: tests/server/test_qwen3_elastic_serving.py's case on a tiny-deepseek-v3 checkpoint."""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from locus.engine.sampling.sampler import SamplingParams
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import eplb
 from tests.server.server_process import running_server
+from tests.server.test_qwen3_elastic_serving import serve_and_lose_a_rank
 
-pytestmark = pytest.mark.slow  # a server of 2 rank processes
+pytestmark = pytest.mark.slow  # servers of 2 and 4 rank processes
 
 PROMPTS = [f"stream {i}: def f(x):" if i % 2 else f"Der Sinn {i} ist" for i in range(6)]
 TOKENS = 48
@@ -90,3 +93,7 @@ def test_a_forced_replan_mid_serve_on_deepseek_v3_keeps_every_stream_and_the_byt
     assert [(e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in replayed["epochs"]] == [
         (e["epoch"], e["inter_node_bytes"], e["intra_node_bytes"], e["tokens"]) for e in stats["epochs"] if e["tokens"]]
     assert sum(e["intra_node_bytes"] for e in replayed["epochs"]) > 0
+
+
+def test_a_lost_rank_of_a_deepseek_v3_server_loses_no_stream_and_no_token(tmp_path):
+    serve_and_lose_a_rank("tiny-deepseek-v3", tmp_path)
