@@ -189,7 +189,7 @@ class AsyncEngine:
 
     # --- asked of the engine --------------------------------------------------------------------
     async def start_recording(self, path: str | Path, model_name: str, max_bytes: int | None) -> None:
-        await self.call(lambda core: core.start_recording(path, model_name, max_bytes))
+        await self._call(lambda core: core.start_recording(path, model_name, max_bytes))
 
     async def stop_recording(self) -> RecordingState:
         """Record no new requests; the recording as it stands after."""
@@ -197,15 +197,15 @@ class AsyncEngine:
             core.stop_recording()
             return recording_state(core)
 
-        return await self.call(stop)
+        return await self._call(stop)
 
     async def recording_between_steps(self) -> RecordingState:
         """The recording as the engine thread sees it between two steps (counts of whole steps)."""
-        return await self.call(recording_state)
+        return await self._call(recording_state)
 
     async def dump_recording(self) -> RecordingSummary:
         """Write the trace and end the recording."""
-        return await self.call(lambda core: core.dump_recording())
+        return await self._call(lambda core: core.dump_recording())
 
     def request_replan(self, force: bool) -> Future:
         """Under expert parallelism with live re-planning (`health().ep.replanning`), re-plan now: the
@@ -280,7 +280,7 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
         self._wake.set()
 
-    async def call(self, fn):
+    async def _call(self, fn):
         """Run fn(core) in the engine thread between two steps and return its result (or raise its error)."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
@@ -289,10 +289,6 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future, loop))
         self._wake.set()
         return await future
-
-    def wake(self) -> None:
-        """Have the engine thread iterate now (something outside it changed what it should do)."""
-        self._wake.set()
 
     # --- the engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
