@@ -116,7 +116,7 @@ def register(subparsers) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from locus.routing.expert_groups import group_figures, trace_groups
+    from locus.routing.expert_groups import group_figures, trace_groups, trace_rows_over_limit
     from locus.routing.replay.assignment import save_assignment
     from locus.routing.plan.placement import load_plan
     from locus.routing.replay.simulator import replay, parse_request_range
@@ -215,6 +215,7 @@ def run_replay(args: argparse.Namespace) -> int:
         bar.close()
     if groups is not None:
         report.expert_groups = group_figures(plan.slots, groups, plan.topology, reader.meta.top_k).to_dict()
+        report.expert_groups["rows_over_limit"] = trace_rows_over_limit(reader, start, stop, groups)
     print(report.format_table())
     if pairs is not None:
         _write_chakra(args, reader.meta, plan.topology, pairs)

@@ -87,6 +87,24 @@ def resolve_groups(model: str, num_experts: int, expert_groups: int | None = Non
     return ExpertGroups(num_experts, expert_groups, topk_group)
 
 
+def rows_over_limit(expert_ids: np.ndarray, groups: ExpertGroups) -> int:
+    """(token, layer) rows of expert_ids [T, L, K] (-1 none) whose experts lie in more than topk_group groups:
+    rows the node bound does not cover (a synthesized trace, or groups given wrongly). 0 without a limit."""
+    if groups.topk_group is None or len(expert_ids) == 0:
+        return 0
+    ids = np.asarray(expert_ids)
+    g = np.sort(np.where(ids >= 0, ids // groups.size, -1), axis=-1)
+    first = np.ones(g.shape, dtype=bool)
+    first[..., 1:] = g[..., 1:] != g[..., :-1]
+    return int(np.count_nonzero(((first & (g >= 0)).sum(-1)) > groups.topk_group))
+
+
+def trace_rows_over_limit(reader, start: int, stop: int, groups: ExpertGroups, chunk_rows: int = 1 << 16) -> int:
+    """rows_over_limit over the rows of requests [start, stop) of a TraceReader, a chunk at a time."""
+    lo, hi = int(reader.offsets[start]), int(reader.offsets[stop])
+    return sum(rows_over_limit(reader.expert_ids[a : min(a + chunk_rows, hi)], groups) for a in range(lo, hi, chunk_rows))
+
+
 @dataclass(frozen=True)
 class GroupFigures:
     """A plan's expert groups across nodes (see the module docstring)."""

@@ -114,3 +114,13 @@ def test_an_engine_recording_of_a_group_limited_model_writes_its_groups(tmp_path
         llm.engine.dump_recording()
         meta = TraceReader(tmp_path / preset).meta
         assert (meta.n_group, meta.topk_group) == groups
+
+
+def test_rows_routed_outside_the_group_limit_are_counted():
+    from locus.routing.expert_groups import rows_over_limit
+
+    groups = ExpertGroups(8, 4, topk_group=2)  # groups {0,1} {2,3} {4,5} {6,7}
+    ids = np.array([[[0, 1, 2, -1], [0, 2, 4, 6]], [[7, 6, -1, -1], [1, 3, 5, -1]]])  # [T=2, L=2, K=4]
+    assert rows_over_limit(ids, groups) == 2  # rows using 4 and 3 groups; 2 groups and 1 group are within
+    assert rows_over_limit(ids, ExpertGroups(8, 4, topk_group=4)) == 0
+    assert rows_over_limit(ids, ExpertGroups(8, 4)) == 0  # no limit known

@@ -220,7 +220,11 @@ def run_plan(args: argparse.Namespace) -> int:
     _write(args.output, result.plan.save)
     print(result.summary.format_table())
     if figures is not None:
-        print(f"expert groups  {figures.describe()}")
+        from locus.routing.expert_groups import trace_rows_over_limit
+
+        over = trace_rows_over_limit(reader, *requests, groups)
+        print(f"expert groups  {figures.describe()}" + (f"; not a bound on this trace: {over:,} planning (token, "
+              f"layer) rows route outside {groups.topk_group} groups" if over else ""))
     predictor = (result.plan.grouping or {}).get("predictor")
     if predictor is not None:
         size = len(json.dumps(predictor))

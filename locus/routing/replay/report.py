@@ -183,7 +183,10 @@ class ReplayReport:
             limit = f"top {g['topk_group']}" if g["topk_group"] is not None else "limit unknown"
             rows.append(("expert groups split across nodes", f"{g['split_groups']} of {g['layer_groups']} (layer, group); "
                          f"{g['num_groups']} groups of {g['group_size']}, {limit}"))
-            rows.append(("nodes a token's experts lie on, most (plan / aligned)", f"{g['node_bound']} / {g['aligned_bound']}"))
+            over = g.get("rows_over_limit", 0)
+            rows.append(("nodes a token's experts lie on, most (plan / aligned)", f"{g['node_bound']} / {g['aligned_bound']}"
+                         + (f"; not a bound here: {over:,} (token, layer) rows route outside {g['topk_group']} groups"
+                            if over else "")))
         return rows
 
     def _steps_text(self) -> str:

@@ -96,6 +96,7 @@ def test_nodes_per_token_never_exceed_topk_group_under_alignment(trace, tmp_path
     reached = [len(set().union(*(holders[l][int(e)] for e in row))) for token in ids for l, row in enumerate(token)]
     assert max(reached) == TOPK_GROUP
     assert reports["aligned"]["expert_groups"]["split_groups"] == 0
+    assert reports["aligned"]["expert_groups"]["rows_over_limit"] == 0  # the trace is group-limited
     assert reports["aligned"]["expert_groups"]["node_bound"] == TOPK_GROUP
     spread = reports["round_robin"]
     assert max(i for i, c in enumerate(spread["remote_nodes"]) if c) > TOPK_GROUP  # what alignment prevents
@@ -149,3 +150,16 @@ def test_the_plan_records_its_groups_and_replay_prints_the_figures(trace, tmp_pa
     assert main(["replay", str(trace), "--plan", str(out), "--expert-groups", "8", "--topk-group", "2"]) == 0
     text = capsys.readouterr().out
     assert "expert groups split across nodes" in text and "remote nodes per token and layer" in text
+
+
+def test_a_trace_that_is_not_group_limited_is_said_to_break_the_bound(tmp_path, capsys):
+    trace = synth_trace(tmp_path / "t", requests=40)  # 32 experts, top-2, no groups in its routing
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(trace), "--topology", "4x1", "--slots", "9", "--expert-groups", "8", "--topk-group", "1",
+                 "--align-groups", "--expert-cap", "auto", "-o", str(out)]) == 0
+    assert "not a bound on this trace" in capsys.readouterr().out
+    report = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--plan", str(out), "--expert-groups", "8", "--topk-group", "1",
+                 "--json", str(report)]) == 0
+    groups = json.loads(report.read_text())["expert_groups"]
+    assert groups["rows_over_limit"] > 0 and "not a bound here" in capsys.readouterr().out
