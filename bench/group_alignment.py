@@ -84,7 +84,7 @@ def run_case(trace: Path, topology: str, slots: int, cap: str, work: Path) -> li
             "inter_node_bytes_per_token": r["inter_node_bytes_per_token"], "locality": r["locality"],
             "remote_nodes_mean": reached, "remote_nodes_max": max((i for i, c in enumerate(counts) if c), default=0),
             "remote_nodes": counts, "split_groups": g["split_groups"], "layer_groups": g["layer_groups"],
-            "node_bound": g["node_bound"], "aligned_bound": g["aligned_bound"],
+            "node_bound": g["node_bound"], "aligned_bound": g["aligned_bound"], "rows_over_limit": g["rows_over_limit"],
             "expert_imbalance_mean": r["expert_imbalance_mean"], "expert_imbalance_worst": r["expert_imbalance_worst"],
             "attention_imbalance": r["attention_imbalance"], "tokens": r["tokens"],
         })
