@@ -7,14 +7,16 @@ prefill"). The engines' ranks carry the two halves over the wire (locus/engine/e
     take_in(core, migrant) -> bool              the target: blocks for the rows, the rows written, the
                                                 sequence rebuilt and scheduled like a running one
 
-What travels: every attention layer's K and V rows of the computed positions (payload only,
-`kv [layers, 2, T, Hkv, D]`), and the sampler state: output ids, logprobs, the seeded generator's
+What travels: every attention layer's cache rows of the computed positions (payload only,
+`kv [layers, T, W]`: each position's key row then its value row, flattened, so a family whose cache
+holds other rows, DeepSeek's latent and rotated key, moves the same way), and the sampler state: output ids, logprobs, the seeded generator's
 state, prompt logprobs, and the recorder's partial rows. The detokenizer and the stop-string scanner
 are rebuilt on the target from the output ids (as a resumed request's are: deterministic), so the
 request's text, ids and greedy tokens are the ones it would have had without the move. Requests with
 n > 1 (sequences sharing blocks) or an output grammar (xgrammar matcher state) never move.
 
-Shape legend: T positions moved, Hkv KV heads, D head dim.
+Shape legend: T positions moved, W the cache values one position holds in a layer (2 x KV heads x
+head dim, or DeepSeek's kv_lora_rank + qk_rope_head_dim).
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ class Migrant:
     generator_state: torch.Tensor | None = None  # a seeded request's torch.Generator state
     prompt_logprobs: list | None = None
     trace: object | None = None  # the source recorder's rows of it (trace_recorder._SeqTrace), when recording
-    kv: torch.Tensor | None = None  # [layers, 2, T, Hkv, D]: the K and V rows of its first T positions
+    kv: torch.Tensor | None = None  # [layers, T, W]: the cache rows of its first T positions
     queued: float | None = None  # seconds it waited on the source before it first ran (clocks differ per host)
     num_cached_tokens: int | None = None  # what the source's prefix cache served of its prompt
 
     @property
     def kv_tokens(self) -> int:
-        return 0 if self.kv is None else int(self.kv.shape[2])
+        return 0 if self.kv is None else int(self.kv.shape[1])
 
     def state(self) -> "Migrant":
         """Everything but the KV rows (what is pickled; the rows travel as a tensor)."""
@@ -69,12 +71,20 @@ def why_not_movable(request: Request) -> str | None:
     return None
 
 
-def kv_bytes_per_token(core) -> int:
-    """KV cache bytes one token occupies on `core`'s cache, all layers, K and V: what a move sends per
-    position (layers x 2 x KV heads x head dim x dtype bytes)."""
+def kv_width(core) -> int:
+    """W: the cache values one position holds in one layer, its key row and its value row."""
     cache = core.cache
-    keys = cache.keys[0]
-    return 2 * len(cache.keys) * keys.shape[1] * keys.shape[2] * keys.element_size()
+    return cache.keys[0][0].numel() + cache.values[0][0].numel()
+
+
+def kv_shape(core, tokens: int) -> tuple[int, int, int]:
+    """The shape of a migrant's `kv` of `tokens` positions on `core`'s cache (what a target receives)."""
+    return len(core.cache.keys), tokens, kv_width(core)
+
+
+def kv_bytes_per_token(core) -> int:
+    """KV cache bytes one token occupies on `core`'s cache, all layers: what a move sends per position."""
+    return len(core.cache.keys) * kv_width(core) * core.cache.keys[0].element_size()
 
 
 def _rows(core, block_table: list[int], tokens: int) -> torch.Tensor:
@@ -100,7 +110,8 @@ def take_out(core, request_id: str) -> Migrant | None:
     if seq.status is SequenceStatus.RUNNING and seq.num_computed > 0:
         rows = _rows(core, seq.block_table, seq.num_computed)
         cache = core.cache
-        kv = torch.stack([torch.stack([k[rows], v[rows]]) for k, v in zip(cache.keys, cache.values)])
+        kv = torch.stack([torch.cat([k[rows].flatten(1), v[rows].flatten(1)], dim=1)
+                          for k, v in zip(cache.keys, cache.values)])
     trace = core.recorder.hand_over(seq) if core.recorder is not None else None
     generator = seq.sampling.generator
     metrics = request.metrics
@@ -140,8 +151,9 @@ def take_in(core, migrant: Migrant) -> bool:
         rows = _rows(core, seq.block_table, tokens)
         kv = migrant.kv.to(core.cache.keys[0].device)
         for layer, (k, v) in enumerate(zip(core.cache.keys, core.cache.values)):
-            k[rows] = kv[layer, 0].to(k.dtype)
-            v[rows] = kv[layer, 1].to(v.dtype)
+            split = k[0].numel()
+            k[rows] = kv[layer, :, :split].reshape(tokens, *k.shape[1:]).to(k.dtype)
+            v[rows] = kv[layer, :, split:].reshape(tokens, *v.shape[1:]).to(v.dtype)
         seq.num_computed = tokens
         seq.status = SequenceStatus.RUNNING
         seq.admitted_order = scheduler._next_admission()

@@ -6,7 +6,7 @@ iteration; after that iteration's control exchange, before the step, every rank 
 move-number order, each one point to point between its two ranks:
     header  int64 [2]: the pickled state's length, the KV positions that follow (0, 0: not here)
     state   uint8: the pickled Migrant without its KV cache (control group, gloo)
-    kv      [layers, 2, T, Hkv, D] in the cache's dtype, on the cache's device (over the default group
+    kv      [layers, T, W] (migration.py) in the cache's dtype, on the cache's device (over the default group
             when that is NCCL and the cache on a GPU, else the control group)
 Blocking sends and receives in one global order cannot deadlock: the lowest-numbered move not done
 yet has both of its ranks ready for it. The source counts the KV bytes as migration bytes,
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from locus.engine.ep.ranks.messages import Move, decode, encode
-from locus.engine.core.migration import Migrant, take_in, take_out
+from locus.engine.core.migration import Migrant, kv_shape, take_in, take_out
 
 log = logging.getLogger("locus.engine")
 
@@ -98,8 +98,7 @@ class RequestMover:
         migrant: Migrant = decode(buf.numpy().tobytes())
         if tokens:
             cache = core.cache.keys[0]
-            layers = len(core.cache.keys)
-            kv = torch.empty((layers, 2, tokens, cache.shape[1], cache.shape[2]), dtype=cache.dtype, device=cache.device)
+            kv = torch.empty(kv_shape(core, tokens), dtype=cache.dtype, device=cache.device)
             dist.recv(kv, move.peer, group=self._kv_group(kv))
             migrant.kv = kv
         if move.request_id in core.requests:
