@@ -35,7 +35,7 @@ ONE_PROCESS_FILES = frozenset(f"tests/{name}.py" for name in (
     "server/test_plan_serving", "server/test_quantized_serving", "server/test_reliability",
     "server/test_reliability_limits", "server/test_request_limits", "server/test_startup_shutdown",
     "server/test_structured_outputs", "server/test_trace_endpoints",
-    "bench/test_bench_astra", "bench/test_bench_gpu_suite", "bench/test_bench_kernels",
+    "bench/test_bench_astra", "bench/test_bench_gpu_suite", "bench/test_bench_group_alignment", "bench/test_bench_kernels",
     "bench/test_bench_locality_bound", "bench/test_bench_mini_trace", "bench/test_bench_offline",
     "bench/test_bench_quantized", "bench/test_bench_serve", "bench/test_bench_soak",
     "bench/test_bench_stop_strings",
