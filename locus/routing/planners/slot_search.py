@@ -31,9 +31,14 @@ import numpy as np
 from locus.routing.planners.gpu_packing import pack_replicas
 from locus.routing.planners.expected_load import node_replicas, replica_loads
 from locus.routing.planners.replica_selection import split_replica
+from locus.routing.planners.move_scores import ExpertState, overload_change
 
 MAX_STEPS = 400
 MAX_KICKS = 32
+# Moves are scored on the ranks they touch (move_scores.py) when an expert's most copies, times this, stay
+# under the rank count: each move then sums over far fewer ranks than all of them. Below that the dense
+# scores below are cheaper (fewer, larger numpy operations).
+TOUCHED_WIDTH = 4
 
 
 def copies_per_rank(slots: np.ndarray, num_experts: int) -> np.ndarray:
@@ -126,6 +131,8 @@ def _kick(demand: np.ndarray, slots: np.ndarray, contrib: np.ndarray, loads: np.
 
 
 def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None):
+    if pT is None and TOUCHED_WIDTH * int((h > 0).sum(0).max()) < h.shape[0]:
+        return _best_move_touched(dT, h, contrib, loads, slots, gpus, target, eps)
     R, S = slots.shape
     E = dT.shape[0]
     w = int(np.argmax(loads))
@@ -170,6 +177,53 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
         gain_local = 0.0 + p_half.local_new[p_row] - p_half.local_old[p_row]
         gain_local = gain_local + q_half.local_new[q_row] - q_half.local_old[q_row]
         reduced = excess - np.maximum(new_loads - target, 0.0).sum(1)
+        score = reduced / (np.maximum(-gain_local, 0.0) + eps)
+        score[reduced <= eps] = -np.inf
+        k = int(np.argmax(score))
+        if np.isfinite(score[k]) and (best is None or score[k] > best[0]):
+            best = (score[k], kind, int(ii[idx[k]]), int(jj[idx[k]]))
+    if best is None:
+        return None
+    _, kind, i, j = best
+    if kind == "swap":
+        return [(w, i, int(flat[j])), (j // S, j % S, int(slots[w, i]))]
+    if kind == "spread":
+        return [(j // S, j % S, int(slots[w, i]))]
+    return [(w, i, j)]  # shed: j is the new expert
+
+
+def _best_move_touched(dT, h, contrib, loads, slots, gpus, target, eps):
+    """_best_move under the even spread, each move scored on the ranks it touches (move_scores.py): the
+    same candidates in the same order, the same rule."""
+    R, S = slots.shape
+    E = dT.shape[0]
+    w = int(np.argmax(loads))
+    total = h.sum(0)
+    flat = slots.ravel()
+    slot_rank = np.repeat(np.arange(R), S)
+    state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
+    i = np.repeat(np.arange(S), R * S)  # w's slot
+    j = np.tile(np.arange(R * S), S)  # any slot
+    a, other, r2 = slots[w, i], flat[j], slot_rank[j]
+    i3 = np.repeat(np.arange(S), E)
+    f = np.tile(np.arange(E), S)
+    a3 = slots[w, i3]
+    none_ = np.full(len(i), -1)
+    at_w = np.full(len(i), w)
+    # (p, p loses on, p gains on, q, q loses on, q gains on, ok, w's slot, other index, kind)
+    cands = [
+        (a, at_w, r2, other, r2, at_w, (r2 != w) & (a != other), i, j, "swap"),
+        (a, none_, r2, other, r2, none_, (r2 != w) & (a != other) & (total[other] >= 2), i, j, "spread"),
+        (a3, np.full(len(i3), w), np.full(len(i3), -1), f, np.full(len(i3), -1), np.full(len(i3), w),
+         (a3 != f) & (total[a3] >= 2), i3, f, "shed"),
+    ]
+    best = None
+    for p, lp, gp, q, lq, gq, ok, ii, jj, kind in cands:
+        idx = np.flatnonzero(ok)
+        if len(idx) == 0:
+            continue
+        reduced, gain_local = overload_change(state, loads, contrib, target, p[idx], lp[idx], gp[idx], q[idx],
+                                              lq[idx], gq[idx])
         score = reduced / (np.maximum(-gain_local, 0.0) + eps)
         score[reduced <= eps] = -np.inf
         k = int(np.argmax(score))
