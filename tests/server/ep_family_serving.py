@@ -117,7 +117,8 @@ def serve_and_lose_a_rank(preset: str, tmp_path) -> None:
         assert sorted(ranks) == [1, 2, 3]
         started = [threading.Event() for _ in ELASTIC_PROMPTS]
         with ThreadPoolExecutor(len(ELASTIC_PROMPTS)) as pool:
-            streams = [pool.submit(sse_stream, base, p, ELASTIC_TOKENS, started[i]) for i, p in enumerate(ELASTIC_PROMPTS)]
+            streams = [pool.submit(sse_stream, base, p, ELASTIC_TOKENS, started[i])
+                       for i, p in enumerate(ELASTIC_PROMPTS)]
             assert all(event.wait(120) for event in started), "a stream did not start"
             os.kill(ranks[2], signal.SIGKILL)
             stats = wait_for_recoveries(base, 1)

@@ -9,8 +9,8 @@ prefill"). The engines' ranks carry the two halves over the wire (locus/engine/e
 
 What travels: every attention layer's cache rows of the computed positions (payload only,
 `kv [layers, T, W]`: each position's key row then its value row, flattened, so a family whose cache
-holds other rows, DeepSeek's latent and rotated key, moves the same way), and the sampler state: output ids, logprobs, the seeded generator's
-state, prompt logprobs, and the recorder's partial rows. The detokenizer and the stop-string scanner
+holds other rows, DeepSeek's latent and rotated key, moves the same way), and the sampler state:
+output ids, logprobs, the seeded generator's state, prompt logprobs, and the recorder's partial rows. The detokenizer and the stop-string scanner
 are rebuilt on the target from the output ids (as a resumed request's are: deterministic), so the
 request's text, ids and greedy tokens are the ones it would have had without the move. Requests with
 n > 1 (sequences sharing blocks) or an output grammar (xgrammar matcher state) never move.

@@ -102,7 +102,8 @@ def test_moved_requests_of_the_new_families_keep_their_tokens_and_replay_their_k
     per_layer = config.kv_lora_rank + config.qk_rope_head_dim if preset.startswith("tiny-deepseek") \
         else 2 * config.num_key_value_heads * config.head_dim
     assert kv == config.num_hidden_layers * per_layer * 4
-    report = replay(reader, plan, plan.topology, assign_recorded(records, WORLD, kv_bytes_per_token=kv, gpus_per_node=2))
+    assignment = assign_recorded(records, WORLD, kv_bytes_per_token=kv, gpus_per_node=2)
+    report = replay(reader, plan, plan.topology, assignment)
     assert report.migrations == sum(c.migrations for c in counters) == 16
     assert report.migrated_kv_bytes == sum(c.migration_inter_node for c in counters) > 0
     intra = sum(r.moved_tokens * kv for r in records if r.rank // 2 == r.decode_rank // 2)

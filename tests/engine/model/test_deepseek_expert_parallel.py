@@ -1,7 +1,8 @@
 """DeepSeek-V3 / V2 under expert parallelism on real gloo process groups (1x2, and 2x2 with replicas; the
-exact and the fixed transport): each rank holds its slots' routed experts, the router (V3's biased, group-limited sigmoid; V2's greedy softmax) and the shared
-experts run where the token is, the weights apply on the expert output where the expert sits; the logits
-equal the single-process model's and the bytes each rank counts are the dispatch rule's."""
+exact and the fixed transport): each rank holds its slots' routed experts, the router (V3's biased,
+group-limited sigmoid; V2's greedy softmax) and the shared experts run where the token is, the weights
+apply on the expert output where the expert sits; the logits equal the single-process model's and the
+bytes each rank counts are the dispatch rule's."""
 
 from __future__ import annotations
 
