@@ -39,7 +39,8 @@ while the domain still picks the node wherever they hold:
   stream cap     an admission (or a move) never leaves a rank with more live sequences than
                  max(ceil(total / ranks), floor(STREAM_CAP * total / ranks)): one above the others
                  while the ranks hold few, STREAM_CAP times the mean when they hold many (a hard ceil there
-                 forces each admission onto whichever rank just freed a slot, whatever its tokens);
+                 forces each admission onto whichever rank just freed a slot, whatever its tokens, and a
+                 tight one sends requests off their domain's nodes, and the plan's expert balance with them);
   admitted cap   once every rank holds a request, an admission also keeps the rank's tokens admitted
                  so far within ADMITTED_CAP_SHARE of the attention cap's slack over their mean (or one
                  request above it): the in-flight cap alone lets a node whose requests finish sooner
@@ -47,7 +48,8 @@ while the domain still picks the node wherever they hold:
                  admitted; with fewer requests than ranks some ranks idle anyway and affinity wins;
   overflow       a request no preferred rank takes goes to the rank under the stream cap with the
                  fewest tokens in flight, then the fewest admitted (the fewest admitted first once every
-                 rank holds a request); within a node, the rank with the fewest tokens admitted.
+                 rank holds a request); within a node, the rank with the fewest tokens admitted among
+                 those the three caps allow (a node is refused only when none of its ranks fits).
 Ties go to the lowest rank.
 
 No engine imports here: the engine's adapter is locus/engine/policies/plan_grouping.py.
@@ -66,8 +68,10 @@ from locus.routing.grouping.predictor import TokenAffinity
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
-# Live sequences a rank may hold over the mean once the ranks hold ten or more each (lockstep balance).
-STREAM_CAP = 1.10
+# Live sequences a rank may hold over the mean once the ranks hold four or more each (lockstep balance).
+# The attention cap keeps the tokens level; a tighter stream cap refuses a domain's nodes often enough to
+# lose the plan's expert balance (docs/planner.md, "Live admission and balance").
+STREAM_CAP = 1.25
 # What share of the attention cap's slack the tokens admitted over the run get (lockstep balance, above).
 ADMITTED_CAP_SHARE = 0.5
 
@@ -302,27 +306,28 @@ class Grouper:
         A move is optional, so it gets no such slack (and leaves the total unchanged)."""
         ranks = np.arange(self.R) if closed is None else np.flatnonzero(~closed)
         candidates = [r for r in range(node * self.G, (node + 1) * self.G) if closed is None or not closed[r]]
-        if self.balance_streams:
-            ceiling = self._stream_ceiling(ranks, streams if admission else 0)
-            candidates = [r for r in candidates if self.streams[r] + streams <= ceiling]
-            if not candidates:
-                return None
-            rank = min(candidates, key=lambda r: (self.admitted[r], self.loads[r], r))
-        else:
-            if not candidates:
-                return None
-            rank = min(candidates, key=lambda r: (self.loads[r], r))
         count = len(ranks)
         mean = (self.loads[ranks].sum() + (w if admission else 0.0)) / count
         limit = max(self.cap * mean, mean + w) if admission else self.cap * mean
-        if self.loads[rank] + w > limit:
-            return None
-        if admission and self.balance_streams and self._every_rank_busy(ranks):
-            mean = (self.admitted[ranks].sum() + w) / count
-            share = 1.0 + ADMITTED_CAP_SHARE * (self.cap - 1.0)
-            if self.admitted[rank] + w > max(share * mean, mean + w):
+        if not self.balance_streams:
+            if not candidates:
                 return None
-        return rank
+            rank = min(candidates, key=lambda r: (self.loads[r], r))
+            return rank if self.loads[rank] + w <= limit else None
+        ceiling = self._stream_ceiling(ranks, streams if admission else 0)
+        admitted_limit = np.inf
+        if admission and self._every_rank_busy(ranks):
+            admitted_mean = (self.admitted[ranks].sum() + w) / count
+            share = 1.0 + ADMITTED_CAP_SHARE * (self.cap - 1.0)
+            admitted_limit = max(share * admitted_mean, admitted_mean + w)
+        # Every rank of the node is tried, the fewest admitted first: with many GPUs a node, its
+        # fewest-admitted rank is often the one over the in-flight cap while another has room, and
+        # refusing the node there sends the request off its domain's node (overflow).
+        for rank in sorted(candidates, key=lambda r: (self.admitted[r], self.loads[r], r)):
+            if (self.streams[rank] + streams <= ceiling and self.loads[rank] + w <= limit
+                    and self.admitted[rank] + w <= admitted_limit):
+                return rank
+        return None
 
     def _stream_ceiling(self, ranks: np.ndarray, adding: int) -> int:
         """The most live sequences a rank of `ranks` may hold after `adding` more (module docstring)."""
