@@ -43,18 +43,27 @@ def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, b
                 top_k: int = 1) -> LayerPlacement:
     """demand [N, E] -> the layer's slots [N * gpus, slots_per_gpu] and its expected figures."""
     N, E = demand.shape
-    C = gpus * slots_per_gpu
     total = float(demand.sum())
     mean_rank = total / (N * gpus)
-    x = select_by_marginal_gain(demand, C, top_k) if budget == "marginal" else select_replicas(demand, C)
-    x = balance_nodes(demand, x, limit=(1 + NODE_HEADROOM * (cap - 1)) * total / N)
-    slots, _ = pack_layer(demand, x, gpus, slots_per_gpu)
+    slots = sketch_layer(demand, gpus, slots_per_gpu, cap, budget, top_k)
     slots = enforce_cap(demand, slots, gpus, target=cap * mean_rank * (1 - 1e-9))
     loads = rank_loads(slots[None], demand[None])[0]
     imb = float(max_over_mean(loads))
     x = node_replicas(slots[None], N, E)[0]
     local = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
     return LayerPlacement(slots, imb, local, imb <= cap)
+
+
+def sketch_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
+                 top_k: int = 1) -> np.ndarray:
+    """The layer's slots [N * gpus, slots_per_gpu] before the cap search: replicas chosen, nodes balanced,
+    GPUs packed."""
+    N, E = demand.shape
+    C = gpus * slots_per_gpu
+    total = float(demand.sum())
+    x = select_by_marginal_gain(demand, C, top_k) if budget == "marginal" else select_replicas(demand, C)
+    x = balance_nodes(demand, x, limit=(1 + NODE_HEADROOM * (cap - 1)) * total / N)
+    return pack_layer(demand, x, gpus, slots_per_gpu)[0]
 
 
 def pack_layer(demand: np.ndarray, x: np.ndarray, gpus: int, slots_per_gpu: int) -> tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,7 @@ from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sa
 from locus.routing.planners.expected_load import rank_loads
 from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.planners.layer_caps import layer_caps
-from locus.routing.planners.locality import BUDGETS, place_layer
+from locus.routing.planners.locality import BUDGETS, place_layer, sketch_layer
 from locus.routing.planners.group_alignment import place_aligned
 from locus.routing.expert_groups import ExpertGroups
 from locus.routing.plan.placement import PlacementPlan, validate
@@ -215,9 +215,11 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
 
 def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions):
     """The grouping spec and first-round nodes of the domain order that places best: the size order and the
-    orders domain_layout.py scores lowest, each placed (_place) on its own grouping and scored by expected
-    inter-node bytes, as the rounds are; ties keep the earlier (the size order first). Also that order's
-    placement (demand, slots, fallback, caps), the first round's, or None when there was one order to place."""
+    orders domain_layout.py scores lowest, each sketched (_sketch: the placement before the cap search) on its
+    own grouping and scored by expected inter-node bytes, as the rounds are; ties keep the earlier (the size
+    order first). The last item is always None: the first round places the chosen order itself. The cap
+    search is most of a placement's time at a few slots per GPU, and it moves replicas for balance, which
+    costs every layout some locality, so the layouts are compared before it."""
     orders = domain_orders(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
                            topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
     best = None
@@ -227,8 +229,7 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
         placed = None
         if len(orders) > 1:
             demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
-            slots, fallback, caps = _place(demand, meta, topology, options)
-            placed = (demand, slots.copy(), fallback, caps)
+            slots = _sketch(demand, meta, topology, options)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
             score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
@@ -293,6 +294,17 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
             slots[l] = limits.eplb_slots[l]
             missed.append(l)
     return slots, [int(meta.moe_layers[l]) for l in sorted(missed)], limits.caps
+
+
+def _sketch(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> np.ndarray:
+    """Slots [L, R, S] of each layer's placement before the cap search (locality.sketch_layer), to compare
+    domain layouts; with --align-groups, _place itself."""
+    if options.align_groups is not None:
+        return _place(demand, meta, topology, options)[0]
+    if options.replica_budget not in BUDGETS:
+        raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
+    return np.stack([sketch_layer(demand[l], topology.gpus_per_node, topology.slots_per_gpu, options.caps.expert,
+                                  options.replica_budget, meta.top_k) for l in range(demand.shape[0])])
 
 
 def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, caps: np.ndarray, fallback: list[int],

@@ -13,6 +13,8 @@ experts' contributions recomputed (expected_load's rule, own-rank tier included,
 `pull` when the caller measured one, dispatch_pull.py), for all candidate moves
 in one batch. The move taken removes the most overload (sum over ranks of load above the target) per
 local pair lost; moves that win local pairs score best. Deterministic: ties go to the first candidate.
+At many ranks a move's overload change is summed over the ranks it touches only (move_scores.py):
+the same rule per rank, fewer terms in the sum, so only exact or near ties may break differently.
 
 Single moves get stuck when the worst rank holds one replica too heavy for any GPU (a node's own
 demand for a hot expert): splitting it in two overloads whichever rank takes the second copy until the
