@@ -74,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 max_tokens=args.max_tokens)
-        params.validate()
+        params.check_ranges()  # before the model loads; the engine checks only the vocabulary bounds
     except InvalidParameter as exc:
         print(f"locus: error: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 Field names, defaults and ranges follow OpenAI's API; vLLM's extensions (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too. Range checks live
-in one place, SamplingParams.validate, so the engine and the server can never disagree; the ranges
+in one place, SamplingParams.check_ranges, so the engine and the server can never disagree; the ranges
 the schemas show (`bounds`) are the same constants, for the OpenAPI document.
 
 Types are strict (as OpenAI's are): a boolean or a float is not a token id nor a count, a string is
@@ -87,7 +87,7 @@ def _json_type(value: object) -> str:
 
 
 def bounds(low: float | None = None, high: float | None = None, *, low_open: bool = False, **more) -> dict:
-    """A number's range for the OpenAPI document only: SamplingParams.validate enforces it (one place,
+    """A number's range for the OpenAPI document only: SamplingParams.check_ranges enforces it (one place,
     one message); the document must say the same, so it is written from the same constants."""
     schema: dict[str, Any] = dict(more)
     if low is not None:
@@ -254,7 +254,7 @@ class _Common(BaseModel):
             structured=self.structured_output(),
             logit_bias=self.token_bias(),
         )
-        params.validate()
+        params.check_ranges()  # once, here: the engine checks only the vocabulary bounds
         return params
 
 

@@ -186,10 +186,14 @@ class EngineCore:
 
     # --- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> ValidatedRequest:
-        """The one check of a request (its sampling ranges, its constraint, its prompt against the vocabulary,
-        the context and the KV pool): InvalidParameter/LocusError for one that can never run, else the
-        request as `admit` takes it. The engine keeps nothing."""
-        params.validate(self.model.config.vocab_size)
+        """The one check of a request against this engine (its sampling fields against the vocabulary, its
+        constraint, its prompt against the vocabulary, the context and the KV pool): InvalidParameter/LocusError
+        for one that can never run, else the request as `admit` takes it. The engine keeps nothing. The
+        sampling ranges were checked where the request entered (`ranges_checked`); params an offline caller
+        built itself have them checked here."""
+        if not params.ranges_checked:
+            params.check_ranges()
+        params.check_vocab(self.model.config.vocab_size)
         if params.structured is not None:  # a spec that does not compile, or that no output meets, is a 400
             self.grammars.check_satisfiable(params.structured)
         if not prompt_ids:

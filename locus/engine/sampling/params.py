@@ -1,12 +1,15 @@
 """Sampling parameters: what a request may ask of the sampler, with the ranges OpenAI and vLLM allow.
 
-`SamplingParams.validate` is the one place those ranges live; the server maps its failures
-(`InvalidParameter`, which names the field) onto OpenAI 400 errors.
+The checks come in two halves, each run once per request: `check_ranges` (no model needed) where the
+request enters (the server's protocol layer, `locus generate`; `EngineCore.validate` for params an
+offline caller built itself), and `check_vocab` (the token-valued fields against the model's
+vocabulary) in `EngineCore.validate`. The server maps their failures (`InvalidParameter`, which names
+the field) onto OpenAI 400 errors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from locus.errors import LocusError
@@ -49,11 +52,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: Any = None  # a StructuredOutput (structured/grammar.py): the grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (greedy too)
+    # Set by check_ranges and cleared by any later change of a field, so a holder of params with it set
+    # knows the ranges hold without checking them again (a copy made with every field carries it).
+    ranges_checked: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Requests carry lists (JSON) and OpenAI allows `stop` as one string; store tuples.
-        self.stop = self.normalize_stop(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        # Requests carry lists (JSON) and OpenAI allows `stop` as one string; store tuples. The same
+        # values in another container: not a change that voids ranges_checked.
+        object.__setattr__(self, "stop", self.normalize_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name != "ranges_checked" and self.__dict__.get("ranges_checked"):
+            object.__setattr__(self, "ranges_checked", False)  # the checked values are gone
+        object.__setattr__(self, name, value)
 
     @staticmethod
     def normalize_stop(stop: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -77,12 +89,19 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidParameter on the first field outside the range OpenAI / vLLM accept.
-        With `vocab_size`, token-valued fields (top_k, stop_token_ids) are bounded by it too."""
+        """Both halves at once (ranges, then with `vocab_size` the vocabulary bounds): for a caller
+        that holds the vocabulary size and no engine."""
+        self.check_ranges()
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    def check_ranges(self) -> None:
+        """Raise InvalidParameter on the first field outside the range OpenAI / vLLM accept; needs no
+        model. Marks the params `ranges_checked`."""
         _check_int("n", self.n, 1, MAX_N)
         _check_float("temperature", self.temperature, 0.0, 2.0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, -1, vocab_size)
+        _check_int("top_k", self.top_k, -1, None)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -102,19 +121,33 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidParameter("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, None if vocab_size is None else vocab_size - 1)
+            _check_int("stop_token_ids", t, 0, None)
         if self.logit_bias is not None:
-            self._check_logit_bias(vocab_size)
+            self._check_logit_bias()
+        self.ranges_checked = True
 
-    def _check_logit_bias(self, vocab_size: int | None) -> None:
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidParameter on the first token-valued field (top_k, stop_token_ids, logit_bias's
+        ids) past the model's vocabulary. Takes params whose ranges hold (`check_ranges`): it checks
+        only the upper bounds the ranges leave open."""
+        if self.top_k > vocab_size:
+            raise InvalidParameter("top_k", f"top_k must be -1 or 0 (off), or in [1, {vocab_size}] (the vocabulary "
+                                            f"size), got {self.top_k}")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size - 1}], got {t}")
+        for token in self.logit_bias or ():
+            if token >= vocab_size:
+                raise InvalidParameter("logit_bias", f"logit_bias token id {token!r} is outside the vocabulary "
+                                                     f"(0..{vocab_size - 1})")
+
+    def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
             raise InvalidParameter("logit_bias", "logit_bias must map token ids to numbers")
         low, high = LOGIT_BIAS_RANGE
         for token, bias in self.logit_bias.items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
-                    vocab_size is not None and token >= vocab_size):
-                where = "" if vocab_size is None else f" (0..{vocab_size - 1})"
-                raise InvalidParameter("logit_bias", f"logit_bias token id {token!r} is outside the vocabulary{where}")
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidParameter("logit_bias", f"logit_bias token id {token!r} is outside the vocabulary")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
                 raise InvalidParameter("logit_bias", f"logit_bias values must be numbers in [{low:g}, {high:g}]; "
                                                      f"token {token} has {bias!r}")
