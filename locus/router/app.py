@@ -54,14 +54,22 @@ def build_app(relay: Relay, intake: Intake, models: dict, on_shutdown=None):
 
     async def relayed(scope, receive, send, endpoint: str) -> None:
         arrived = time.perf_counter()
-        body = await read_body(receive)
-        if body is None:
-            return  # the client left before its request was whole
+        relay.arriving += 1  # until its intake is done: requests ready to go wait for it (Relay.after_arrivals)
+        refused = read = None
         try:
-            request, outbound = intake.read(endpoint, body, Headers(scope=scope))
-        except Refused as refused:
+            body = await read_body(receive)
+            if body is not None:
+                read = intake.read(endpoint, body, Headers(scope=scope))
+        except Refused as exc:
+            refused = exc
+        finally:
+            relay.arriving -= 1
+        if refused is not None:
             await refused.response(scope, receive, send)
             return
+        if read is None:
+            return  # the client left before its request was whole
+        request, outbound = read
         if relay.admissions.in_flight(request.request_id):
             await error_response(400, f"request id {request.request_id!r} is already in flight; request ids must "
                                       "be unique", "invalid_request_error", "request_id")(scope, receive, send)
