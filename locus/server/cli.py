@@ -313,16 +313,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if SPAWNED not in os.environ:  # rank 0 checked these for the ranks it starts
         check_model_len(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    plan = None
     if args.plan is not None:  # a bad file fails here in one line, before the model loads (its fit to the model: later)
         from locus.routing.plan.placement import load_plan
 
-        load_plan(args.plan)
+        plan = load_plan(args.plan)
     setup = setup_from(args.ep_ranks, args.gpus_per_node, args.ep_timeout, args.plan, args.ep_exchange,
                        args.ep_max_tokens_per_rank, args.ep_overlap, args.replan_every, args.replan_api,
                        args.replan_window, args.replan_layers_per_step, args.ep_elastic, args.ep_max_slots,
                        args.ep_loop_nice, args.ep_dispatch_format, args.ep_combine_format)
     if setup is not None:
         setup.moves = args.ep_moves
+        setup.plan = plan  # this rank's load_rank takes it as loaded, checking only its fit to the model
     elif args.ep_moves:
         raise LocusError("--ep-moves moves requests between expert-parallel ranks: add --ep-ranks N and a --plan")
     if setup is None and (args.ep_dispatch_format != "model" or args.ep_combine_format != "model"):
@@ -346,7 +348,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
         moe_backend=args.moe_backend, seed=args.seed, engine=engine, max_waiting=args.max_waiting,
         burst_wait_ms=args.burst_wait_ms,
-        record_trace=args.record_trace, plan=args.plan, ep=setup, chat_template=args.chat_template,
+        record_trace=args.record_trace, plan=args.plan, plan_loaded=plan, ep=setup, chat_template=args.chat_template,
         trace_api=args.enable_trace_api, trace_dir=args.trace_dir, trace_max_bytes=trace_max_bytes,
         limits=limits,
         quantize_experts=args.quantize_experts))

@@ -37,6 +37,7 @@ class ServerConfig:
     burst_wait_ms: float = 2.0  # an idle engine's wait for the rest of a burst (AsyncEngine.burst_wait_s)
     record_trace: str | None = None  # record every request's expert routing into this trace directory
     plan: str | None = None  # a placement plan whose grouper forms the micro-batches (one per node)
+    plan_loaded: object = None  # that plan as the CLI loaded (and checked) it: the file is read once
     ep: EPSetup | None = None  # expert parallelism: this process is rank 0 of several (the plan places experts)
     trace_api: bool = False  # --enable-trace-api: /traces/start|stop|dump
     trace_dir: str = "traces"  # where /traces/start may write (a client names a trace inside it)
@@ -71,6 +72,7 @@ class ServerState:
             # under expert parallelism the plan places the experts over the ranks; this rank loads only its own
             built = build_engine(c.model, dtype=c.dtype, device=c.device, moe_backend=c.moe_backend, seed=c.seed,
                                  engine_config=c.engine, quantize_experts=c.quantize_experts, plan=c.plan, ep=c.ep,
+                                 plan_loaded=c.plan_loaded,
                                  record_trace=c.record_trace, model_name=self.model_name,
                                  chat_template=c.chat_template, burst_wait_s=c.burst_wait_ms / 1000.0)
             engine = built.serve(max_waiting=c.max_waiting, on_dead=self._engine_died)

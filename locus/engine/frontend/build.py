@@ -46,7 +46,7 @@ class BuiltEngine:
 
 def build_engine(model: str | None, *, dtype: str | None = None, device: str | None = None,
                  moe_backend: str = "auto", seed: int = 0, engine_config: EngineConfig | None = None,
-                 quantize_experts: str | None = None, plan: str | None = None, ep=None,
+                 quantize_experts: str | None = None, plan: str | None = None, plan_loaded=None, ep=None,
                  record_trace: str | None = None, model_name: str = "locus", chat_template: str | None = None,
                  burst_wait_s: float = 0.0) -> BuiltEngine:
     """The engine for `model`. `plan`: a placement plan whose grouper forms the micro-batches (one per
@@ -65,7 +65,7 @@ def build_engine(model: str | None, *, dtype: str | None = None, device: str | N
         loaded = load(model, dtype, device, moe_backend, seed, quantize_experts=quantize_experts)
         grouping = None
         if plan:
-            grouping = load_plan_grouping(plan, loaded.model.config)
+            grouping = load_plan_grouping(plan, loaded.model.config, plan_loaded)
             engine_config = replace(engine_config, num_micro_batches=grouping.grouper.topology.nodes)
         core = EngineCore(loaded.model, loaded.tokenizer, engine_config, grouping=grouping)
         if record_trace:
@@ -94,14 +94,15 @@ def _build_rank0(setup, model, engine_config, **options):
     return driver, loaded
 
 
-def load_plan_grouping(path: str, model_config):
-    """The plan's grouper as the engine's micro-batch policy; the plan must fit this model."""
+def load_plan_grouping(path: str, model_config, loaded=None):
+    """The plan's grouper as the engine's micro-batch policy; the plan must fit this model. `loaded`: the
+    file as its caller already loaded (and checked) it, else it is read here."""
     from locus.engine.policies.plan_grouping import PlanGrouping
-    from locus.routing.plan.placement import PlanError, load_plan, validate
+    from locus.routing.plan.placement import PlanError, check_fit, load_plan
 
-    plan = load_plan(path)
+    plan = loaded if loaded is not None else load_plan(path)
     try:
-        validate(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
+        check_fit(plan, num_experts=model_config.num_local_experts, moe_layers=list(model_config.moe_layers))
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
     if not plan.grouping:

@@ -183,20 +183,13 @@ def _parse_layers(layers: object, moe_layers: list, topology: Topology) -> np.nd
 
 
 def validate(plan: PlacementPlan, num_experts: int | None = None, moe_layers=None) -> None:
-    """Raise PlanError unless `plan` is self-consistent and, when given, fits the model's experts and layers."""
+    """Raise PlanError unless `plan` is self-consistent and, when given, fits the model's experts and layers.
+    A plan `load_plan` returned is self-consistent already: its fit to a model is `check_fit`'s alone."""
     topo, E = plan.topology, plan.num_experts
-    if num_experts is not None and E != num_experts:
-        raise PlanError(f"plan is for {E} experts, the model has {num_experts}")
+    _check_experts_fit(plan, num_experts)
     if len(set(plan.moe_layers)) != len(plan.moe_layers):
         raise PlanError(f"moe_layers {list(plan.moe_layers)} names a layer twice")
-    if moe_layers is not None:
-        model_layers = [int(x) for x in moe_layers]
-        extra = [x for x in plan.moe_layers if x not in model_layers]
-        if extra:
-            raise PlanError(f"plan places layer {extra[0]}, which is not an MoE layer of the model {model_layers}")
-        absent = [x for x in model_layers if x not in plan.moe_layers]
-        if absent:
-            raise PlanError(f"plan has no placement for MoE layer {absent[0]}")
+    _check_layers_fit(plan, moe_layers)
     slots = np.asarray(plan.slots)
     want = (len(plan.moe_layers), topo.ranks, topo.slots_per_gpu)
     if slots.shape != want:
@@ -218,6 +211,29 @@ def validate(plan: PlacementPlan, num_experts: int | None = None, moe_layers=Non
         if len(absent):
             shown = ", ".join(str(e) for e in absent[:10]) + (" ..." if len(absent) > 10 else "")
             raise PlanError(f"layer {layer}: expert(s) {shown} have no slot ({len(absent)} missing)")
+
+
+def check_fit(plan: PlacementPlan, num_experts: int | None, moe_layers) -> None:
+    """Raise PlanError unless a self-consistent plan (loaded, planned) fits the model's experts and MoE layers."""
+    _check_experts_fit(plan, num_experts)
+    _check_layers_fit(plan, moe_layers)
+
+
+def _check_experts_fit(plan: PlacementPlan, num_experts: int | None) -> None:
+    if num_experts is not None and plan.num_experts != num_experts:
+        raise PlanError(f"plan is for {plan.num_experts} experts, the model has {num_experts}")
+
+
+def _check_layers_fit(plan: PlacementPlan, moe_layers) -> None:
+    if moe_layers is None:
+        return
+    model_layers = [int(x) for x in moe_layers]
+    extra = [x for x in plan.moe_layers if x not in model_layers]
+    if extra:
+        raise PlanError(f"plan places layer {extra[0]}, which is not an MoE layer of the model {model_layers}")
+    absent = [x for x in model_layers if x not in plan.moe_layers]
+    if absent:
+        raise PlanError(f"plan has no placement for MoE layer {absent[0]}")
 
 
 def _is_int(value: object) -> bool:

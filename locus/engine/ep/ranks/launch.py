@@ -35,7 +35,7 @@ from locus.engine.model.config import ModelConfig
 from locus.errors import LocusError
 from locus.flags import check_range
 from locus.kernels.formats import PAYLOAD_FORMATS
-from locus.routing.plan.placement import PlacementPlan, PlanError, load_plan, validate
+from locus.routing.plan.placement import PlacementPlan, PlanError, check_fit, load_plan
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import round_robin
 
@@ -68,6 +68,7 @@ class EPSetup:
     moves: bool = False  # move requests after their prefill when the plan's grouper says it pays (--ep-moves)
     dispatch_format: str = "model"  # how dispatched rows travel (payload.py): model, mxfp8, mxint8
     combine_format: str = "model"  # how the partial sums travel back
+    plan: PlacementPlan | None = None  # the --plan as this process's CLI loaded (and checked) it; None: read plan_path
 
     @property
     def replanning(self) -> bool:
@@ -198,7 +199,7 @@ def load_rank(setup: EPSetup, model: str | None, dtype: str | None = None, devic
     config = config_of(model)
     plan = plan_for(setup, config)
     try:  # before any weight: a plan for another model says what does not fit, from every rank alike
-        validate(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
+        check_fit(plan, num_experts=config.num_local_experts, moe_layers=list(config.moe_layers))
     except PlanError as exc:
         where = setup.plan_path or "the placement plan"
         raise LocusError(f"{where} does not fit the model {model or 'tiny'}: {exc}") from None
@@ -250,7 +251,7 @@ def plan_for(setup: EPSetup, config: ModelConfig) -> PlacementPlan:
     if setup.plan_path is None:
         slots = math.ceil(config.num_local_experts / setup.world)
         return round_robin(config.num_local_experts, config.moe_layers, Topology(setup.nodes, setup.gpus_per_node, slots))
-    plan = load_plan(setup.plan_path)
+    plan = setup.plan if setup.plan is not None else load_plan(setup.plan_path)  # the file is checked once
     topo = plan.topology
     if (topo.nodes, topo.gpus_per_node) != (setup.nodes, setup.gpus_per_node):
         raise LocusError(f"{setup.plan_path}: the plan is for {topo.nodes}x{topo.gpus_per_node} ranks, but this launch "

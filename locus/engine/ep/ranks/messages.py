@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
-from locus.engine.core.engine_core import EngineStats, RequestFailedError
+from locus.engine.core.engine_core import EngineStats, RequestFailedError, ValidatedRequest
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.rebalance.replan import Replan
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
@@ -32,6 +32,13 @@ class Add:
     domain: str | None
     resumed: Resumed | None = None  # a lost rank's request: what it had streamed there
     retry: bool = False  # resent after a regroup: the rank may have it already (then it is ignored)
+
+    @property
+    def request(self) -> ValidatedRequest:
+        """The request as rank 0's engine validated it: an Add is made only of a validated request (EPDriver.add
+        takes a ValidatedRequest; a lost rank's request is resent as admitted), and the ranks' engines are alike
+        (one EngineConfig: the same vocabulary, context and KV pool), so the rank admits it unchecked."""
+        return ValidatedRequest(self.prompt_ids, self.params)
 
 
 @dataclass

@@ -296,7 +296,7 @@ class RankWorker:
 
     def _add(self, add, errors: list[tuple[str, str]]) -> None:
         try:
-            self.core.add_request(add.request_id, add.prompt_ids, add.params, add.domain, add.resumed)
+            self.core.admit(add.request_id, add.request, add.domain, add.resumed)  # validated on rank 0
         except LocusError as exc:
             errors.append((add.request_id, str(exc)))
 
