@@ -71,7 +71,7 @@ from locus.traces.metrics import max_over_mean
 # Live sequences a rank may hold over the mean once the ranks hold four or more each (lockstep balance).
 # The attention cap keeps the tokens level; a tighter stream cap refuses a domain's nodes often enough to
 # lose the plan's expert balance (docs/planner.md, "Live admission and balance").
-STREAM_CAP = 1.25
+STREAM_CAP = 1.30
 # What share of the attention cap's slack the tokens admitted over the run get (lockstep balance, above).
 ADMITTED_CAP_SHARE = 0.5
 
