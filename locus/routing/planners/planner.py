@@ -67,7 +67,7 @@ class PlanOptions:
     seed: int = 0
     expert_groups: int | None = None  # eplb: hierarchical policy over this many expert groups
     rounds: int = 2  # locality: placement <-> grouper rounds
-    kv_bytes_per_token: int | None = None  # default: grouping_spec.kv_bytes_per_token
+    kv_bytes_per_token: int | None = None  # default: the trace's, else grouping_spec.kv_bytes_per_token
     dispatch: str | None = None  # the dispatch rule the plan names (default dispatch_rule.planner_rule: eplb's
     # plans `position`, the others DEFAULT_RULE)
     replica_budget: str = "top"  # locality: "top" (each node's most used experts) or "marginal" (replica_budget.py)
@@ -243,8 +243,9 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
 def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions,
           order: list[str] | None = None) -> GroupingSpec:
     decode = sig.tokens - sig.prompt_tokens
-    kv = options.kv_bytes_per_token or kv_bytes_per_token(meta.model, meta.hidden_size, meta.dtype_bytes,
-                                                            meta.moe_layers)
+    # what the recording engine's cache held per token, where the trace says, before a name table or formula
+    kv = (options.kv_bytes_per_token or meta.kv_bytes_per_token
+          or kv_bytes_per_token(meta.model, meta.hidden_size, meta.dtype_bytes, meta.moe_layers))
     return GroupingSpec(
         domain_nodes=domain_node_weights(sig.domains, sig.tokens, topology.nodes, order=order),
         caps=options.caps,

@@ -24,12 +24,14 @@ def synth_trace(path: Path, requests: int = 160, seed: int = 0, experts: int = 3
     return path
 
 
-def separable_trace(path: Path, requests: int = 240, seed: int = 0, tagged: bool = True) -> Path:
+def separable_trace(path: Path, requests: int = 240, seed: int = 0, tagged: bool = True,
+                    kv_bytes_per_token: int | None = None) -> Path:
     """4 domains, each routing only to its own 4 of 16 experts (uniformly, top-2), equal token shares:
-    a 4-node topology with 4 slots per node can keep every pair on its node. Untagged: domain ""."""
+    a 4-node topology with 4 slots per node can keep every pair on its node. Untagged: domain "".
+    `kv_bytes_per_token`: what meta.json says the recording engine's cache held per token (or nothing)."""
     rng = np.random.default_rng(seed)
     domains = ("code", "math", "chat", "general")
-    meta = TraceMeta("separable", 16, 2, (0, 2), hidden_size=32, dtype_bytes=2)
+    meta = TraceMeta("separable", 16, 2, (0, 2), hidden_size=32, dtype_bytes=2, kv_bytes_per_token=kv_bytes_per_token)
     with TraceWriter(path, meta) as writer:
         for i in range(requests):
             d = i % 4

@@ -142,3 +142,17 @@ def test_marginal_budget_places_every_expert_and_skips_copies_a_reached_node_hol
     one, eight = select_by_marginal_gain(demand, 2, 1), select_by_marginal_gain(demand, 2, 8)
     assert one[1].tolist() == [1, 0, 0, 0, 1] and eight[1].tolist() == [0, 0, 0, 1, 1]
     assert (one.sum(0) >= 1).all() and (eight.sum(0) >= 1).all()
+
+
+def test_the_grouping_prices_kv_at_what_the_trace_recorded(tmp_path):
+    """A served checkpoint's trace states its cache's bytes per token (DeepSeek's latent is far below the
+    GQA formula); the plan's grouping prices a move after prefill at that, and an explicit option wins."""
+    topology = Topology(4, 2, 2)
+    formula = make_plan("locality", TraceReader(separable_trace(tmp_path / "none")), topology, (0, 240))
+    recorded = make_plan("locality", TraceReader(separable_trace(tmp_path / "rec", kv_bytes_per_token=512)),
+                         topology, (0, 240))
+    given = make_plan("locality", TraceReader(separable_trace(tmp_path / "opt", kv_bytes_per_token=512)),
+                      topology, (0, 240), PlanOptions(kv_bytes_per_token=7))
+    assert formula.plan.grouping["kv_bytes_per_token"] not in (512, 7)
+    assert recorded.plan.grouping["kv_bytes_per_token"] == 512
+    assert given.plan.grouping["kv_bytes_per_token"] == 7
