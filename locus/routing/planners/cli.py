@@ -102,7 +102,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    "(bounds the nodes a token reaches by --topk-group; docs/planner.md)")
     p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
-                   "(default: from the model name, see docs/planner.md)")
+                   "(default: the trace's recorded figure, else from the model name; see docs/planner.md)")
     p.add_argument("--predictor-tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
                    help="locality: store a prompt predictor with the plan, for clients that send no domain tag: the N "
                    f"most frequent token ids of the planning rows (needs a trace with token ids; 0: none; default "
