@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from locus.routing.grouping.accuracy import node_cost_accuracy  # noqa: E402
 from locus.routing.grouping.grouper import Grouper  # noqa: E402
 from locus.routing.grouping.live import live_grouper, simulate_live  # noqa: E402
-from locus.routing.grouping.predictor import TokenAffinity  # noqa: E402
+from locus.routing.plan.predictor import TokenAffinity  # noqa: E402
 from locus.routing.grouping.simulation import simulate_grouper  # noqa: E402
 from locus.routing.plan.grouping_spec import spec_of  # noqa: E402
 from locus.routing.plan.topology import parse_topology  # noqa: E402
 from locus.routing.planners.planner import PlanOptions, make_plan  # noqa: E402
-from locus.routing.planners.signatures import collect_signatures  # noqa: E402
+from locus.routing.grouping.signatures import collect_signatures  # noqa: E402
 from locus.routing.replay.assignment import assign_balanced  # noqa: E402
 from locus.routing.replay.simulator import parse_request_range, replay  # noqa: E402
 from locus.traces.reader import TraceReader  # noqa: E402

@@ -239,7 +239,7 @@ def request_limits_of(args: argparse.Namespace):
 
 def grammar_limits_of(args: argparse.Namespace):
     from locus.engine.core.engine_core import parse_memory
-    from locus.engine.structured.limits import GrammarLimits
+    from locus.engine.sampling.grammar_limits import GrammarLimits
 
     return GrammarLimits(max_bytes=args.max_grammar_bytes, compile_seconds=args.max_grammar_compile_seconds,
                          cache_bytes=parse_memory(args.grammar_cache_bytes))

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from locus.engine.frontend.async_engine import EngineDeadError, QueueFullError
-from locus.engine.structured.limits import GrammarBusy
+from locus.engine.sampling.grammar_limits import GrammarBusy
 from locus.engine.sampling.sampler import InvalidParameter
 from locus.errors import LocusError
 

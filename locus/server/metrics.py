@@ -10,7 +10,7 @@ from locus.engine.ep.ranks.health import RankSnapshot
 from locus.engine.frontend.async_engine import AsyncEngine
 from locus.engine.frontend.health import RecordingState
 from locus.engine.core.outputs import RequestOutput
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 

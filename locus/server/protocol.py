@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from locus.engine.sampling.sampler import InvalidParameter, SamplingParams
 from locus.engine.sampling.params import LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SEED_RANGE
-from locus.engine.structured.grammar import StructuredOutput
+from locus.engine.sampling.grammar import StructuredOutput
 from locus.server.unsupported import EMPTY, FALSE, check_refused, check_unknown, refused
 
 MAX_DOMAIN_CHARS = 64  # a request's task family is stored in traces: bounded, like every client string there

@@ -12,7 +12,7 @@ from pathlib import Path
 from locus.engine.frontend.async_engine import AsyncEngine
 from locus.engine.frontend.build import build_engine
 from locus.engine.core.engine_core import EngineConfig
-from locus.engine.structured.limits import CompilePools
+from locus.engine.sampling.grammar_limits import CompilePools
 from locus.engine.ep.ranks.launch import EPSetup
 from locus.engine.sampling.sampler import InvalidParameter
 from locus.errors import LocusError, debug_enabled, one_line

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 from locus.server import responses
 

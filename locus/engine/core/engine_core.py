@@ -29,8 +29,9 @@ from locus.engine.core.block_manager import BlockManager
 from locus.engine.runner.decode_graph import DecodeGraphs, default_buckets
 from locus.engine.core.detokenizer import IncrementalDetokenizer
 from locus.engine.observers.expert_load import ExpertLoadCounter
-from locus.engine.structured.limits import GrammarLimits
-from locus.engine.policies.grouping import GroupingPolicy, ScheduledSeq
+from locus.engine.sampling.grammar_limits import GrammarLimits
+from locus.engine.policies.grouping import GroupingPolicy
+from locus.engine.requests.sequence import Request, Resumed, ScheduledSeq, Sequence, SequenceStatus
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
@@ -40,9 +41,8 @@ from locus.engine.sampling.logprobs import describe, logprob_tensors
 from locus.engine.runner.model_runner import Feed, ModelRunner, PromptLogits, RunResult
 from locus.engine.sampling.sampler import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
 from locus.engine.core.step_pipeline import LaunchedBatch, LaunchedSample, LaunchedStep, StepPipeline
-from locus.engine.structured.grammar import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
+from locus.engine.sampling.grammar import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
 from locus.engine.core.scheduler import Scheduler, SchedulerConfig
-from locus.engine.core.sequence import Request, Resumed, Sequence, SequenceStatus
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.observers.trace_recorder import RecordingSummary, TraceRecorder
 from locus.errors import LocusError

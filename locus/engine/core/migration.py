@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from locus.engine.sampling.sampler import SamplingParams, TokenLogprob
-from locus.engine.core.sequence import Request, Resumed, SequenceStatus
+from locus.engine.requests.sequence import Request, Resumed, SequenceStatus
 
 log = logging.getLogger("locus.engine")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from locus.engine.sampling.sampler import TokenLogprob
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 
 
 @dataclass

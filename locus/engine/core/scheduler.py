@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from locus.engine.core.block_manager import BlockManager, chain_hash
-from locus.engine.policies.grouping import FirstComeGrouping, GroupingPolicy, ScheduledSeq
-from locus.engine.core.sequence import Sequence, SequenceStatus
+from locus.engine.policies.grouping import FirstComeGrouping, GroupingPolicy
+from locus.engine.requests.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 
 @dataclass

@@ -36,12 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from locus.engine.policies.grouping import ScheduledSeq
+from locus.engine.requests.sequence import Request, ScheduledSeq, Sequence
 from locus.engine.host_transfer import Readback
 from locus.engine.core.outputs import RequestOutput
 from locus.engine.runner.model_runner import Feed, PromptLogits, RunResult
 from locus.engine.sampling.sampler import SampleLaunch
-from locus.engine.core.sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from locus.engine.core.engine_core import EngineCore

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from locus.engine.checkpoint.tokenizer import Tokenizer
 from locus.engine.core.engine_core import EngineCore
 from locus.engine.ep.ranks.health import EPHealth
-from locus.engine.structured.grammar import GrammarCompiler
+from locus.engine.sampling.grammar import GrammarCompiler
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from locus.engine.model.forward_batch import ForwardBatch, SequenceSpan
-from locus.engine.policies.grouping import ScheduledSeq
+from locus.engine.requests.sequence import ScheduledSeq
 from locus.engine.runner.model_runner import RunResult
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from locus.engine.model.config import ModelConfig
 from locus.engine.observers.routing_tap import StepRouting
-from locus.engine.core.sequence import Sequence
+from locus.engine.requests.sequence import Sequence
 from locus.errors import LocusError
 from locus.traces.format import TraceFormatError, TraceMeta
 from locus.traces.writer import TraceWriter

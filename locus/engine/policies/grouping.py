@@ -7,17 +7,9 @@ planner puts sequences with similar expert usage together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from locus.engine.core.sequence import Sequence
-
-
-@dataclass
-class ScheduledSeq:
-    seq: "Sequence"
-    num_tokens: int  # tokens computed for it this step
+from locus.engine.requests.sequence import ScheduledSeq
 
 
 class GroupingPolicy(Protocol):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from locus.engine.policies.grouping import ScheduledSeq
+from locus.engine.requests.sequence import ScheduledSeq
 from locus.engine.observers.routing_tap import StepRouting
 from locus.traces.counts import count_expert_ids
 from locus.routing.grouping.grouper import Grouper

@@ -22,10 +22,9 @@ import torch
 from locus.engine.runner.decode_graph import DecodeGraphs
 from locus.engine.host_transfer import to_device
 from locus.engine.model.forward_batch import ForwardBatch, SequenceSpan
-from locus.engine.policies.grouping import ScheduledSeq
+from locus.engine.requests.sequence import ScheduledSeq, Sequence
 from locus.engine.model.kv_cache import PagedKVCache
 from locus.engine.model.model import Llama4ForCausalLM
-from locus.engine.core.sequence import Sequence
 from locus.kernels import argmax_cpu
 from locus.routing.gate import TopK
 

@@ -50,7 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured: Any = None  # a StructuredOutput (structured/grammar.py): the grammar the output must match
+    structured: Any = None  # a StructuredOutput (sampling/grammar.py): the grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (greedy too)
     # Set by check_ranges and cleared by any later change of a field, so a holder of params with it set
     # knows the ranges hold without checking them again (a copy made with every field carries it).

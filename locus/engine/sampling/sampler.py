@@ -43,7 +43,7 @@ from locus.engine.sampling.logprobs import (  # noqa: F401 - re-exported
     score_tokens,
 )
 from locus.engine.sampling.params import InvalidParameter, SamplingParams  # noqa: F401 - re-exported
-from locus.engine.structured.grammar import ConstraintDeadEnd, apply_bitmasks, fill_bitmasks
+from locus.engine.sampling.grammar import ConstraintDeadEnd, apply_bitmasks, fill_bitmasks
 
 # B sequences in the batch, V vocabulary, R rows sampled at random, P rows with penalties, G constrained rows
 

@@ -1,1 +1,2 @@
-"""The online micro-batch grouper: which node (and rank) runs each request."""
+"""The online micro-batch grouper: which node (and rank) runs each request, from its requests' expert
+signatures."""

@@ -64,7 +64,7 @@ import numpy as np
 from locus.errors import LocusError
 from locus.routing.plan.grouping_spec import GroupingSpec, spec_of
 from locus.routing.grouping.node_cost import NodeCostModel
-from locus.routing.grouping.predictor import TokenAffinity
+from locus.routing.plan.predictor import TokenAffinity
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 

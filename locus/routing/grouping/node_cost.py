@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from locus.routing.plan.grouping_spec import GroupingSpec
-from locus.routing.planners.expected_load import node_replicas
+from locus.routing.plan.placement import node_replicas
 
 # Requests scored per batch: keeps the [B, L, E] distributions near 16 MB for DeepSeek shapes.
 BATCH = 256

@@ -22,7 +22,7 @@ import numpy as np
 from locus.errors import LocusError
 from locus.routing.replay.assignment import Assignment
 from locus.routing.grouping.grouper import Grouper
-from locus.routing.planners.signatures import count_request_pairs
+from locus.routing.grouping.signatures import count_request_pairs
 from locus.traces.reader import CHUNK_ROUTINGS
 
 PrefillChunks = Iterable[tuple[int, int, np.ndarray]]  # (lo, hi, prefill counts [hi - lo, L, E]), in order

@@ -1,1 +1,2 @@
-"""The placement plan format: topology, which experts each rank holds, balance caps and the grouper's spec."""
+"""The placement plan format: topology, which experts each rank holds (and so each node's replicas), balance
+caps, the grouper's spec and the prompt predictor stored in it."""

@@ -11,7 +11,7 @@
      "move_margin": 1.0,                 // move only if saved bytes > margin * migration bytes
      "expert_prior": [[...], ...],       // [L][E] planning-data expert popularity per layer (sums to 1)
      "predictor": {...}}                 // optional: a prompt's expected signature from its token ids
-                                         // (locus/routing/grouping/predictor.py), for untagged requests
+                                         // (locus/routing/plan/predictor.py), for untagged requests
 
 Domain weights come from the planning data: the domains' token shares laid end to end over the
 nodes (node n covers [n, n + 1) of the line), so a domain spans as few nodes as its share allows and
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from locus.routing.grouping.predictor import TokenAffinity
+from locus.routing.plan.predictor import TokenAffinity
 from locus.routing.plan.caps import Caps
 from locus.routing.plan.placement import PlanError
 

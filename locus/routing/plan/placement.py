@@ -244,3 +244,12 @@ def _positive_int(value: object, name: str) -> int:
     if not _is_int(value) or value < 1:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def node_replicas(slots: np.ndarray, nodes: int, num_experts: int) -> np.ndarray:
+    """Replicas of each expert per node, [L, N, E] int64, from slots [L, R, S]."""
+    L, R, S = slots.shape
+    G = R // nodes
+    node = np.repeat(np.arange(R) // G, S)  # [R * S] node of every slot
+    keys = (np.arange(L)[:, None] * nodes + node[None, :]) * num_experts + slots.reshape(L, R * S)
+    return np.bincount(keys.ravel(), minlength=L * nodes * num_experts).reshape(L, nodes, num_experts)

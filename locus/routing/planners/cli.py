@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from locus.errors import LocusError
-from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS
+from locus.routing.plan.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS
 
 STANDARD_CASES = ("llama4-maverick", "deepseek-v3")
 WORKDIR = "results/tmp/traces"  # git-ignored

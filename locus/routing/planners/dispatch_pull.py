@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
-from locus.routing.planners.expected_load import node_replicas
+from locus.routing.plan.placement import node_replicas
 
 SAMPLE_TOKENS = 65536  # routed per measurement: about 2 s at deepseek-v3 scale (58 layers, top-8)
 PRIOR_PAIRS = 16.0  # pseudo-pairs of the layer-level preference in every (node, expert) share

@@ -64,15 +64,6 @@ def node_loads(demand: np.ndarray, x: np.ndarray, pull: np.ndarray | None = None
     return (x * replica_loads(demand, x, pull)).sum(-1)
 
 
-def node_replicas(slots: np.ndarray, nodes: int, num_experts: int) -> np.ndarray:
-    """Replicas of each expert per node, [L, N, E] int64, from slots [L, R, S]."""
-    L, R, S = slots.shape
-    G = R // nodes
-    node = np.repeat(np.arange(R) // G, S)  # [R * S] node of every slot
-    keys = (np.arange(L)[:, None] * nodes + node[None, :]) * num_experts + slots.reshape(L, R * S)
-    return np.bincount(keys.ravel(), minlength=L * nodes * num_experts).reshape(L, nodes, num_experts)
-
-
 def rank_loads(slots: np.ndarray, demand: np.ndarray, pull: np.ndarray | None = None) -> np.ndarray:
     """Expected pairs each rank computes, [L, R], for slots [L, R, S], node demand [L, N, E] and
     pull [L, N, E, N] (None: the even spread).

@@ -19,7 +19,8 @@ import numpy as np
 
 from locus.routing.planners.gpu_packing import pack_replicas
 from locus.routing.planners.replica_budget import select_by_marginal_gain
-from locus.routing.planners.expected_load import node_replicas, rank_loads, replica_loads
+from locus.routing.planners.expected_load import rank_loads, replica_loads
+from locus.routing.plan.placement import node_replicas
 from locus.routing.planners.replica_selection import balance_nodes, select_replicas
 from locus.routing.planners.slot_search import enforce_cap
 from locus.traces.metrics import max_over_mean

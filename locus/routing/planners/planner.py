@@ -37,7 +37,7 @@ from locus.routing.planners.baselines import eplb, round_robin
 from locus.routing.planners.domain_layout import domain_orders, domain_profiles
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
-from locus.routing.grouping.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
+from locus.routing.plan.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
 from locus.routing.grouping.simulation import run_grouper, signature_chunks
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
 from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
@@ -52,7 +52,7 @@ from locus.routing.replay.simulator import count_expert_loads
 from locus.routing.planners.summary import (PlanSummary, attention_imbalance, demand_figures, eplb_bytes_per_token,
                                         expected_bytes_per_token)
 from locus.routing.planners.request_clustering import balanced_clusters, signature_features
-from locus.routing.planners.signatures import RequestSignatures, collect_signatures, group_demand
+from locus.routing.grouping.signatures import RequestSignatures, collect_signatures, group_demand
 from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from locus.routing.planners.gpu_packing import pack_replicas
-from locus.routing.planners.expected_load import node_replicas, replica_loads
+from locus.routing.planners.expected_load import replica_loads
+from locus.routing.plan.placement import node_replicas
 from locus.routing.planners.replica_selection import split_replica
 from locus.routing.planners.move_scores import ExpertState, overload_change
 

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from locus.routing.planners.expected_load import node_replicas, rank_loads
+from locus.routing.planners.expected_load import rank_loads
+from locus.routing.plan.placement import node_replicas
 from locus.routing.grouping.node_cost import NodeCostModel
 from locus.traces.metrics import max_over_mean
 

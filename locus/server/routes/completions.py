@@ -77,7 +77,7 @@ def routes(state: ServerState) -> APIRouter:
 
     async def compile_constraint(engine: AsyncEngine, so) -> None:
         """Compile (and check) an output constraint in the compile pools; past its time budget the
-        request is refused and the compile's result only goes to the cache (structured/limits.py)."""
+        request is refused and the compile's result only goes to the cache (sampling/grammar_limits.py)."""
         grammars = engine.info.grammars
         if grammars.is_compiled(so):
             return

@@ -237,7 +237,7 @@ def test_a_request_resumed_from_streamed_output_continues_the_same_stream(tiny, 
     """What elastic EP does with a lost rank's request: another engine takes the streamed tokens as
     output already sent; the client's concatenated deltas, final ids, text and logprobs are unchanged,
     even when the cut falls inside a multi-byte character or a held-back stop string prefix."""
-    from locus.engine.core.sequence import Resumed
+    from locus.engine.requests.sequence import Resumed
 
     prompt = random_prompts(1, 12, 12, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, stop=["\x7f\x7f"])

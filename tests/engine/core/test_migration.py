@@ -13,7 +13,7 @@ import torch
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.core.migration import kv_bytes_per_token, take_in, take_out
 from locus.engine.sampling.sampler import SamplingParams
-from locus.engine.structured.grammar import StructuredOutput
+from locus.engine.sampling.grammar import StructuredOutput
 
 
 def step(core: EngineCore, outputs: dict) -> None:

@@ -16,7 +16,7 @@ from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.model.generate import generate_tokens
 from locus.engine.frontend.llm import LLM
 from locus.engine.sampling.sampler import SamplingParams
-from locus.engine.structured.grammar import StructuredOutput
+from locus.engine.sampling.grammar import StructuredOutput
 from tests.engine.sync_guard import record_syncs
 from tests.engine.runner.test_decode_graph import check_decode_steps, run_to_completion
 from tests.engine.runner.test_decode_graph_static import engine_with_graphs, staggered

@@ -16,7 +16,7 @@ from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.model.generate import generate_tokens
 from locus.engine.core.outputs import CompletionOutput, RequestOutput, merge_outputs
 from locus.engine.sampling.sampler import SamplingParams, TokenLogprob
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 
 
 def step_output(tokens_so_far: list[int], new: list[int], finish: str | None = None) -> RequestOutput:

@@ -17,7 +17,7 @@ from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.frontend.health import EngineHealth
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 from locus.errors import LocusError
 
 

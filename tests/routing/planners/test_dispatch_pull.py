@@ -7,10 +7,10 @@ import pytest
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.plan.caps import Caps
-from locus.routing.plan.placement import PlacementPlan, validate
+from locus.routing.plan.placement import PlacementPlan, node_replicas, validate
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.dispatch_pull import RoutingSample, pull_from_counts, remote_counts, sample_routings
-from locus.routing.planners.expected_load import node_replicas, rank_loads, remote_loads
+from locus.routing.planners.expected_load import rank_loads, remote_loads
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.routing.planners.slot_search import contributions, copies_per_rank
 from locus.routing.replay.simulator import replay

@@ -15,7 +15,7 @@ from locus.routing.plan.topology import Topology
 from locus.routing.planners.expected_load import rank_loads
 from locus.routing.planners.layer_caps import LayerCaps, layer_caps, parse_expert_cap
 from locus.routing.planners.planner import PlanOptions, make_plan
-from locus.routing.planners.signatures import collect_signatures, group_demand
+from locus.routing.grouping.signatures import collect_signatures, group_demand
 from locus.traces.metrics import max_over_mean
 from locus.traces.reader import TraceReader
 

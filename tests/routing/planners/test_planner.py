@@ -48,7 +48,7 @@ def test_planning_figures_match_the_load_model(skewed):
     topology = Topology(2, 2, 10)
     result = make_plan("locality", skewed, topology, (0, 100))
     # Recompute the expected rank loads from scratch for the grouping the plan was made for.
-    from locus.routing.planners.signatures import collect_signatures, group_demand
+    from locus.routing.grouping.signatures import collect_signatures, group_demand
 
     sig = collect_signatures(skewed, 0, 100)
     a = result.assignment

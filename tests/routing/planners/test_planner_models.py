@@ -6,10 +6,10 @@ import pytest
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.planners.gpu_packing import gpu_sums, pack_replicas
-from locus.routing.planners.expected_load import node_loads, node_replicas, rank_loads, remote_share, replica_loads
+from locus.routing.planners.expected_load import node_loads, rank_loads, remote_share, replica_loads
+from locus.routing.plan.placement import PlacementPlan, node_replicas
 from locus.traces.metrics import max_over_mean
 from locus.routing.planners.locality import place_layer
-from locus.routing.plan.placement import PlacementPlan
 from locus.routing.planners.replica_selection import select_replicas, transfer_effects_batch
 from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.plan.topology import Topology

@@ -43,7 +43,7 @@ from locus.engine.ep.ranks.worker import Iteration, RankWorker, failure_cause
 from locus.engine.ep.placement_move import MoveStats
 from locus.engine.core.outputs import RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
-from locus.engine.core.sequence import RequestMetrics, Resumed
+from locus.engine.requests.sequence import RequestMetrics, Resumed
 from locus.errors import LocusError
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.grouping.live import serving_grouper

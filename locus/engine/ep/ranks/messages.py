@@ -21,7 +21,7 @@ from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.rebalance.replan import Replan
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.engine.sampling.sampler import SamplingParams
-from locus.engine.core.sequence import RequestMetrics, Resumed
+from locus.engine.requests.sequence import RequestMetrics, Resumed
 
 
 @dataclass

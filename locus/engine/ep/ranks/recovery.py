@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from locus.engine.core.outputs import RequestOutput
-from locus.engine.core.sequence import Resumed
+from locus.engine.requests.sequence import Resumed
 from locus.engine.ep.ranks.elastic import lost_peer
 from locus.engine.ep.ranks.messages import Add, Commands, Move
 from locus.errors import LocusError

@@ -41,7 +41,7 @@ from locus.engine.ep.placement_move import MoveStats, PlacementMove
 from locus.engine.ep.runtime import EPRuntime
 from locus.engine.ep.routing_window import RoutingWindow
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 from locus.errors import LocusError, forget_frames
 from locus.routing.plan.placement import plan_from_dict
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
-from locus.engine.core.sequence import RequestMetrics
+from locus.engine.requests.sequence import RequestMetrics
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
 from locus.engine.ep.ranks.driver import GAUGES, EPDriver
 from locus.engine.ep.ranks.health import EPView

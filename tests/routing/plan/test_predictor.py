@@ -11,7 +11,7 @@ import pytest
 
 from locus.errors import LocusError
 from locus.routing.grouping.live import live_grouper
-from locus.routing.grouping.predictor import TokenAffinity
+from locus.routing.plan.predictor import TokenAffinity
 from locus.routing.plan.grouping_spec import spec_of
 from locus.routing.plan.placement import PlanError, load_plan
 from locus.routing.plan.topology import parse_topology

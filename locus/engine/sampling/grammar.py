@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from locus.engine.structured.limits import GrammarLimits, check_spec
+from locus.engine.sampling.grammar_limits import GrammarLimits, check_spec
 from locus.engine.sampling.params import InvalidParameter
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -48,7 +48,7 @@ class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer and model vocabulary (logits width), keeping the
     most recently used compiled grammars up to `cache_bytes` of their memory (xgrammar's own cache is
     off: it never gave memory back). Thread-safe: the server compiles a new spec in a worker thread
-    before admission (structured/limits.py budgets that), the engine thread then finds it cached; no lock
+    before admission (sampling/grammar_limits.py budgets that), the engine thread then finds it cached; no lock
     is held while compiling, so the engine never waits for another request's grammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, limits: GrammarLimits | None = None):

@@ -1,4 +1,4 @@
-"""Requests and their sequences, as the scheduler and engine track them.
+"""Requests and their sequences, as the scheduler and engine track them, and a sequence scheduled for a step.
 
 A request with `n` choices has `n` sequences. Only the first exists until the prompt is prefilled;
 then it forks, the children sharing the prompt's KV blocks (see EngineCore._fork).
@@ -126,6 +126,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence the scheduler chose for a step, with the tokens it computes in it."""
+
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step
 
 
 @dataclass

@@ -13,7 +13,7 @@ from locus.engine.core.engine_core import EngineConfig
 from locus.engine.frontend.llm import LLM
 from locus.engine.checkpoint.presets import build_preset
 from locus.engine.sampling.sampler import InvalidParameter, SamplingParams
-from locus.engine.structured.grammar import StructuredOutput
+from locus.engine.sampling.grammar import StructuredOutput
 from locus.engine.checkpoint.tokenizer import ByteTokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "ok", "count"],
@@ -188,7 +188,7 @@ def test_a_property_named_like_a_keyword_is_fine(llm):
 
 
 def test_the_vocabulary_is_read_once_whether_prepared_first_or_on_the_first_compile():
-    from locus.engine.structured.grammar import GrammarCompiler
+    from locus.engine.sampling.grammar import GrammarCompiler
 
     tok = ByteTokenizer()
     for prepare_first in (True, False):

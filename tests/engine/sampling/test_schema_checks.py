@@ -1,12 +1,12 @@
-"""The JSON-schema checks made before xgrammar sees a schema (locus/engine/structured/limits.py)."""
+"""The JSON-schema checks made before xgrammar sees a schema (locus/engine/sampling/grammar_limits.py)."""
 
 import json
 
 import pytest
 
 from locus.engine.sampling.params import InvalidParameter
-from locus.engine.structured.grammar import StructuredOutput
-from locus.engine.structured.limits import GrammarLimits, check_spec, empty_ref_loop
+from locus.engine.sampling.grammar import StructuredOutput
+from locus.engine.sampling.grammar_limits import GrammarLimits, check_spec, empty_ref_loop
 
 
 @pytest.mark.parametrize("schema, loop", [
