@@ -177,8 +177,7 @@ def measure(model, tokenizer, B: int, args, device: torch.device) -> dict:
             streams.deliver(core.step())
         instrument(core, timers)
         rows = []
-        pipeline = getattr(core, "pipeline", None)
-        waited = lambda: pipeline.wait_seconds if pipeline is not None else 0.0  # noqa: E731
+        waited = lambda: getattr(core, "step_wait_seconds", 0.0)  # noqa: E731
         for _ in range(args.steps):
             timers.take()
             before_wait = waited()

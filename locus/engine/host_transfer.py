@@ -7,7 +7,7 @@ step built of such calls keeps the host and the device taking turns. Here:
   copy (`to_device`), queued behind the device's work, not waiting for it;
 - a step's results (sampled ids, the logprobs asked for, routing) come back in ONE non-blocking copy
   into pinned memory followed by one event (`Readback`): the host waits only when it reads them, which
-  the overlapped schedule does while the device runs the next step (core/step_pipeline.py).
+  the overlapped schedule does while the device runs the next step (core/launched_step.py).
 On CPU there is nothing to wait for: `to_device` wraps the array, and a readback snapshots the tensors.
 """
 

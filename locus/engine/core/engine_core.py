@@ -2,8 +2,8 @@
 
 `EngineCore` is single-threaded; `LLM` (offline) drives it in a loop and `AsyncEngine` (serving)
 drives it from a background thread. A step is two halves, `launch` (schedule, queue the device work
-and the step's one readback) and `finish` (append the tokens, outputs); its StepPipeline runs them
-serially or overlapped, the host finishing step N while the device runs N + 1 (step_pipeline.py).
+and the step's one readback) and `finish` (append the tokens, outputs); `step` runs them
+serially or overlapped, the host finishing step N while the device runs N + 1 (launched_step.py).
 
 Failures: an exception in the per-request parts of a step (sampling a row with the request's own
 parameters, detokenizing and stop-checking its token) fails that request alone: it finishes with
@@ -40,7 +40,7 @@ from locus.engine.host_transfer import Readback, to_device
 from locus.engine.sampling.logprobs import describe, logprob_tensors
 from locus.engine.runner.model_runner import Feed, ModelRunner, PromptLogits, RunResult
 from locus.engine.sampling.sampler import InvalidParameter, Sampler, SamplingParams, SequenceSamplingState
-from locus.engine.core.step_pipeline import LaunchedBatch, LaunchedSample, LaunchedStep, StepPipeline
+from locus.engine.core.launched_step import LaunchedBatch, LaunchedSample, LaunchedStep
 from locus.engine.sampling.grammar import JSON_KINDS, ConstraintDeadEnd, GrammarCompiler
 from locus.engine.core.scheduler import Scheduler, SchedulerConfig
 from locus.engine.checkpoint.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ class EngineConfig:
     compile_decode: bool = False
     compile_buckets: tuple[int, ...] | None = None
     enforce_eager: bool = False
-    # The overlapped schedule (step_pipeline.py): the host finishes step N while the device runs N + 1.
+    # The overlapped schedule (launched_step.py): the host finishes step N while the device runs N + 1.
     # None = off: the overlap has not yet measured faster on any device (docs/engine.md).
     async_scheduling: bool | None = None
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # output constraints' budgets
@@ -136,8 +136,9 @@ class EngineCore:
         self.graphs = self._decode_graphs(model, config)
         self.runner = ModelRunner(model, self.cache, self.graphs)
         self.sampler = Sampler(tokenizer.eos_token_ids or mc.eos_token_ids, tokenizer.eos_token_id)
-        overlap = bool(config.async_scheduling)
-        self.pipeline = StepPipeline(self, overlap)
+        self.overlap = bool(config.async_scheduling)  # the configured choice; `overlapping` says if it applies
+        self.in_flight: LaunchedStep | None = None  # overlapped: the step launched and not yet finished
+        self.step_wait_seconds = 0.0  # time the host spent blocked on readbacks (the device was still busy)
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, config.grammar_limits)  # compiled on first use
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -291,14 +292,34 @@ class EngineCore:
                    for seq in request.seqs if not seq.is_finished)
 
     # --- the step -------------------------------------------------------------------------------
+    @property
+    def overlapping(self) -> bool:
+        """Whether steps overlap: as configured, unless the engine steps in lockstep with other ranks (each
+        rank's step is one collective sequence the others must meet)."""
+        return self.overlap and self.lockstep is None
+
     def step(self) -> list[RequestOutput]:
         """One step: serially, launch and finish it; overlapped, launch the next one and finish the one
-        in flight (step_pipeline.py). Returns the outputs of the step finished."""
-        return self.pipeline.step()
+        in flight (launched_step.py says what stays exact). Returns the outputs of the steps finished."""
+        outputs: list[RequestOutput] = []
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None and (not self.overlapping or previous.needs_host_tokens()):
+            outputs += self.finish(previous)  # its tokens must be on the host before the next step is scheduled
+            previous = None
+        launched = self.launch(previous.feed() if previous is not None else None)
+        if previous is not None:
+            outputs += self.finish(previous)
+        if launched is not None:
+            if self.overlapping:
+                self.in_flight = launched
+            else:
+                outputs += self.finish(launched)
+        return outputs
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any: afterwards every sampled token is on the host."""
-        return self.pipeline.drain()
+        previous, self.in_flight = self.in_flight, None
+        return self.finish(previous) if previous is not None else []
 
     def launch(self, feed: Feed | None = None) -> LaunchedStep | None:
         """Schedule a step, queue its forwards and sampling on the device and its one readback; reads
@@ -347,6 +368,7 @@ class EngineCore:
         """Wait for a launched step's readback; publish its routing, score its prompts, append its
         tokens (dropping the rows of sequences that finished meanwhile) and return the outputs."""
         arrays = launched.readback.wait()
+        self.step_wait_seconds += launched.readback.wait_seconds
         touched: OrderedDict[str, Request] = OrderedDict((r.request_id, r) for r in launched.failed)
         for part in launched.batches:
             for scored, handles in part.prompts:

@@ -6,7 +6,7 @@ Each step is either a prefill batch or a decode batch (as vLLM's original schedu
   remaining budget is prefilled in chunks over several steps. Waiting sequences first take any
   cached prefix blocks.
 - decode: every running sequence whose only uncomputed token is its last sampled one, one token each
-  (that token may still be on the device, `Sequence.in_flight`: the overlapped schedule, step_pipeline.py;
+  (that token may still be on the device, `Sequence.in_flight`: the overlapped schedule, launched_step.py;
   a sequence whose token in flight is its last, by max_tokens, is not scheduled again).
 When the pool runs out of blocks, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + output so

@@ -8,7 +8,7 @@ reads the same host arrays (`publish`). The model records routing at all only wh
 subscribed.
 
 Rows of sequences that finished after their step was launched (the overlapped schedule's discarded
-step, core/step_pipeline.py; an abort) are not published: subscribers see the tokens a client gets, as a
+step, core/launched_step.py; an abort) are not published: subscribers see the tokens a client gets, as a
 serial engine's subscribers do.
 
 Shape legend: T batch tokens, L MoE layers (the model's order), K experts per token.

@@ -18,7 +18,7 @@ never reads past a context, and the gathered path reads only the step's [B, W], 
 Two staging areas alternate, so the host fills step N + 1's while step N's copy may still be in
 flight; before reusing one it waits for the copy that last read it (step N - 1's).
 
-The overlapped schedule (core/step_pipeline.py) stages step N + 1 before step N's tokens reach the host: a
+The overlapped schedule (core/launched_step.py) stages step N + 1 before step N's tokens reach the host: a
 sequence's newest token is then staged as a placeholder with its feed source, and `feed` copies it
 from step N's sampled ids on the device after the commit, before the graph reads the buffers.
 

@@ -58,7 +58,7 @@ class SequenceSamplingState:
     generator: torch.Generator | None  # CPU; None = torch's global RNG (unseeded requests)
     grammar: Any = None  # an xgrammar matcher when the request asked for structured output
     json_guard: Any = None  # structured_output.JsonGuard for JSON constraints: tokens xgrammar would wrongly allow
-    # tokens sampled on the device and not yet in output_ids (the overlapped schedule, core/step_pipeline.py)
+    # tokens sampled on the device and not yet in output_ids (the overlapped schedule, core/launched_step.py)
     in_flight: int = 0
     # prompt ids as an array, built once: penalties need them every step
     _prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)

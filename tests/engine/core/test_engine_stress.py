@@ -84,7 +84,7 @@ def test_random_mixed_load_on_a_tiny_pool_never_breaks_the_engine(tiny, tok, see
 
 @pytest.mark.parametrize("seed", range(max(TRIALS // 2, 1)))
 def test_the_overlapped_schedule_under_random_load_matches_the_serial_engine(tiny, tok, seed):
-    """The same trials with the host finishing step N while step N + 1 is queued (step_pipeline.py):
+    """The same trials with the host finishing step N while step N + 1 is queued (launched_step.py):
     preemption, aborts and stops between the halves; every client sees exactly its final tokens."""
     check_stressed(tiny, tok, seed, overlap=True)
 

@@ -1,4 +1,4 @@
-"""The overlapped schedule (step_pipeline.py) against the serial one: the same tokens, stops, lengths,
+"""The overlapped schedule (launched_step.py) against the serial one: the same tokens, stops, lengths,
 aborts, preemptions, logprobs, grammars, traces and expert-load counts; at most one step of work
 discarded and never a token delivered after a request's end. And the sync-free step: from the start
 of a decode step to its one readback, nothing reads a value back from the device (tests/engine/
@@ -158,7 +158,7 @@ def test_an_abort_while_a_step_is_in_flight_delivers_nothing_more(tiny, tok):
     assert a.token_ids == generate_tokens(tiny, list(range(30)), len(a.token_ids))
     assert finals["b"].outputs[0].token_ids == generate_tokens(tiny, list(range(40, 50)), 12)
     stats = core.stats()
-    assert stats.num_free_blocks == stats.num_blocks and not core.requests and core.pipeline.in_flight is None
+    assert stats.num_free_blocks == stats.num_blocks and not core.requests and core.in_flight is None
 
 
 def test_prompt_logprobs_and_a_grammar_work_overlapped(tiny, tok):
@@ -306,7 +306,7 @@ def test_the_overlap_is_off_by_default_and_the_flag_sets_it(tiny, tok):
     from locus.cli import build_parser
     from locus.server.cli import engine_config_of
 
-    assert not EngineCore(tiny, tok, overlap_config(None)).pipeline.overlapping  # tiny is on CPU
-    assert EngineCore(tiny, tok, overlap_config(True)).pipeline.overlapping
+    assert not EngineCore(tiny, tok, overlap_config(None)).overlapping  # tiny is on CPU
+    assert EngineCore(tiny, tok, overlap_config(True)).overlapping
     for flags, expected in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         assert engine_config_of(build_parser().parse_args(["serve", *flags])).async_scheduling is expected

@@ -1,5 +1,6 @@
-"""The engine's steps, one after the other or overlapped with the host's work (vLLM's async scheduling,
-SGLang's overlap scheduler).
+"""A step launched and not yet finished: what EngineCore's two halves of a step hand each other, and how
+its steps run one after the other or overlapped with the host's work (vLLM's async scheduling, SGLang's
+overlap scheduler; EngineCore.step runs the schedule).
 
 A step has two halves (EngineCore):
 - `launch`: schedule, queue the forward and the sampler on the device, and queue ONE readback of the
@@ -30,20 +31,14 @@ collective sequence that the others must meet (docs/engine.md).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from locus.engine.requests.sequence import Request, ScheduledSeq, Sequence
 from locus.engine.host_transfer import Readback
-from locus.engine.core.outputs import RequestOutput
 from locus.engine.runner.model_runner import Feed, PromptLogits, RunResult
 from locus.engine.sampling.sampler import SampleLaunch
-
-if TYPE_CHECKING:
-    from locus.engine.core.engine_core import EngineCore
 
 
 @dataclass
@@ -93,55 +88,3 @@ class LaunchedStep:
 
     def needs_host_tokens(self) -> bool:
         return any(b.sample is not None and b.sample.needs_host_tokens() for b in self.batches)
-
-
-class StepPipeline:
-    """Runs EngineCore's steps serially or overlapped (see the module docstring). `overlap` is the
-    configured choice; the pipeline is serial whenever the engine steps in lockstep with other ranks."""
-
-    def __init__(self, core: "EngineCore", overlap: bool):
-        self.core, self.overlap = core, overlap
-        self.in_flight: LaunchedStep | None = None
-        self.steps = 0  # steps launched
-        self.wait_seconds = 0.0  # time the host spent blocked on readbacks (the device was still busy)
-        self.host_seconds = 0.0  # time in `step` not blocked on the device
-
-    @property
-    def overlapping(self) -> bool:
-        return self.overlap and self.core.lockstep is None
-
-    def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        waited = self.wait_seconds
-        try:
-            return self._step()
-        finally:
-            self.host_seconds += time.perf_counter() - start - (self.wait_seconds - waited)
-
-    def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        previous, self.in_flight = self.in_flight, None
-        if previous is not None and (not self.overlapping or previous.needs_host_tokens()):
-            outputs += self._finish(previous)
-            previous = None
-        launched = self.core.launch(previous.feed() if previous is not None else None)
-        if launched is not None:
-            self.steps += 1
-        if previous is not None:
-            outputs += self._finish(previous)
-        if launched is not None:
-            if self.overlapping:
-                self.in_flight = launched
-            else:
-                outputs += self._finish(launched)
-        return outputs
-
-    def drain(self) -> list[RequestOutput]:
-        """Finish the step in flight, if any (before something that must see every token so far)."""
-        previous, self.in_flight = self.in_flight, None
-        return self._finish(previous) if previous is not None else []
-
-    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
-        outputs = self.core.finish(launched)
-        self.wait_seconds += launched.readback.wait_seconds
-        return outputs
