@@ -94,6 +94,15 @@ def test_type_checking_imports_are_not_edges():
     assert names == {"b", "c"}
 
 
+def test_an_import_inside_a_function_is_an_edge(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from locus import b\n    return b\n")
+    (tmp_path / "b.py").write_text("def g():\n    import locus.a\n    return locus.a\n")
+    known = {"locus.a": tmp_path / "a.py", "locus.b": tmp_path / "b.py"}
+    graph = {name: imports_of(path, name, known) for name, path in known.items()}
+    assert graph == {"locus.a": {"locus.b"}, "locus.b": {"locus.a"}}
+    assert find_cycle(graph) == ["locus.a", "locus.b", "locus.a"]
+
+
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import locus
 
 ROOT = Path(locus.__file__).parent
@@ -100,7 +102,7 @@ def engine_parts_imported(path: Path) -> set[str]:
 
 def test_the_model_sits_below_the_engine_loop():
     """engine/model/ (the Llama-4 modules, KV caches) and engine/checkpoint/ (loading them) know nothing of
-    the loop that runs them: core/, sampling/, structured/, runner/, policies/, observers/, frontend/ and
+    the loop that runs them: core/, sampling/, requests/, runner/, policies/, observers/, frontend/ and
     ep/ build on the model, never the other way round."""
     violations = []
     for part, allowed in BELOW_THE_LOOP.items():
@@ -117,3 +119,77 @@ def test_only_the_cli_imports_the_front_ends():
     offenders = [f for f in files_importing(ENGINE, "locus.engine.frontend")
                  if not f.startswith("locus/engine/frontend/") and f != "locus/engine/cli.py"]
     assert not offenders, f"engine modules importing engine/frontend/: {offenders}"
+
+
+# Inside a package, its parts stack one way too: a part (a sub-package, or a module at the package's root)
+# imports only parts declared lower, at any depth of the file (an import inside a function or under
+# `if TYPE_CHECKING:` is still a dependency: the lower part cannot be understood, moved or tested without
+# the higher one). Lowest first; "*.py" stands for every module at the package's root, one level that may
+# import itself. docs/design.md ("Layout and layering") writes the same orders.
+PART_ORDERS = {
+    "engine": ["host_transfer", "model", "checkpoint", "sampling", "requests", "runner", "observers", "policies",
+               "core", "ep", "frontend", "cli"],
+    "routing": ["gate", "node_cover", "plan", "dispatch_rule", "replay", "grouping", "planners", "cli"],
+    "engine/ep": ["*.py", "rebalance", "ranks"],
+}
+
+
+def package_parts(package: Path) -> set[str]:
+    """The parts of `package`: its sub-packages and the modules at its root (not __init__.py)."""
+    subs = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    return subs | {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+
+
+def part_levels(package: str) -> dict[str, int]:
+    """Each part of `package` -> its level in PART_ORDERS (the root's modules share the level of "*.py")."""
+    levels = {}
+    for level, part in enumerate(PART_ORDERS[package]):
+        if part == "*.py":
+            levels.update({p.stem: level for p in (ROOT / package).glob("*.py") if p.stem != "__init__"})
+        else:
+            levels[part] = level
+    return levels
+
+
+def part_of(name: str, package: str) -> str | None:
+    """The part of `package` that module `name` lies in, or None when it lies outside (or is the package)."""
+    prefix = "locus." + package.replace("/", ".") + "."
+    return name[len(prefix):].split(".")[0] if name.startswith(prefix) else None
+
+
+def upward_imports(package: str) -> list[str]:
+    """Every import, in a module of `package`, of a part of `package` declared higher than the module's own."""
+    levels = part_levels(package)
+    violations = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if path.parent == ROOT / package and path.stem == "__init__":
+            continue
+        own = path.relative_to(ROOT / package).parts[0].removesuffix(".py")
+        if own not in levels:  # a part the order does not name: test_the_order_names_every_part says so
+            continue
+        above = sorted({part for name in imported_names(path)
+                        if (part := part_of(name, package)) in levels and levels[part] > levels[own]})
+        if above:
+            violations.append(f"{path.relative_to(ROOT.parent)} ({own}) imports {above}")
+    return violations
+
+
+@pytest.mark.parametrize("package", sorted(PART_ORDERS))
+def test_the_order_names_every_part(package):
+    """A new sub-package or root module is placed in the order, not silently left out of the check."""
+    assert package_parts(ROOT / package) == set(part_levels(package)), \
+        f"locus/{package}: parts {sorted(package_parts(ROOT / package) ^ set(part_levels(package)))} " \
+        "are not in PART_ORDERS, or no longer exist"
+
+
+@pytest.mark.parametrize("package", sorted(PART_ORDERS))
+def test_no_part_imports_a_higher_one(package):
+    violations = upward_imports(package)
+    assert not violations, f"locus/{package}, order {' < '.join(PART_ORDERS[package])}:\n" + "\n".join(violations)
+
+
+def test_an_import_inside_a_function_counts(tmp_path):
+    source = tmp_path / "late.py"
+    source.write_text("def f():\n    from locus.engine.core import engine_core\n    return engine_core\n")
+    assert part_of("locus.engine.core.engine_core", "engine") == "core"
+    assert "locus.engine.core.engine_core" in imported_names(source)
