@@ -129,7 +129,7 @@ def test_only_the_cli_imports_the_front_ends():
 PART_ORDERS = {
     "engine": ["host_transfer", "model", "checkpoint", "sampling", "requests", "runner", "observers", "policies",
                "core", "ep", "frontend", "cli"],
-    "routing": ["gate", "node_cover", "plan", "dispatch_rule", "replay", "grouping", "planners", "cli"],
+    "routing": ["gate", "node_cover", "plan", "expert_groups", "dispatch_rule", "replay", "grouping", "planners", "cli"],
     "engine/ep": ["*.py", "rebalance", "ranks"],
 }
 
