@@ -180,20 +180,33 @@ def _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT=None)
         gain_local = 0.0 + p_half.local_new[p_row] - p_half.local_old[p_row]
         gain_local = gain_local + q_half.local_new[q_row] - q_half.local_old[q_row]
         reduced = excess - np.maximum(new_loads - target, 0.0).sum(1)
-        score = reduced / (np.maximum(-gain_local, 0.0) + eps)
-        score[reduced <= eps] = -np.inf
-        k = int(np.argmax(score))
-        if np.isfinite(score[k]) and (best is None or score[k] > best[0]):
-            best = (score[k], kind, int(ii[idx[k]]), int(jj[idx[k]]))
+        best = _better(best, reduced, gain_local, eps, kind, ii[idx], jj[idx])
+    return _moves_of(best, w, slots)
+
+
+def _better(best, reduced: np.ndarray, gain_local: np.ndarray, eps: float, kind: str, ii: np.ndarray,
+            jj: np.ndarray):
+    """The better of `best` and this kind's best candidate: overload removed per local share given up,
+    only candidates that remove some overload (the first of equals kept)."""
+    score = reduced / (np.maximum(-gain_local, 0.0) + eps)
+    score[reduced <= eps] = -np.inf
+    k = int(np.argmax(score))
+    if np.isfinite(score[k]) and (best is None or score[k] > best[0]):
+        return (score[k], kind, int(ii[k]), int(jj[k]))
+    return best
+
+
+def _moves_of(best, w: int, slots: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """The chosen candidate as slot writes (rank, slot, expert); None when no candidate helps."""
     if best is None:
         return None
+    S = slots.shape[1]
     _, kind, i, j = best
     if kind == "swap":
-        return [(w, i, int(flat[j])), (j // S, j % S, int(slots[w, i]))]
+        return [(w, i, int(slots.ravel()[j])), (j // S, j % S, int(slots[w, i]))]
     if kind == "spread":
         return [(j // S, j % S, int(slots[w, i]))]
     return [(w, i, j)]  # shed: j is the new expert
-
 
 def _best_move_touched(dT, h, contrib, loads, slots, gpus, target, eps):
     """_best_move under the even spread, each move scored on the ranks it touches (move_scores.py): the
@@ -227,19 +240,8 @@ def _best_move_touched(dT, h, contrib, loads, slots, gpus, target, eps):
             continue
         reduced, gain_local = overload_change(state, loads, contrib, target, p[idx], lp[idx], gp[idx], q[idx],
                                               lq[idx], gq[idx])
-        score = reduced / (np.maximum(-gain_local, 0.0) + eps)
-        score[reduced <= eps] = -np.inf
-        k = int(np.argmax(score))
-        if np.isfinite(score[k]) and (best is None or score[k] > best[0]):
-            best = (score[k], kind, int(ii[idx[k]]), int(jj[idx[k]]))
-    if best is None:
-        return None
-    _, kind, i, j = best
-    if kind == "swap":
-        return [(w, i, int(flat[j])), (j // S, j % S, int(slots[w, i]))]
-    if kind == "spread":
-        return [(j // S, j % S, int(slots[w, i]))]
-    return [(w, i, j)]  # shed: j is the new expert
+        best = _better(best, reduced, gain_local, eps, kind, ii[idx], jj[idx])
+    return _moves_of(best, w, slots)
 
 
 class _Half:
