@@ -29,7 +29,6 @@ def rank_main(rank: int, port: int, out: str) -> None:
     from locus.engine.ep.layer import apply_expert_parallel
     from locus.engine.model.slices import slices_of
     from locus.engine.ep.ranks.worker import RankWorker
-    from locus.engine.sampling.sampler import SamplingParams
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -46,7 +45,16 @@ def rank_main(rank: int, port: int, out: str) -> None:
     if rank != 0:
         worker.serve()
         end_rank()
-    driver = EPDriver(worker)
+    move_each_request_once(EPDriver(worker), core, WORLD, out)
+    end_rank()
+
+
+def move_each_request_once(driver, core, world: int, out: str) -> None:
+    """Rank 0: greedy-decode the engine prompts, moving each request to the next rank once its prefill
+    has run; saves the tokens, top logprobs, moves, counters, admissions and whether every rank's
+    KV pool is free again to OUT/rank0.pt (also the new families' moves test)."""
+    from locus.engine.sampling.sampler import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(engine_prompts()):
         driver.add(f"p{i}", core.validate(prompt, params), None)
@@ -58,14 +66,13 @@ def rank_main(rank: int, port: int, out: str) -> None:
             logprobs.setdefault(output.request_id, []).extend(top_logprobs(lp) for lp in c.delta_logprobs)
             if not output.finished and output.request_id not in moved:  # its prefill has run: move it once
                 moved.add(output.request_id)
-                driver.move(output.request_id, (driver.rank_of(output.request_id) + 1) % WORLD)
+                driver.move(output.request_id, (driver.rank_of(output.request_id) + 1) % world)
     core.dump_recording()
     driver.stop()
-    torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests, "counters": [r.counters for r in driver.ranks],
-                "admissions": driver.admissions.records, "free": [s.num_free_blocks == s.num_blocks for s in (r.stats for r in driver.ranks)]},
+    torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests,
+                "counters": [r.counters for r in driver.ranks], "admissions": driver.admissions.records,
+                "free": [s.num_free_blocks == s.num_blocks for s in (r.stats for r in driver.ranks)]},
                f"{out}/rank0.pt")
-    end_rank()
-
 
 def test_requests_moved_after_prefill_keep_their_tokens_and_the_replay_counts_their_bytes(tmp_path):
     from locus.engine.checkpoint.tokenizer import ByteTokenizer

@@ -14,6 +14,7 @@ import torch
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from tests.engine.ep.rank_cases import failures, run_cases
 from tests.engine.ep.test_expert_parallel import engine_prompts, plan_for, reference_generation, top_logprobs
+from tests.engine.ep.test_request_moves import move_each_request_once
 
 pytestmark = pytest.mark.slow  # four rank processes (once for both presets)
 
@@ -30,7 +31,6 @@ def worker(rank: int, world: int, preset: str, out: str) -> None:
     from locus.engine.ep.ranks.driver import EPDriver
     from locus.engine.ep.ranks.worker import RankWorker
     from locus.engine.model.slices import slices_of
-    from locus.engine.sampling.sampler import SamplingParams
 
     config = PRESETS[preset]
     plan = plan_for("2x2-replicas", config.moe_layers, preset)
@@ -45,25 +45,7 @@ def worker(rank: int, world: int, preset: str, out: str) -> None:
     if rank != 0:
         rank_worker.serve()
         return
-    driver = EPDriver(rank_worker)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    for i, prompt in enumerate(engine_prompts()):
-        driver.add(f"p{i}", core.validate(prompt, params), None)
-    moved, tokens, logprobs = set(), {}, {}
-    while driver.has_unfinished():
-        for output in driver.step():
-            c = output.outputs[0]
-            tokens.setdefault(output.request_id, []).extend(c.delta_token_ids)
-            logprobs.setdefault(output.request_id, []).extend(top_logprobs(lp) for lp in c.delta_logprobs)
-            if not output.finished and output.request_id not in moved:  # its prefill has run: move it once
-                moved.add(output.request_id)
-                driver.move(output.request_id, (driver.rank_of(output.request_id) + 1) % world)
-    core.dump_recording()
-    driver.stop()
-    torch.save({"tokens": tokens, "logprobs": logprobs, "moved": driver.moved_requests,
-                "counters": [r.counters for r in driver.ranks], "admissions": driver.admissions.records,
-                "free": [s.num_free_blocks == s.num_blocks for s in (r.stats for r in driver.ranks)]},
-               f"{out}/rank0.pt")
+    move_each_request_once(EPDriver(rank_worker), core, world, out)
 
 
 @pytest.fixture(scope="module")
