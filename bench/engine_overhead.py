@@ -119,13 +119,14 @@ class Streams:
     listener that takes every output: the hand-off's cost on the engine thread, with a live loop."""
 
     def __init__(self, core):
-        from locus.engine.frontend.async_engine import AsyncEngine, _Sink
+        from locus.engine.frontend.async_engine import AsyncEngine
+        from locus.engine.frontend.request_stream import OutputSink
 
         self.engine = AsyncEngine(core)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self._sink = _Sink
+        self._sink = OutputSink
 
     def register(self, request_ids) -> None:
         for rid in request_ids:

@@ -8,7 +8,7 @@ import asyncio
 
 from fastapi import Request
 
-from locus.engine.frontend.async_engine import _Sink
+from locus.engine.frontend.request_stream import OutputSink
 from locus.engine.core.outputs import CompletionOutput, RequestOutput
 from locus.server.event_stream import ListenedEventStream
 
@@ -22,7 +22,7 @@ class Stream:
     """What ListenedEventStream uses of a RequestStream, over a real sink."""
 
     def __init__(self):
-        self.sink = _Sink()
+        self.sink = OutputSink()
         self.closed_with_abort: bool | None = None
 
     def listen(self, listener):

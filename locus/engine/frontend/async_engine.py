@@ -40,8 +40,9 @@ from pathlib import Path
 
 from locus.engine.core.backend import EngineBackend, LocalBackend
 from locus.engine.core.engine_core import EngineCore, EngineStats, ValidatedRequest
-from locus.engine.core.outputs import RequestOutput, merge_outputs
+from locus.engine.core.outputs import RequestOutput
 from locus.engine.ep.ranks.health import RankSnapshot, ep_view_of
+from locus.engine.frontend.request_stream import OutputSink, RequestStream, put_all
 from locus.engine.frontend.health import EngineHealth, EngineInfo, RecordingState, recording_state
 from locus.engine.observers.trace_recorder import RecordingSummary
 from locus.engine.sampling.sampler import SamplingParams
@@ -69,7 +70,7 @@ class _Add:
     request_id: str
     request: ValidatedRequest
     domain: str | None
-    sink: "_Sink"
+    sink: OutputSink
     loop: asyncio.AbstractEventLoop
 
 
@@ -114,7 +115,7 @@ class AsyncEngine:
         self._admission = threading.Lock()
         self._unapplied_adds = 0
         self._wake = threading.Event()
-        self._sinks: dict[str, tuple[_Sink, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, tuple[OutputSink, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._stats = self.backend.stats()
         self._error: BaseException | None = None
@@ -221,20 +222,20 @@ class AsyncEngine:
         return self.core.validate(prompt_ids, params)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-            domain: str | None = None, final_only: bool = False) -> "RequestStream":
+            domain: str | None = None, final_only: bool = False) -> RequestStream:
         """Validate and admit a request now (or raise EngineDeadError, QueueFullError, InvalidParameter)
         and return the stream of its outputs. Call from the event loop that will read the stream."""
         return self.admit(self.validate(prompt_ids, params), request_id, domain, final_only)
 
     def admit(self, request: ValidatedRequest, request_id: str | None = None, domain: str | None = None,
-              final_only: bool = False) -> "RequestStream":
+              final_only: bool = False) -> RequestStream:
         """Admit a validated request now (or raise EngineDeadError, QueueFullError) and return the stream of
         its outputs. Call from the event loop that will read the stream."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._sinks:
             raise LocusError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        sink = _Sink(final_only)
+        sink = OutputSink(final_only)
         with self._admission:
             self._check_admission(1)
             self._unapplied_adds += 1
@@ -279,6 +280,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
         self._wake.set()
+
+    def close_stream(self, request_id: str, abort: bool) -> None:
+        """A request's reader is done with it (RequestStream.aclose): stop delivering to its sink, and
+        abort the request if it was left before its last output."""
+        if abort:
+            self.abort(request_id)
+        self._sinks.pop(request_id, None)
 
     async def _call(self, fn):
         """Run fn(core) in the engine thread between two steps and return its result (or raise its error)."""
@@ -430,7 +438,7 @@ class AsyncEngine:
             by_loop.setdefault(target[1], []).append((target[0], out.error or out))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # the caller's loop is closed
                 pass
 
@@ -452,124 +460,6 @@ class AsyncEngine:
             pass
 
 
-class RequestStream:
-    """An admitted request's outputs, read on the event loop that added it. Leaving it before the
-    last output (`aclose`, or the `async with` block) aborts the request."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, sink: "_Sink"):
-        self.engine, self.request_id, self._sink = engine, request_id, sink
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._sink.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            await self.aclose(abort=False)
-            raise item
-        if item.finished:
-            await self.aclose(abort=False)
-        return item
-
-    def listen(self, listener: Callable[[object], bool] | None) -> None:
-        """Have `listener` called, on this event loop, with each output or error as the engine
-        delivers it (outputs that waited, merged, first) instead of iterating. It returns False when
-        it cannot take one now; call `drain` when it can. The listener must not raise."""
-        self._sink.listen(listener)
-
-    def drain(self) -> None:
-        self._sink.drain()
-
-    async def aclose(self, abort: bool = True) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._sink.listen(None)
-        if abort:
-            self.engine.abort(self.request_id)
-        self.engine._sinks.pop(self.request_id, None)
-
-    async def __aenter__(self) -> "RequestStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-
-class _Sink:
-    """One request's outputs, from the engine thread (through call_soon_threadsafe) to its single
-    reader on the event loop. Lighter than asyncio.Queue, which the loop would pay for per token
-    per stream, on the cores the forward needs; outputs waiting when the reader comes back are
-    merged into one, so a lagging stream catches up with one frame.
-
-    A reader may instead listen: its callback gets each output as it is put, on the event loop, with
-    no task to wake (the server writes a stream's frames from there). A callback that cannot take an
-    output now returns False; the output then waits, merged with later ones, until `drain`."""
-
-    __slots__ = ("_items", "_waiter", "final_only", "_listener")
-
-    def __init__(self, final_only: bool = False):
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-        # its reader wants only the finished output: the engine thread hands it nothing else (_deliver_step)
-        self.final_only = final_only
-        self._listener: Callable[[object], bool] | None = None
-
-    def put(self, item) -> None:  # on the event loop
-        if self._listener is not None and not self._items and self._listener(item):
-            return
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def get(self):
-        """The next error, or every output waiting, merged into one."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._take()
-
-    def _take(self):
-        items = self._items
-        first = items[0]
-        if len(items) == 1 or isinstance(first, BaseException):
-            del items[0]
-            return first
-        count = 1
-        while count < len(items) and not isinstance(items[count], BaseException):
-            first = merge_outputs(first, items[count])
-            count += 1
-        del items[:count]  # an error after the outputs stays for the next get()
-        return first
-
-    def listen(self, listener: Callable[[object], bool] | None) -> None:
-        """Hand every output to `listener` as it is put (None: back to get()); what waits now goes first."""
-        self._listener = listener
-        if listener is not None:
-            self.drain()
-
-    def drain(self) -> None:
-        """Offer what waits to the listener (merged, as get() would) until it declines or nothing is left."""
-        while self._items and self._listener is not None:
-            item = self._take()
-            if not self._listener(item):
-                self._items.insert(0, item)
-                return
-
-
 def _settle(future: asyncio.Future, result, error) -> None:
     if future.cancelled():
         return
@@ -577,8 +467,3 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _put_all(items: list[tuple[_Sink, RequestOutput]]) -> None:
-    for sink, out in items:
-        sink.put(out)

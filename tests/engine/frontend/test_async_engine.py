@@ -11,7 +11,8 @@ import time
 import pytest
 
 from locus.engine.frontend import async_engine
-from locus.engine.frontend.async_engine import AsyncEngine, _Sink
+from locus.engine.frontend.async_engine import AsyncEngine
+from locus.engine.frontend.request_stream import OutputSink
 from locus.engine.core.engine_core import EngineConfig, EngineCore
 from locus.engine.model.generate import generate_tokens
 from locus.engine.core.outputs import CompletionOutput, RequestOutput, merge_outputs
@@ -39,7 +40,7 @@ def test_merged_outputs_carry_both_deltas_and_the_later_state():
 
 def test_sink_merges_a_backlog_and_keeps_an_error_after_it_for_the_next_read():
     async def scenario():
-        sink = _Sink()
+        sink = OutputSink()
         first, second = step_output([], [7]), step_output([7], [8])
         sink.put(first)
         assert await sink.get() is first  # one waiting output comes back as it is
