@@ -46,7 +46,7 @@ from locus.routing.plan.predictor import TokenAffinity  # noqa: E402
 from locus.routing.grouping.simulation import simulate_grouper  # noqa: E402
 from locus.routing.plan.grouping_spec import spec_of  # noqa: E402
 from locus.routing.plan.topology import parse_topology  # noqa: E402
-from locus.routing.planners.planner import PlanOptions, make_plan  # noqa: E402
+from locus.routing.planners.planner import make_plan  # noqa: E402
 from locus.routing.grouping.signatures import collect_signatures  # noqa: E402
 from locus.routing.replay.assignment import assign_balanced  # noqa: E402
 from locus.routing.replay.simulator import parse_request_range, replay  # noqa: E402

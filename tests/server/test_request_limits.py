@@ -5,7 +5,6 @@ lone surrogates in `model` and in keys, and bodies nested 100,000 deep on every 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 

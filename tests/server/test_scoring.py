@@ -9,7 +9,6 @@ import pytest
 
 from locus.engine.checkpoint.tokenizer import ByteTokenizer, load_tokenizer, render_chat_template
 from locus.engine.frontend.llm import LLM
-from locus.engine.sampling.sampler import SamplingParams
 from locus.engine.checkpoint.loader import SHIPPED
 from locus.server.protocol import CompletionRequest
 from locus.server.responses import CompletionFormat, Usage

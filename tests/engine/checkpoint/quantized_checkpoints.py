@@ -15,7 +15,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from locus.engine.checkpoint.quantized import CheckpointQuantization

@@ -24,7 +24,6 @@ from locus.engine.ep.placement_move import PlacementMove, align, move_bytes
 from locus.engine.model.expert_rows import expert_nbytes
 from locus.engine.model.forward_batch import ForwardBatch
 from locus.engine.model.slices import expert_memory, moe_experts, slices_of
-from locus.kernels.formats import QuantizedTensor
 from locus.routing.plan.placement import PlacementPlan
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.baselines import round_robin

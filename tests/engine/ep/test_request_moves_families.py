@@ -13,7 +13,7 @@ import torch
 
 from locus.engine.checkpoint.presets import PRESETS, build_preset
 from tests.engine.ep.rank_cases import failures, run_cases
-from tests.engine.ep.test_expert_parallel import engine_prompts, plan_for, reference_generation, top_logprobs
+from tests.engine.ep.test_expert_parallel import plan_for, reference_generation, top_logprobs
 from tests.engine.ep.test_request_moves import move_each_request_once
 
 pytestmark = pytest.mark.slow  # four rank processes (once for both presets)

@@ -2,7 +2,6 @@
 the cap search, replica selection."""
 
 import numpy as np
-import pytest
 
 from locus.routing.dispatch_rule import build_dispatch_table, route
 from locus.routing.planners.gpu_packing import gpu_sums, pack_replicas
