@@ -11,7 +11,8 @@ The bench creates its namespaces, links and addresses itself and removes them on
 them it says so and exits 2.
 
 Per plan and overlap setting the cluster is started once; the link rate is then changed in place
-(`tc qdisc replace`) and, per rate, each workload runs --repeats times:
+(`tc qdisc replace`) and, per rate, each workload runs --repeats times (the unshaped link
+--unshaped-repeats times, if given):
 - `wave`: --streams requests sent at once, --output-len tokens each, greedy (one decode wave);
 - `mixed`: --mixed-requests requests arriving as a Poisson process at --mixed-rate per second,
   output lengths cycling 16/32/48/64.
@@ -107,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-requests", type=int, default=32)
     p.add_argument("--mixed-rate", type=float, default=4.0, help="mixed workload arrivals per second")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--unshaped-repeats", type=int, default=None, metavar="N",
+                   help="repeats of the unshaped link (default: --repeats): the shaped rates' pairs are what a "
+                        "paired comparison needs, and an unshaped wave is the quickest to repeat least")
     p.add_argument("--planning-requests", type=int, default=48)
     p.add_argument("--ep-timeout", type=float, default=300.0)
     p.add_argument("--moe-backend", default="auto", help="the servers' --moe-backend (default: auto, the C kernel on CPU)")
@@ -553,6 +557,9 @@ def auto_rates(calibration: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_bucket(args.bucket)  # a bad --bucket fails before anything is built
+    if args.unshaped_repeats is not None and args.unshaped_repeats < 1:
+        raise SystemExit(f"{PROG}: --unshaped-repeats {args.unshaped_repeats}: give at least 1 (the unshaped link is "
+                         f"always measured first)")
     require_namespaces()
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     overlaps = [o.strip() == "on" for o in args.overlap.split(",") if o.strip()]
@@ -641,7 +648,8 @@ def measure_rate(net: Network, cluster: Cluster, model: str, args: argparse.Name
     rows = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         runs = []
-        for repeat in range(args.repeats):
+        repeats = args.unshaped_repeats if rate is None and args.unshaped_repeats is not None else args.repeats
+        for repeat in range(repeats):  # the offsets stay --repeats' so that any N sends the same prompts
             offset = (repeat + args.repeats * index) * (args.streams + args.mixed_requests) + \
                 (args.streams if name == "mixed" else 0)
             jobs = wave_jobs(args, offset, text) if name == "wave" else mixed_jobs(args, offset, repeat, text)
