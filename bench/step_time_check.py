@@ -17,8 +17,9 @@ routing offline (one process, greedy, as the bench's planning trace): a planning
 --planning-requests requests and --waves measured waves of prompts from the bench's measured pool;
 plans eplb and locality with `locus plan` on the planning trace; replays every wave in the decode step
 order under both plans (eplb: balanced assignment; locality: its grouper, all the wave admitted at once)
-on the cpu-2core-tbf profile at each rate; and compares the median of the per-wave ratios with the
-measured paired ratio of the given bench/ep_network.py results (repeat i of the locality cluster over
+on the cpu-2core-tbf profile at each rate (its own composition, host_overlap, and the serial one beside
+it); and compares the median of the per-wave ratios with the measured paired ratio of the given
+bench/ep_network.py results (repeat i of the locality cluster over
 repeat i of EPLB's, the same prompts; median over the pooled pairs).
 
     python bench/step_time_check.py kernels [--roofline results/moe_roofline_NVIDIA_H200.json] [--write-profile]
@@ -33,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -195,32 +197,43 @@ def check_ratio(args) -> dict:
                         hardware=hardware, model_shape=shape)
         return report.step_time
 
-    out = {"work": str(work), "hardware": base.name, "waves": args.waves, "rates": {}, "measured": measured}
+    serial_base = replace(base, host_overlap="none")  # the specified composition, for comparison
+    out = {"work": str(work), "hardware": base.name, "host_overlap": base.host_overlap, "waves": args.waves,
+           "rates": {}, "measured": measured}
     rows = []
     for rate in rates:
-        hardware = base if rate == "unshaped" else base.with_links(inter_bytes_per_s=rate_bytes_per_s(rate))
-        per_plan = {p: [tpot(p, w, hardware) for w in range(args.waves)] for p in ("round_robin", "eplb", "locality")}
+        per_plan, serial = {}, {}
+        for name, profile in (("profile", base), ("serial", serial_base)):
+            hardware = profile if rate == "unshaped" else profile.with_links(inter_bytes_per_s=rate_bytes_per_s(rate))
+            times = {p: [tpot(p, w, hardware) for w in range(args.waves)] for p in ("round_robin", "eplb", "locality")}
+            (per_plan if name == "profile" else serial).update(times)
         ratio = [a["tpot_p50_ms"] / b["tpot_p50_ms"] for a, b in zip(per_plan["locality"], per_plan["eplb"])]
-        serial_free = {p: [t["tpot_p50_ms"] - t["split_ms"]["overhead"] for t in v] for p, v in per_plan.items()}
-        overlap = [max(t["split_ms"]["overhead"], t["split_ms"]["exchange"]) + t["split_ms"]["attention"]
-                   + t["split_ms"]["experts"] for t in per_plan["locality"]]
-        overlap_e = [max(t["split_ms"]["overhead"], t["split_ms"]["exchange"]) + t["split_ms"]["attention"]
-                     + t["split_ms"]["experts"] for t in per_plan["eplb"]]
+        serial_ratio = [a["tpot_p50_ms"] / b["tpot_p50_ms"] for a, b in zip(serial["locality"], serial["eplb"])]
+        serial_free = {p: [t["tpot_p50_ms"] - t["split_ms"]["overhead"] for t in v] for p, v in serial.items()}
         got = {"predicted_ms": {p: statistics.median(t["tpot_p50_ms"] for t in v) for p, v in per_plan.items()},
+               "split_ms": {p: {part: statistics.median(t["split_ms"][part] for t in v) for part in v[0]["split_ms"]}
+                            for p, v in per_plan.items()},
+               "serial_ms": {p: statistics.median(t["tpot_p50_ms"] for t in v) for p, v in serial.items()},
                "model_part_ms": {p: statistics.median(v) for p, v in serial_free.items()},
                "predicted_ratio": statistics.median(ratio),
-               "max_composition_ratio": statistics.median(a / b for a, b in zip(overlap, overlap_e)),
+               "serial_ratio": statistics.median(serial_ratio),
                "measured": measured.get(rate)}
         if got["measured"]:
             got["error"] = got["predicted_ratio"] / got["measured"]["paired_ratio"] - 1
         out["rates"][rate] = got
         m = got["measured"]
+        if m:
+            got["serial_error"] = got["serial_ratio"] / m["paired_ratio"] - 1
         rows.append((rate, f"{got['predicted_ms']['eplb']:.1f}", f"{got['predicted_ms']['locality']:.1f}",
+                     f"{m['against_median_ms']:.1f} / {m['subject_median_ms']:.1f}" if m else "-",
                      f"{got['predicted_ratio']:.3f}", f"{m['paired_ratio']:.3f} ({m['pairs']} pairs)" if m else "-",
-                     f"{100 * got['error']:+.1f}%" if m else "-", f"{got['max_composition_ratio']:.3f}"))
-    print("| link | predicted TPOT eplb ms | locality ms | predicted ratio | measured paired ratio | error | "
-          "max(compute, link) ratio |")
-    print("|---|---|---|---|---|---|---|")
+                     f"{100 * got['error']:+.1f}%" if m else "-",
+                     f"{got['serial_ratio']:.3f} ({100 * got['serial_error']:+.1f}%)" if m else f"{got['serial_ratio']:.3f}"))
+    print(f"{base.name}, host_overlap {base.host_overlap}; the last column composes the same parts serially "
+          f"(host_overlap none)")
+    print("| link | predicted TPOT eplb ms | locality ms | measured eplb / locality ms (medians) | predicted ratio | "
+          "measured paired ratio | error | serial composition's ratio (error) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return out

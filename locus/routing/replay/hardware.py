@@ -6,6 +6,11 @@ Profiles are data files (hardware/<name>.json beside this module, or any path), 
 source. A profile is validated once, where it is loaded; a bad one is refused in one line naming the
 file and the field.
 
+`host_overlap` says how a step's host work and its collectives compose: "none" (each layer's compute,
+then its exchange, after the step's overhead: a GPU rank without two-batch overlap), or "per_collective"
+(each collective's time runs under the host work before it, and costs the longer of the two: a testbed
+whose ranks share cores and whose link drains queued bytes while they compute; step_time.py).
+
 A figure that depends on the expert-parallel size (DeepEP's bandwidths and latencies are published per
 EP size) is a list of [ranks, value] pairs; a replay on R ranks takes the pair whose ranks is nearest
 to R on a log scale (ties to the smaller), as the tuned kernel tables pick their token count.
@@ -24,7 +29,8 @@ PROFILE_DIR = Path(__file__).with_name("hardware")
 FORMAT_NAME = "locus-hardware"
 FORMAT_VERSION = 1
 FIGURES = ("memory_bytes_per_s", "tensor_flops_per_s", "expert_efficiency", "expert_kernel_floor_s", "inter_node",
-           "intra_node", "dispatch_latency_s", "combine_latency_s", "step_overhead_s", "step_link_bytes")
+           "intra_node", "dispatch_latency_s", "combine_latency_s", "step_overhead_s", "step_link_bytes", "host_overlap")
+HOST_OVERLAPS = ("none", "per_collective")
 LINK_FIELDS = ("dispatch_bytes_per_s", "combine_bytes_per_s", "shared_by_node", "message_bytes",
                "dispatch_collective_bytes", "combine_collective_bytes")
 
@@ -72,6 +78,7 @@ class HardwareProfile:
     combine_latency_s: RankTable
     step_overhead_s: float  # host time a step costs whatever its tokens (scheduling, sampling, control)
     step_link_bytes: float  # control-plane bytes a node puts on the inter-node link every step
+    host_overlap: str  # HOST_OVERLAPS: "none" (compute, then exchange) or "per_collective" (the longer of the two)
     sources: dict
     path: str = ""
 
@@ -183,6 +190,8 @@ def parse_hardware(doc, where: str) -> HardwareProfile:
                     *(number(value[k], f"{field}.{k}", positive=False)
                       for k in ("message_bytes", "dispatch_collective_bytes", "combine_collective_bytes")))
 
+    if doc["host_overlap"] not in HOST_OVERLAPS:
+        fail("host_overlap", f"must be one of {', '.join(HOST_OVERLAPS)}, got {doc['host_overlap']!r}")
     curve = doc["expert_efficiency"]
     if not isinstance(curve, list) or not curve:
         fail("expert_efficiency", "must be a non-empty list of [tokens per expert, efficiency] pairs")
@@ -207,4 +216,5 @@ def parse_hardware(doc, where: str) -> HardwareProfile:
         combine_latency_s=table(doc["combine_latency_s"], "combine_latency_s", positive=False),
         step_overhead_s=number(doc["step_overhead_s"], "step_overhead_s", positive=False),
         step_link_bytes=number(doc["step_link_bytes"], "step_link_bytes", positive=False),
+        host_overlap=doc["host_overlap"],
         sources=dict(sources), path=where)

@@ -17,6 +17,15 @@ Per replay step, per MoE layer l and rank r (docs/design.md, "Metrics", "Predict
                  overhead for each (sender, receiver) pair with rows, and the collective's own bytes.
   step           overhead + control-plane bytes at the inter-node bandwidth + sum over l of
                  (max over r of attention + experts) + dispatch + combine.
+With the profile's host_overlap "per_collective" the same parts compose otherwise: the step's
+collectives (the control plane's, then each layer's dispatch and combine) each run under the host
+work before them and cost the longer of the two. The host work before a collective: the overhead
+spread evenly over the step's 1 + 2L collectives, plus the longest rank's attention share (before a
+dispatch) or the longest rank's experts of the layer (before its combine), since a collective waits
+for every rank:
+  step           max(o, control) + sum over l of max(o + max_r attention / L, dispatch_l)
+                 + max(o + max_r experts[l, r], combine_l),   o = overhead / (1 + 2L);
+its split reports the serial parts and `overlap`, the difference (negative: saved).
 With two-batch overlap a step's rows split in two micro-batches (lanes a and b; a slot's tokens and a
 rank's rows halved, ceil to a): per layer c_a + max(x_a, c_b) + x_b, c the slowest rank's compute of a
 lane (each lane reads the weights its tokens touch) and x a lane's exchange (latency, half the rows,
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from locus.errors import LocusError
 from locus.routing.plan.topology import Topology
 from locus.routing.replay.hardware import HardwareProfile, Link
 from locus.routing.replay.metrics import StepChunk
@@ -65,6 +75,9 @@ class StepTimeModel:
 
     def __init__(self, shape: ModelShape, hardware: HardwareProfile, topology: Topology, num_layers: int,
                  dispatch_row_bytes: int, combine_row_bytes: int, two_batch_overlap: bool = False):
+        if two_batch_overlap and hardware.host_overlap != "none":
+            raise LocusError(f"hardware profile {hardware.name}: two-batch overlap is modelled on a profile whose "
+                             f"host_overlap is 'none' only (this one's is {hardware.host_overlap!r})")
         self.shape, self.hw, self.topology = shape, hardware, topology
         self.R, self.G, self.S, self.L = topology.ranks, topology.gpus_per_node, topology.slots_per_gpu, num_layers
         self.row_bytes = {"dispatch": int(dispatch_row_bytes), "combine": int(combine_row_bytes)}
@@ -127,13 +140,23 @@ class StepTimeModel:
         compute = attention[:, None, :] / L + experts
         slowest = np.argmax(compute, axis=2)  # [m, L]
         pick = lambda a: np.take_along_axis(a, slowest[:, :, None], axis=2)[:, :, 0]  # noqa: E731
-        exchange = sum(self._exchange(first, m, tier1, tier2, d) for d in ("dispatch", "combine"))  # [m, L]
+        dispatch, combine = (self._exchange(first, m, tier1, tier2, d) for d in ("dispatch", "combine"))  # [m, L]
         link = self.hw.step_link_bytes / self.hw.inter_node.dispatch_bytes_per_s.at(self.R) \
             if self.topology.nodes > 1 else 0.0
         parts = {"attention": pick(np.broadcast_to(attention[:, None, :] / L, compute.shape)).sum(1),
-                 "experts": pick(experts).sum(1), "exchange": exchange.sum(1) + link,
+                 "experts": pick(experts).sum(1),
+                 "exchange": (dispatch + combine).sum(1) + link,
                  "overhead": np.full(m, self.hw.step_overhead_s), "overlap": np.zeros(m)}
         serial = compute.max(axis=2).sum(1) + parts["exchange"] + parts["overhead"]
+        if self.hw.host_overlap == "per_collective":
+            # a collective waits for every rank's work before it: the longest rank's attention, then experts
+            share = self.hw.step_overhead_s / (1 + 2 * L)  # the host work before each collective of the step
+            before_dispatch = attention.max(axis=1)[:, None] / L  # [m, 1]
+            before_combine = experts.max(axis=2)  # [m, L]
+            composed = np.maximum(share, link) + (np.maximum(share + before_dispatch, dispatch)
+                                                  + np.maximum(share + before_combine, combine)).sum(1)
+            parts["overlap"] = composed - serial
+            return composed, parts
         if not self.overlap:
             return serial, parts
         lanes = []

@@ -23,6 +23,9 @@ def test_shipped_profiles_load_with_a_source_for_every_figure():
         assert hw.name == name and all(hw.sources[f].strip() for f in FIGURES)
     h200, h100 = load_hardware("h200-ib400"), load_hardware("h100-ib400")
     assert (h200.memory_bytes_per_s, h100.memory_bytes_per_s) == (4.8e12, 3.35e12)
+    # the GPU profiles compose compute, then exchange; the shaped CPU testbed overlaps them per collective
+    assert (h200.host_overlap, h100.host_overlap, load_hardware("cpu-2core-tbf").host_overlap) == \
+        ("none", "none", "per_collective")
     assert h200.tensor_flops_per_s == h100.tensor_flops_per_s == 9.89e14
     # DeepEP's normal-kernel internode bandwidth by EP size, nearest on a log scale
     assert [h200.inter_node.dispatch_bytes_per_s.at(r) for r in (16, 20, 32, 64, 256)] == [43e9, 43e9, 58e9, 51e9, 51e9]
@@ -52,6 +55,10 @@ def good_profile() -> dict:
      "inter_node.dispatch_bytes_per_s: the ranks of its pairs must be strictly increasing"),
     (lambda d: d.update(dispatch_latency_s=[[0, 1e-5]]), "dispatch_latency_s: each entry must be [ranks, value]"),
     (lambda d: d["intra_node"].update(shared_by_node="yes"), "intra_node.shared_by_node: must be true or false"),
+    (lambda d: d.pop("host_overlap"), "host_overlap: missing"),
+    (lambda d: d.update(host_overlap="max"), "host_overlap: must be one of none, per_collective, got 'max'"),
+    (lambda d: d.update(host_overlap=True), "host_overlap: must be one of none, per_collective, got True"),
+    (lambda d: d["sources"].pop("host_overlap"), "sources.host_overlap: missing: every figure names its source"),
 ])
 def test_a_bad_profile_is_refused_by_name(tmp_path, change, message):
     doc = good_profile()

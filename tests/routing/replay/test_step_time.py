@@ -9,7 +9,7 @@ from locus.errors import LocusError
 from locus.routing.plan.placement import PlacementPlan
 from locus.routing.plan.topology import Topology
 from locus.routing.replay.assignment import Assignment
-from locus.routing.replay.hardware import parse_hardware
+from locus.routing.replay.hardware import FIGURES, parse_hardware
 from locus.routing.replay.model_shape import parse_shape
 from locus.routing.replay.simulator import decode_step_order, replay
 from locus.traces.format import TraceMeta
@@ -35,16 +35,15 @@ def profile(**overrides) -> dict:
     doc = {"format": "locus-hardware", "version": 1, "name": "toy", "description": "by hand",
            "memory_bytes_per_s": 192, "tensor_flops_per_s": 192, "expert_efficiency": [[1, 1.0]],
            "expert_kernel_floor_s": 0, "inter_node": dict(link), "intra_node": dict(link),
-           "dispatch_latency_s": 0, "combine_latency_s": 0, "step_overhead_s": 0, "step_link_bytes": 0}
+           "dispatch_latency_s": 0, "combine_latency_s": 0, "step_overhead_s": 0, "step_link_bytes": 0,
+           "host_overlap": "none"}
     for key, value in overrides.items():
         if "." in key:
             outer, inner = key.split(".")
             doc[outer][inner] = value
         else:
             doc[key] = value
-    doc["sources"] = {k: "hand" for k in ("memory_bytes_per_s", "tensor_flops_per_s", "expert_efficiency",
-                                          "expert_kernel_floor_s", "inter_node", "intra_node", "dispatch_latency_s",
-                                          "combine_latency_s", "step_overhead_s", "step_link_bytes")}
+    doc["sources"] = {k: "hand" for k in FIGURES}
     return parse_hardware(doc, "test")
 
 
@@ -165,6 +164,36 @@ def test_two_batch_overlap(tmp_path):
     assert tbo["tpot_p50_ms"] == pytest.approx(1e3 * (2 + 1 / 3 + 10))
     assert tbo["split_ms"]["overlap"] == pytest.approx(tbo["tpot_p50_ms"] - serial["tpot_p50_ms"])
     assert tbo["two_batch_overlap"] and not serial["two_batch_overlap"]
+
+
+def test_host_overlap_per_collective_link_bound_and_host_bound(tmp_path):
+    # The toy of test_link_bound_step (2x1, two requests on rank 0 decode to e2 on rank 1, 0.5 s a
+    # collective) with 3 s of step overhead on a profile whose collectives run under the host work:
+    # L = 1, so 1 + 2L = 3 collectives (control, dispatch, combine), o = 3 / 3 = 1 s before each.
+    # Before the dispatch: o + rank 0's attention (KV 4/12 + dense 2) = 3 1/3; before the combine:
+    # o + rank 1's experts (e2, 2 tokens) = 3. The control plane sends nothing (step_link_bytes 0).
+    reader = trace(tmp_path, [(1, [0, 2]), (1, [0, 2])])
+    topo, slots = Topology(2, 1, 2), [[0, 1], [2, 3]]
+    hw = profile(dispatch_latency_s=0.5, combine_latency_s=0.5, step_overhead_s=3, host_overlap="per_collective")
+    serial_hw = profile(dispatch_latency_s=0.5, combine_latency_s=0.5, step_overhead_s=3)
+    # host-bound at 8 B/s (a row 1 s): dispatch 0.5 + 2 = 2.5 < 3 1/3, combine 2.5 < 3: the link is hidden,
+    # the step is the host's: max(1, 0) + 3 1/3 + 3 = 7 1/3 (serial: 3 + 2 1/3 + 5 = 10 1/3)
+    host = run(reader, topo, slots, [0, 0], hw)
+    assert host["tpot_p50_ms"] == pytest.approx(1e3 * (7 + 1 / 3))
+    assert run(reader, topo, slots, [0, 0], serial_hw)["tpot_p50_ms"] == pytest.approx(1e3 * (10 + 1 / 3))
+    assert host["split_ms"]["exchange"] == pytest.approx(5e3)  # the serial parts, and what the overlap saved
+    assert host["split_ms"]["overlap"] == pytest.approx(-3e3)
+    # link-bound at 4 B/s (a row 2 s): dispatch and combine 0.5 + 4 = 4.5 each, longer than the host work
+    # before them: max(1, 0) + 4.5 + 4.5 = 10 (serial: 3 + 2 1/3 + 9 = 14 1/3)
+    link = run(reader, topo, slots, [0, 0], hw.with_links(inter_bytes_per_s=4))
+    assert link["tpot_p50_ms"] == pytest.approx(10e3)
+    # the control plane's bytes: 16 B at 4 B/s = 4 s, longer than its 1 s of host work: 4 + 4.5 + 4.5 = 13
+    control = profile(dispatch_latency_s=0.5, combine_latency_s=0.5, step_overhead_s=3, host_overlap="per_collective",
+                      step_link_bytes=16)
+    assert run(reader, topo, slots, [0, 0], control.with_links(inter_bytes_per_s=4))["tpot_p50_ms"] == \
+        pytest.approx(13e3)
+    with pytest.raises(LocusError, match="two-batch overlap is modelled on a profile whose host_overlap is 'none'"):
+        run(reader, topo, slots, [0, 0], hw, overlap=True)
 
 
 def test_decode_step_order_by_hand():
