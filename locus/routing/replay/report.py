@@ -202,11 +202,15 @@ class ReplayReport:
         split = t["split_ms"]
         parts = f"attention {split['attention']:.3f}, experts {split['experts']:.3f}, dispatch+combine " \
                 f"{split['exchange']:.3f}, overhead {split['overhead']:.3f}"
+        host = t.get("host_overlap", "none")  # (a report read back from JSON written before the field)
         if t["two_batch_overlap"]:
             parts += f", two-batch overlap {split['overlap']:+.3f}"
+        elif host != "none":  # the serial parts above, and what the profile's composition takes off them
+            parts += f", host overlap {split['overlap']:+.3f}"
         name = "predicted TPOT (p50 / p99)" if self.step_order == "decode" else "predicted step time (p50 / p99)"
         return [("step-time model", f"{t['hardware']}, model shape {t['model_shape']}"
-                 + (", two-batch overlap" if t["two_batch_overlap"] else "")),
+                 + (", two-batch overlap" if t["two_batch_overlap"] else "")
+                 + (f", host overlap {host}" if host != "none" else "")),
                 (name, f"{t['tpot_p50_ms']:.3f} / {t['tpot_p99_ms']:.3f} ms over {t['steps']:,} decoding steps"),
                 ("  split (mean ms a step)", parts)]
 

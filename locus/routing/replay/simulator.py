@@ -243,7 +243,8 @@ def replay(reader, plan: PlacementPlan, topology: Topology, assignment: Assignme
     step_time = None
     if step_model is not None:
         step_time = {"hardware": hardware.name, "model_shape": model_shape.name,
-                     "two_batch_overlap": bool(two_batch_overlap), **step_model.finish().summary()}
+                     "two_batch_overlap": bool(two_batch_overlap), "host_overlap": hardware.host_overlap,
+                     **step_model.finish().summary()}
     return ReplayReport.from_totals(
         totals,
         model=meta.model,

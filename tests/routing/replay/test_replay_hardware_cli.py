@@ -56,6 +56,21 @@ def test_predicted_tpot_is_printed_and_written(trace, tmp_path, capsys):
                  "--model-shape", str(trace / "toy.json"), "--two-batch-overlap")["step_time"]
     assert tbo["two_batch_overlap"] and tbo["split_ms"]["overlap"] != 0
     assert "two-batch overlap" in capsys.readouterr().out
+    assert t["host_overlap"] == "none"
+
+
+def test_a_per_collective_profile_prints_what_its_overlap_takes_off(trace, tmp_path, capsys):
+    # cpu-2core-tbf at a slow link: each collective runs under the host work before it, so the step is
+    # shorter than its serial parts, and the split says by how much
+    doc = replay(trace, tmp_path, "--step-order", "decode", "--concurrency", "4", "--hardware", "cpu-2core-tbf",
+                 "--model-shape", str(trace / "toy.json"), "--inter-gbps", "0.001")
+    t, out = doc["step_time"], capsys.readouterr().out
+    assert t["host_overlap"] == "per_collective" and t["split_ms"]["overlap"] < 0
+    assert "cpu-2core-tbf, model shape toy, host overlap per_collective" in out
+    assert f"host overlap {t['split_ms']['overlap']:+.3f}" in out
+    rc = main(["replay", str(trace / "trace"), "--plan", "eplb", "--topology", "2x2", "--slots", "5", "--hardware",
+               "cpu-2core-tbf", "--model-shape", str(trace / "toy.json"), "--two-batch-overlap"])
+    assert rc == 2 and "two-batch overlap is modelled on a profile whose host_overlap is 'none'" in capsys.readouterr().err
 
 
 def test_without_hardware_nothing_changes(trace, tmp_path, capsys):
