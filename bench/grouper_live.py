@@ -77,7 +77,8 @@ def accuracy_rows(plan, planning: tuple[int, int], replayed: tuple[int, int], re
     cost = grouper.cost
     exact = dataclasses.replace(cost, prior_tokens=0.0)
     sig = collect_signatures(reader, *replayed)
-    measured = exact.expected_bytes(sig.decode)  # [R, N]
+    prefill, decode = np.asarray(sig.prefill), np.asarray(sig.decode)  # dense float32 [R, L, E]
+    measured = exact.expected_bytes(decode)  # [R, N]
     lo, hi = replayed
     prompts = [np.asarray(reader.token_ids[int(reader.offsets[i]): int(reader.offsets[i]) + reader.requests[i].prompt_tokens])
                for i in range(lo, hi)]
@@ -97,14 +98,15 @@ def accuracy_rows(plan, planning: tuple[int, int], replayed: tuple[int, int], re
         size = len(json.dumps(table.to_dict()))
         add(f"(a) token table, {table.num_tokens} tokens x {table.experts.shape[-1]} experts", predicted,
             f"before prefill, {size:,} bytes in the plan", seconds)
-    probe = np.zeros_like(sig.prefill)
-    probe[:, 0] = sig.prefill[:, 0]  # the first MoE layer's routing of the prompt; later layers: the prior
+    probe = np.zeros_like(prefill)
+    probe[:, 0] = prefill[:, 0]  # the first MoE layer's routing of the prompt; later layers: the prior
     add(f"(b) router probe (MoE layer {meta.moe_layers[0]})", cost.expected_bytes(probe),
         f"before prefill, runs layers 0..{meta.moe_layers[0]} of the prompt on rank 0")
     planning_sig = collect_signatures(reader, *planning)
     domains = sorted(set(planning_sig.domains))
-    mean = {d: planning_sig.decode[[x == d for x in planning_sig.domains]].mean(0) for d in domains}
-    prior = planning_sig.decode.mean(0)
+    planning_decode = np.asarray(planning_sig.decode)
+    mean = {d: planning_decode[[x == d for x in planning_sig.domains]].mean(0) for d in domains}
+    prior = planning_decode.mean(0)
     by_tag = np.stack([mean.get(d, prior) for d in sig.domains])
     add("domain tag (a perfect classifier)", exact.expected_bytes(by_tag), "the tag's mean decode signature")
     if spec.predictor.domains:
@@ -118,7 +120,7 @@ def accuracy_rows(plan, planning: tuple[int, int], replayed: tuple[int, int], re
         right = float(np.mean([g == d for g, d in zip(sure, sig.domains) if g is not None]))
         add("(c) where sure, else (a): what admission uses", combined,
             f"classifier sure for {100 * np.mean([g is not None for g in sure]):.1f} % (right for {100 * right:.1f} % of them)")
-    add("prefill signature", cost.expected_bytes(sig.prefill), "after prefill: what a move decides by")
+    add("prefill signature", cost.expected_bytes(prefill), "after prefill: what a move decides by")
     return out
 
 

@@ -4,10 +4,13 @@ A request's prefill signature is what the micro-batch grouper sees once its pref
 predicts the request's decode); its decode counts are what the planner must place well. Both come
 from one streaming pass over a request range, one `np.bincount` per chunk of whole requests.
 
-Shape legend: R requests, L MoE layers, E experts, K top-k, T rows of a chunk.
-    prefill [R, L, E] float32   (token, k) pairs of the request's prompt rows routed to e at layer l
-    decode  [R, L, E] float32   the same for its generated rows
-float32 counts are exact up to 2^24, far above any request's length; they feed BLAS matmuls directly.
+Shape legend: R requests, L MoE layers, E experts, K top-k, T rows of a chunk, G groups.
+    prefill [R, L, E] PairCounts   (token, k) pairs of the request's prompt rows routed to e at layer l
+    decode  [R, L, E] PairCounts   the same for its generated rows
+PairCounts (pair_counts.py) holds a count in one byte (exact counts beside it where they reach 255) and
+reads rows back as float32, so 10M planning tokens fit where float32 arrays would take 2.8 GB. Sums over
+requests (group_pairs, all_pairs) are built block by block: the planner never holds prefill + decode
+as a third [R, L, E] array.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from locus.routing.grouping.pair_counts import SATURATED, PairCounts
+from locus.routing.plan.grouping_spec import tagged_domains
 from locus.traces.reader import CHUNK_ROUTINGS
-
 
 
 @dataclass
@@ -27,19 +31,33 @@ class RequestSignatures:
     domains: list[str]
     prompt_tokens: np.ndarray  # [R] int64
     tokens: np.ndarray  # [R] int64
-    prefill: np.ndarray  # [R, L, E] float32
-    decode: np.ndarray  # [R, L, E] float32
+    prefill: PairCounts  # [R, L, E]
+    decode: PairCounts  # [R, L, E]
     top_k: int
 
     @property
     def num_requests(self) -> int:
         return len(self.ids)
 
-    @property
-    def total(self) -> np.ndarray:
-        """All pairs of each request, [R, L, E]."""
-        return self.prefill + self.decode
+    def group_pairs(self, group: np.ndarray, groups: int) -> np.ndarray:
+        """All pairs (prefill and decode) of each group's requests, [G, L, E] float32 (exact integers below
+        2^24); group [R] in 0..G-1, -1 = none."""
+        return (self.prefill.group_sums(group, groups) + self.decode.group_sums(group, groups)).astype(np.float32)
 
+    def all_pairs(self) -> np.ndarray:
+        """All pairs of every request, [L, E] float32: each expert's load over the planning requests."""
+        return self.group_pairs(np.zeros(self.num_requests, dtype=np.int64), 1)[0]
+
+    def domain_pairs(self) -> np.ndarray:
+        """All pairs of each tagged domain's requests, [D, L, E] float32, domains in tagged_domains' order."""
+        names = tagged_domains(self.domains)
+        index = {name: i for i, name in enumerate(names)}
+        group = np.fromiter((index.get(d, -1) for d in self.domains), dtype=np.int64, count=self.num_requests)
+        return self.group_pairs(group, len(names))
+
+    def total_rows(self, rows: np.ndarray) -> np.ndarray:
+        """All pairs of the requests `rows` [n], [n, L, E] float32 (a dense copy of those rows only)."""
+        return self.prefill.rows(rows) + self.decode.rows(rows)
 
 
 def count_request_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_phase: np.ndarray,
@@ -48,6 +66,12 @@ def count_request_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_pha
 
     expert_ids [T, L, K] (-1 = none), row_request [T] in 0..Rc-1, row_phase [T] (0 prefill, 1 decode).
     """
+    return _count_pairs(expert_ids, row_request, row_phase, num_requests, num_experts).astype(np.float32)
+
+
+def _count_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_phase: np.ndarray,
+                 num_requests: int, num_experts: int) -> np.ndarray:
+    """count_request_pairs as int64 [Rc, 2, L, E]."""
     T, L, _ = expert_ids.shape
     E = num_experts
     ids = np.asarray(expert_ids, dtype=np.int64)
@@ -56,16 +80,17 @@ def count_request_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_pha
     valid = ids >= 0
     # Most blocks hold no -1: counting the keys as they are spares the masked copy.
     counts = np.bincount(keys.ravel() if valid.all() else keys[valid], minlength=num_requests * 2 * L * E)
-    return counts.reshape(num_requests, 2, L, E).astype(np.float32)
+    return counts.reshape(num_requests, 2, L, E)
 
 
 def collect_signatures(reader, start: int, stop: int) -> RequestSignatures:
-    """Signatures of requests [start, stop) of a trace reader (memory-mapped; read chunk by chunk)."""
+    """Signatures of requests [start, stop) of a trace reader (read chunk by chunk with plain file reads, so
+    the trace's pages are not mapped into the process)."""
     meta = reader.meta
     L, E, K = len(meta.moe_layers), meta.num_experts, meta.top_k
     R = stop - start
-    prefill = np.zeros((R, L, E), dtype=np.float32)
-    decode = np.zeros((R, L, E), dtype=np.float32)
+    low = [np.zeros((R, L, E), dtype=np.uint8) for _ in range(2)]  # prefill, decode
+    over: list[list[tuple[np.ndarray, np.ndarray]]] = [[], []]  # per phase, per chunk: (flat positions, counts)
     requests = reader.requests[start:stop]
     prompt = np.fromiter((r.prompt_tokens for r in requests), dtype=np.int64, count=R)
     tokens = np.fromiter((r.tokens for r in requests), dtype=np.int64, count=R)
@@ -77,9 +102,14 @@ def collect_signatures(reader, start: int, stop: int) -> RequestSignatures:
         row_request = np.repeat(np.arange(hi - lo), sizes)
         position = np.arange(len(row_request)) - np.repeat(offsets[lo:hi] - offsets[lo], sizes)
         row_phase = (position >= prompt[row_request + lo - start]).astype(np.int64)
-        counts = count_request_pairs(chunk.expert_ids, row_request, row_phase, hi - lo, E)
-        prefill[lo - start : hi - start] = counts[:, 0]
-        decode[lo - start : hi - start] = counts[:, 1]
+        counts = _count_pairs(chunk.expert_ids, row_request, row_phase, hi - lo, E)
+        for phase in range(2):
+            part = counts[:, phase]  # [hi - lo, L, E]
+            low[phase][lo - start : hi - start] = np.minimum(part, SATURATED)
+            flat = np.flatnonzero(part >= SATURATED)
+            if flat.size:
+                over[phase].append((flat + (lo - start) * L * E, part.reshape(-1)[flat]))
+    prefill, decode = (PairCounts.from_parts(low[p], *_joined(over[p])) for p in range(2))
     return RequestSignatures(
         start=start,
         ids=[r.id for r in requests],
@@ -92,6 +122,12 @@ def collect_signatures(reader, start: int, stop: int) -> RequestSignatures:
     )
 
 
+def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    if not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
+
+
 def group_demand(signatures: RequestSignatures, prefill_node: np.ndarray, decode_node: np.ndarray,
                  nodes: int) -> np.ndarray:
     """Pairs each node's requests route to each expert, [L, N, E] float64.
@@ -99,10 +135,5 @@ def group_demand(signatures: RequestSignatures, prefill_node: np.ndarray, decode
     A request's prefill pairs count on prefill_node [R], its decode pairs on decode_node [R] (the
     grouper may move a request after its prefill).
     """
-    R, L, E = signatures.prefill.shape
-    demand = np.zeros((nodes, L * E), dtype=np.float64)
-    for counts, node in ((signatures.prefill, prefill_node), (signatures.decode, decode_node)):
-        onehot = np.zeros((nodes, R), dtype=np.float32)
-        onehot[np.asarray(node), np.arange(R)] = 1.0
-        demand += onehot @ counts.reshape(R, L * E)
-    return demand.reshape(nodes, L, E).transpose(1, 0, 2).copy()
+    demand = signatures.prefill.group_sums(prefill_node, nodes) + signatures.decode.group_sums(decode_node, nodes)
+    return demand.transpose(1, 0, 2).copy()

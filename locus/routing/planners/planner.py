@@ -34,7 +34,7 @@ from locus.errors import LocusError
 from locus.routing.dispatch_rule import DEFAULT_RULE, planner_rule
 from locus.routing.replay.assignment import Assignment, assign_balanced
 from locus.routing.planners.baselines import eplb, round_robin
-from locus.routing.planners.domain_layout import domain_orders, domain_profiles
+from locus.routing.planners.domain_layout import domain_orders
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.plan.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
@@ -220,7 +220,7 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
     order first). The last item is always None: the first round places the chosen order itself. The cap
     search is most of a placement's time at a few slots per GPU, and it moves replicas for balance, which
     costs every layout some locality, so the layouts are compared before it."""
-    orders = domain_orders(sig.domains, sig.tokens, domain_profiles(sig.domains, sig.total), topology.nodes,
+    orders = domain_orders(sig.domains, sig.tokens, sig.domain_pairs(), topology.nodes,
                            topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
     best = None
     for order in orders:
@@ -253,7 +253,7 @@ def _spec(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions
         kv_bytes_per_token=int(kv),
         bytes_per_send=2 * meta.hidden_size * meta.dtype_bytes,
         top_k=meta.top_k,
-        expert_prior=normalise_rows(sig.total.sum(0)),
+        expert_prior=normalise_rows(sig.all_pairs()),
     )
 
 
@@ -265,7 +265,7 @@ def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: Grouping
     node = assignment.ranks // topology.gpus_per_node
     untagged = np.flatnonzero([not d or d not in spec.domain_nodes for d in sig.domains])
     if len(untagged) > topology.nodes:
-        features = signature_features(sig.total[untagged], seed)
+        features = signature_features(sig.total_rows(untagged), seed)
         node[untagged] = balanced_clusters(features, sig.tokens[untagged], topology.nodes, seed)
     return node, node.copy()
 

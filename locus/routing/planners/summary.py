@@ -87,7 +87,7 @@ def eplb_bytes_per_token(meta, spec, signatures, topology) -> float:
     from locus.routing.replay.assignment import assign_balanced
     from locus.routing.planners.baselines import eplb
 
-    plan = eplb(signatures.total.sum(0), meta.moe_layers, topology)
+    plan = eplb(signatures.all_pairs(), meta.moe_layers, topology)
     node = assign_balanced(signatures.tokens, topology.ranks).ranks // topology.gpus_per_node
     return expected_bytes_per_token(plan, spec, signatures, node, node, meta.moe_layers)
 
