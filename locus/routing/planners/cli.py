@@ -48,10 +48,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
 def _caps_arguments(p: argparse.ArgumentParser, auto: bool = False) -> None:
     if auto:  # parsed by run_plan (layer_caps.parse_expert_cap)
-        p.add_argument("--expert-cap", default="1.10", metavar="CAP|auto[:FLOOR]",
+        p.add_argument("--expert-cap", default="1.10", metavar="CAP|auto[:FLOOR]|eplb[:SHARE]",
                        help="max/mean expert load per layer (default 1.10); auto: each layer at the tightest cap "
                        "the search meets there, at least FLOOR (default 1.10) and at most EPLB's figure, instead of "
-                       "failing where the cap cannot be met (docs/planner.md)")
+                       "failing where the cap cannot be met; eplb: each layer searched at EPLB's figure there with "
+                       "SHARE (default 0.5) of its slack over 1.0, at most 1.10, then settled as auto: for plans a "
+                       "live server admits by, whose balance moves with the request mix (docs/planner.md)")
     else:
         p.add_argument("--expert-cap", type=float, default=1.10, help="max/mean expert load per layer (default 1.10)")
     p.add_argument("--attention-cap", type=float, default=1.10, help="max/mean tokens per rank (default 1.10)")
@@ -168,7 +170,7 @@ def _step_objective(args: argparse.Namespace, reader, topology):
 
 def run_plan(args: argparse.Namespace) -> int:
     from locus.routing.plan.caps import Caps
-    from locus.routing.planners.layer_caps import parse_expert_cap
+    from locus.routing.planners.layer_caps import parse_expert_cap_mode
     from locus.routing.planners.planner import PlanOptions, make_plan
     from locus.routing.replay.simulator import parse_request_range
     from locus.routing.plan.topology import parse_topology
@@ -186,7 +188,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.predictor_tokens < 0 or args.predictor_experts < 1:
         raise LocusError(f"--predictor-tokens must be >= 0 and --predictor-experts >= 1, got {args.predictor_tokens} "
                          f"and {args.predictor_experts}")
-    expert_cap, auto = parse_expert_cap(args.expert_cap)
+    expert_cap, auto, eplb_share = parse_expert_cap_mode(args.expert_cap)
     caps = Caps(expert_cap, args.attention_cap)
     reader = _open_trace(args.trace)
     topology = parse_topology(args.topology, reader.meta.num_experts, args.slots)
@@ -196,7 +198,8 @@ def run_plan(args: argparse.Namespace) -> int:
                           kv_bytes_per_token=args.kv_bytes_per_token, dispatch=args.dispatch,
                           replica_budget=args.replica_budget, load_model=args.load_model,
                           predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts,
-                          expert_cap_auto=auto, align_groups=groups if args.align_groups else None)
+                          expert_cap_auto=auto, expert_cap_eplb_share=eplb_share,
+                          align_groups=groups if args.align_groups else None)
     objective = _step_objective(args, reader, topology)
     if objective is not None and args.align_groups:
         raise LocusError("--align-groups is not a candidate of the step-time objective: drop --hardware, or "

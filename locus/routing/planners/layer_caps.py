@@ -10,7 +10,15 @@ fallback of a layer the locality search cannot bring under its cap, so it is com
     bring under it is placed at the best figure reached, the search's own (its least overloaded state)
     or EPLB's, whichever is lower, and that figure is its cap (LayerCaps.settle). So a layer's cap is
     the tightest one the search meets, at least the floor and at most EPLB's figure, and an auto plan
-    never fails on the cap.
+    never fails on the cap;
+  - `eplb` (`--expert-cap eplb[:SHARE]`, for plans a live server admits by): every layer is searched at
+    EPLB's figure on it with SHARE (default 0.5) of its slack over 1.0, at most the fixed cap, and settled
+    as under auto (the search's best figure if at most EPLB's, else EPLB's placement). EPLB's balance
+    rests on each expert's total demand only; the locality placement's rests also on how that demand
+    splits over the nodes, which the request mix moves between planning and serving (a domain a third
+    more frequent in the served half fills its nodes and overflows), so a plan made at EPLB's own
+    figure, or at the fixed cap above it, is over EPLB's balance once served (docs/planner.md, "Live
+    admission and balance").
 EPLB's figure is its expected max/mean rank load on the same demand (expected_load.rank_loads), the
 measure the search's cap is checked with.
 
@@ -31,6 +39,8 @@ from locus.routing.plan.topology import Topology
 from locus.traces.metrics import max_over_mean
 
 AUTO = "auto"
+EPLB = "eplb"
+DEFAULT_EPLB_SHARE = 0.5  # of EPLB's slack over 1.0 an `eplb` layer is searched at (measured: docs/planner.md)
 SHOWN_LAYERS = 8  # layers named one by one in the error; the rest are counted
 
 
@@ -63,29 +73,49 @@ class LayerCaps:
         return np.concatenate([np.flatnonzero(missed), np.flatnonzero(~missed)])
 
 
-def layer_caps(demand: np.ndarray, moe_layers, topology: Topology, cap: float, auto: bool) -> LayerCaps:
+def layer_caps(demand: np.ndarray, moe_layers, topology: Topology, cap: float, auto: bool,
+               eplb_share: float | None = None) -> LayerCaps:
     """Per-layer caps for node demand [L, N, E], all `cap` to start with (auto raises them in settle), and
-    EPLB's placement and figure on every layer."""
+    EPLB's placement and figure on every layer. `eplb_share` (the `eplb` mode, settled as auto): each
+    layer starts at 1 + eplb_share * (EPLB's figure - 1) instead, at most `cap`."""
     backup = eplb(demand.sum(1), moe_layers, topology).slots  # [L, R, S]
     reach = max_over_mean(rank_loads(backup, demand))  # [L]
-    return LayerCaps(np.full(len(reach), float(cap)), backup, reach, auto, tuple(moe_layers), topology.slots_per_gpu)
+    caps = np.full(len(reach), float(cap))
+    if eplb_share is not None:
+        caps = np.minimum(caps, 1.0 + float(eplb_share) * (reach - 1.0))
+    return LayerCaps(caps, backup, reach, auto or eplb_share is not None, tuple(moe_layers), topology.slots_per_gpu)
 
 
 def parse_expert_cap(text: str) -> tuple[float, bool]:
-    """`--expert-cap` as (cap, auto): a number, `auto` (floor 1.10) or `auto:FLOOR`."""
-    word, _, floor = text.partition(":")
+    """`--expert-cap` as (cap, auto): a number, `auto` (floor 1.10) or `auto:FLOOR`. `eplb[:SHARE]` is
+    refused here (it needs the share too: parse_expert_cap_mode)."""
+    cap, auto, share = parse_expert_cap_mode(text)
+    if share is not None:
+        raise LocusError(f"--expert-cap {text!r}: the eplb mode is not taken here; give a number or auto[:FLOOR]")
+    return cap, auto
+
+
+def parse_expert_cap_mode(text: str) -> tuple[float, bool, float | None]:
+    """`--expert-cap` as (cap, auto, eplb share): a number, `auto[:FLOOR]` (floor 1.10 by default), or
+    `eplb[:SHARE]` (share 0.5 by default, at most the fixed cap 1.10; its share is not None)."""
+    word, _, arg = text.partition(":")
     if word == AUTO:
-        return (_number(floor, text) if floor else DEFAULT_CAP), True
-    if floor:
-        raise LocusError(f"--expert-cap must be a number or auto[:FLOOR], not {text!r}")
-    return _number(text, text), False
+        return (_number(arg, text) if arg else DEFAULT_CAP), True, None
+    if word == EPLB:
+        share = _number(arg, text) if arg else DEFAULT_EPLB_SHARE
+        if not 0.0 <= share <= 1.0:
+            raise LocusError(f"--expert-cap {text!r}: the share of EPLB's slack must be in [0, 1]")
+        return DEFAULT_CAP, True, share
+    if arg:
+        raise LocusError(f"--expert-cap must be a number or auto[:FLOOR] or eplb[:SHARE], not {text!r}")
+    return _number(text, text), False, None
 
 
 def _number(text: str, whole: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise LocusError(f"--expert-cap must be a number or auto[:FLOOR], not {whole!r}") from None
+        raise LocusError(f"--expert-cap must be a number or auto[:FLOOR] or eplb[:SHARE], not {whole!r}") from None
 
 
 def unmeetable_error(limits: LayerCaps, layer: int, search_reach: float) -> LocusError:

@@ -83,6 +83,9 @@ class PlanOptions:
     # locality: plan each layer at the larger of caps.expert (then a floor) and EPLB's figure on it, instead of
     # failing where the cap cannot be met (`--expert-cap auto`, layer_caps.py)
     expert_cap_auto: bool = False
+    # locality: `--expert-cap eplb[:SHARE]`: each layer searched at EPLB's figure with this share of its slack
+    # over 1.0 (at most caps.expert), settled as auto (layer_caps.py); for plans a live server admits by
+    expert_cap_eplb_share: float | None = None
     # locality: keep every replica of each expert group on one node (`--align-groups`, group_alignment.py)
     align_groups: ExpertGroups | None = None
 
@@ -206,7 +209,11 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
                        demand=demand, fallback=fallback, bytes_per_token=score, pull=pull)
     summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology)
     summary.plan_seconds = seconds
-    if options.expert_cap_auto:  # what auto chose, per MoE layer in plan order
+    if options.expert_cap_eplb_share is not None:  # what the eplb mode chose, per MoE layer in plan order
+        plan.provenance["expert_cap_eplb"] = {"share": float(options.expert_cap_eplb_share),
+                                              "ceiling": float(options.caps.expert),
+                                              "layers": [round(float(c), 5) for c in caps]}
+    elif options.expert_cap_auto:  # what auto chose, per MoE layer in plan order
         summary.expert_caps = {"floor": float(options.caps.expert), "layers": [round(float(c), 5) for c in caps]}
         plan.provenance["expert_cap_auto"] = summary.expert_caps
     plan.grouping["extra"] = {"planning_locality": round(summary.locality, 5)}
@@ -217,9 +224,13 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
     """The grouping spec and first-round nodes of the domain order that places best: the size order and the
     orders domain_layout.py scores lowest, each sketched (_sketch: the placement before the cap search) on its
     own grouping and scored by expected inter-node bytes, as the rounds are; ties keep the earlier (the size
-    order first). The last item is always None: the first round places the chosen order itself. The cap
+    order first). The last item is None (the first round places the chosen order itself) but under the eplb
+    mode below (the chosen order's placement: demand, slots, fallback layers, caps). The cap
     search is most of a placement's time at a few slots per GPU, and it moves replicas for balance, which
-    costs every layout some locality, so the layouts are compared before it."""
+    costs every layout some locality, so the layouts are compared before it. Not under `--expert-cap eplb`:
+    there the caps sit below EPLB's figure and the search costs the layouts very unequal shares of their
+    locality (the sketch's best can end the worst), so each layout is placed in full and the chosen one's
+    placement is the first round's."""
     orders = domain_orders(sig.domains, sig.tokens, sig.domain_pairs(), topology.nodes,
                            topology.gpus_per_node * topology.slots_per_gpu, LAYOUT_CANDIDATES)
     best = None
@@ -229,7 +240,11 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
         placed = None
         if len(orders) > 1:
             demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
-            slots = _sketch(demand, meta, topology, options)
+            if options.expert_cap_eplb_share is not None:
+                placed = (demand, *_place(demand, meta, topology, options))
+                slots = placed[1]
+            else:
+                slots = _sketch(demand, meta, topology, options)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
             score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
@@ -281,9 +296,12 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
     if options.replica_budget not in BUDGETS:
         raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
     if options.align_groups is not None:
+        if options.expert_cap_eplb_share is not None:
+            raise LocusError("--expert-cap eplb is not taken with --align-groups: give a number or auto[:FLOOR]")
         return place_aligned(demand, meta.moe_layers, topology, options.align_groups, options.caps.expert,
                              options.expert_cap_auto)
-    limits = layer_caps(demand, meta.moe_layers, topology, options.caps.expert, options.expert_cap_auto)
+    limits = layer_caps(demand, meta.moe_layers, topology, options.caps.expert, options.expert_cap_auto,
+                        options.expert_cap_eplb_share)
     slots = np.empty_like(limits.eplb_slots)
     missed = []
     for l in limits.search_order():

@@ -13,7 +13,7 @@ from locus.routing.plan.caps import Caps
 from locus.routing.plan.placement import load_plan
 from locus.routing.plan.topology import Topology
 from locus.routing.planners.expected_load import rank_loads
-from locus.routing.planners.layer_caps import LayerCaps, layer_caps, parse_expert_cap
+from locus.routing.planners.layer_caps import LayerCaps, layer_caps, parse_expert_cap, parse_expert_cap_mode
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.routing.grouping.signatures import collect_signatures, group_demand
 from locus.traces.metrics import max_over_mean
@@ -146,3 +146,66 @@ def test_an_unmeetable_cap_at_256_gpus_is_reported_after_one_layer_search(deepse
     assert "MoE layer 0: the expert-load cap 1.020 cannot be met with 2 slots per GPU" in text
     assert "EPLB misses it on 57 more layers too" in text
     assert len(searched) == 1
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("eplb", (1.10, True, 0.5)), ("eplb:0.25", (1.10, True, 0.25)), ("auto:1.05", (1.05, True, None)),
+    ("1.2", (1.2, False, None)),
+])
+def test_expert_cap_mode_flag(text, parsed):
+    assert parse_expert_cap_mode(text) == parsed
+
+
+@pytest.mark.parametrize("text, message", [
+    ("eplb:1.5", "share of EPLB's slack must be in"), ("eplb:x", "must be a number or auto"),
+    ("eplbx", "must be a number or auto"),
+])
+def test_a_bad_eplb_share_is_one_clear_error(text, message):
+    with pytest.raises(LocusError, match=message):
+        parse_expert_cap_mode(text)
+    with pytest.raises(LocusError, match="--expert-cap"):  # the two-value parser refuses the mode by name
+        parse_expert_cap(text)
+
+
+def _planning_figures(reader, result, topology):
+    """Each layer's expected max/mean rank load on the plan's planning grouping, and EPLB's there."""
+    sig = collect_signatures(reader, 0, 100)
+    a = result.assignment
+    decode = a.ranks if a.decode_ranks is None else a.decode_ranks
+    G = topology.gpus_per_node
+    demand = group_demand(sig, a.ranks // G, decode // G, topology.nodes)
+    eplb_reach = layer_caps(demand, reader.meta.moe_layers, topology, 1.1, auto=True).eplb_imbalance
+    return max_over_mean(rank_loads(result.plan.slots, demand)), eplb_reach
+
+
+def test_the_eplb_mode_plans_no_layer_above_eplbs_balance(skewed):
+    topology = Topology(2, 2, 9)
+    fixed = make_plan("locality", skewed, topology, (0, 100), PlanOptions())
+    imbalance, eplb_reach = _planning_figures(skewed, fixed, topology)
+    assert (imbalance > eplb_reach + 1e-3).any()  # the fixed 1.10 cap leaves a layer less balanced than EPLB
+    result = make_plan("locality", skewed, topology, (0, 100), PlanOptions(expert_cap_eplb_share=0.5))
+    imbalance, eplb_reach = _planning_figures(skewed, result, topology)
+    chosen = result.plan.provenance["expert_cap_eplb"]
+    assert chosen["share"] == 0.5 and chosen["ceiling"] == 1.10 and len(chosen["layers"]) == 12
+    caps = np.array(chosen["layers"])
+    assert (imbalance <= caps + 1e-5).all() and (imbalance <= eplb_reach + 1e-5).all()
+    # searched at half EPLB's slack (at most 1.10); raised above it only to a figure EPLB does not beat
+    target = np.minimum(1.10, 1 + 0.5 * (eplb_reach - 1))
+    assert (caps <= np.maximum(target, eplb_reach) + 1e-5).all()
+
+
+def test_the_eplb_mode_never_stops_on_the_cap(skewed):
+    topology = Topology(2, 2, 8)  # no spare slot: the fixed 1.10 cannot be met (first test)
+    with pytest.raises(LocusError, match="cannot be met"):
+        make_plan("locality", skewed, topology, (0, 100), PlanOptions())
+    result = make_plan("locality", skewed, topology, (0, 100), PlanOptions(expert_cap_eplb_share=0.5))
+    imbalance, eplb_reach = _planning_figures(skewed, result, topology)
+    assert (imbalance <= eplb_reach + 1e-5).all()
+
+
+def test_locus_plan_expert_cap_eplb(skewed, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(skewed.path), "--topology", "2x2", "--slots", "9", "--requests", "0:100",
+                 "--expert-cap", "eplb:0.25", "-o", str(out)]) == 0
+    chosen = load_plan(out).provenance["expert_cap_eplb"]
+    assert chosen["share"] == 0.25 and len(chosen["layers"]) == 12
