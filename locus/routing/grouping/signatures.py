@@ -55,9 +55,33 @@ class RequestSignatures:
         group = np.fromiter((index.get(d, -1) for d in self.domains), dtype=np.int64, count=self.num_requests)
         return self.group_pairs(group, len(names))
 
-    def total_rows(self, rows: np.ndarray) -> np.ndarray:
-        """All pairs of the requests `rows` [n], [n, L, E] float32 (a dense copy of those rows only)."""
-        return self.prefill.rows(rows) + self.decode.rows(rows)
+    def total_rows(self, rows: np.ndarray) -> "TotalRows":
+        """All pairs of the requests `rows` [n], as a [n, L, E] float32 view read a row slice at a time."""
+        return TotalRows(self, np.asarray(rows, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class TotalRows:
+    """Prefill + decode pairs of some requests, [n, L, E] float32, computed when a row slice is read
+    (`view[a:b]`), so a caller that reads block by block never holds all n rows."""
+
+    signatures: RequestSignatures
+    rows: np.ndarray  # [n] request positions
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.rows), *self.signatures.prefill.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows = self.rows[index]
+        return self.signatures.prefill.rows(rows) + self.signatures.decode.rows(rows)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def count_request_pairs(expert_ids: np.ndarray, row_request: np.ndarray, row_phase: np.ndarray,

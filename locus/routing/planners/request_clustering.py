@@ -17,17 +17,26 @@ import numpy as np
 from locus.routing.plan.grouping_spec import normalise_rows
 
 PROJECTED = 256
+FEATURE_ROWS = 256  # requests read and projected at a time
 ITERATIONS = 12
 SLACK = 0.02
 
 
-def signature_features(counts: np.ndarray, seed: int) -> np.ndarray:
-    """counts [R, L, E] -> unit-length features [R, <= PROJECTED] float32."""
-    R = counts.shape[0]
-    flat = normalise_rows(counts).reshape(R, -1).astype(np.float32)
-    if flat.shape[1] > PROJECTED:
+def signature_features(counts, seed: int) -> np.ndarray:
+    """counts [R, L, E] -> unit-length features [R, <= PROJECTED] float32. `counts`: an array, or anything
+    with `shape` and `len` that reads row slices as arrays (RequestSignatures.total_rows): read and projected
+    FEATURE_ROWS rows at a time, so the float64 histograms of all requests are never held at once."""
+    R = len(counts)
+    F = int(np.prod(counts.shape[1:]))
+    projection = None
+    if F > PROJECTED:
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(7,)))
-        flat = flat @ rng.standard_normal((flat.shape[1], PROJECTED)).astype(np.float32)
+        projection = rng.standard_normal((F, PROJECTED)).astype(np.float32)
+    flat = np.empty((R, F if projection is None else PROJECTED), dtype=np.float32)
+    for lo in range(0, R, FEATURE_ROWS):
+        hi = min(lo + FEATURE_ROWS, R)
+        block = normalise_rows(counts[lo:hi]).reshape(hi - lo, F).astype(np.float32)
+        flat[lo:hi] = block if projection is None else block @ projection
     flat -= flat.mean(0)
     return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
 

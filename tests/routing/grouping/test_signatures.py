@@ -107,3 +107,37 @@ def test_plan_equals_the_dense_signatures_plan(reader, monkeypatch, topology, bu
     a, b = compact.summary.to_dict(), dense.summary.to_dict()
     a.pop("plan_seconds"), b.pop("plan_seconds")
     assert a == b  # bytes per token (EPLB's too), locality, imbalances: to the last digit
+
+
+@pytest.mark.parametrize("projected", [256, 16])  # 48 features as they are; projected to 16
+def test_untagged_features_read_block_by_block_equal_the_whole_array_features(reader, monkeypatch, projected):
+    import locus.routing.planners.request_clustering as clustering
+    from locus.routing.plan.grouping_spec import normalise_rows
+
+    sig = collect_signatures(reader, 0, 90)
+    rows = np.arange(3, 90, 2)
+    total = np.asarray(sig.total_rows(rows))
+    np.testing.assert_array_equal(total, dense_counts(reader, 0, 90)[rows].sum(1))
+    # the features as computed from the whole float64 array at once (the code before the blocks)
+    flat = normalise_rows(total).reshape(len(rows), -1).astype(np.float32)
+    if flat.shape[1] > projected:
+        rng = np.random.default_rng(np.random.SeedSequence(0, spawn_key=(7,)))
+        flat = flat @ rng.standard_normal((flat.shape[1], projected)).astype(np.float32)
+    flat -= flat.mean(0)
+    want = flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+    monkeypatch.setattr(clustering, "FEATURE_ROWS", 8)  # 6 blocks, the last one short
+    monkeypatch.setattr(clustering, "PROJECTED", projected)
+    np.testing.assert_array_equal(clustering.signature_features(sig.total_rows(rows), seed=0), want)
+
+
+def test_untagged_plan_equals_the_dense_signatures_plan(tmp_path, monkeypatch):
+    from tests.routing.planners.planner_fixtures import separable_trace
+
+    untagged = TraceReader(separable_trace(tmp_path / "sep", tagged=False))
+    topology = Topology(4, 2, 2)
+    compact = make_plan("locality", untagged, topology, (0, 120))
+    monkeypatch.setattr(planner, "collect_signatures", dense_signatures)
+    dense = make_plan("locality", untagged, topology, (0, 120))
+    np.testing.assert_array_equal(compact.plan.slots, dense.plan.slots)
+    np.testing.assert_array_equal(compact.assignment.ranks, dense.assignment.ranks)
+    assert compact.summary.inter_node_bytes_per_token == dense.summary.inter_node_bytes_per_token
