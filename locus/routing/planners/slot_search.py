@@ -14,7 +14,11 @@ experts' contributions recomputed (expected_load's rule, own-rank tier included,
 in one batch. The move taken removes the most overload (sum over ranks of load above the target) per
 local pair lost; moves that win local pairs score best. Deterministic: ties go to the first candidate.
 At many ranks a move's overload change is summed over the ranks it touches only (move_scores.py):
-the same rule per rank, fewer terms in the sum, so only exact or near ties may break differently.
+the same rule per rank, fewer terms in the sum, so only exact or near ties may break differently. There
+most candidates cannot win: a move removes at most the overload its touched ranks carry, and its local
+pairs are cheap to count exactly, so each candidate's score has a cheap bound, and candidates are scored
+exactly in batches, highest bound first, only until the best score found reaches the next bound
+(_bounded_move): the same move as scoring them all.
 
 Single moves get stuck when the worst rank holds one replica too heavy for any GPU (a node's own
 demand for a hot expert): splitting it in two overloads whichever rank takes the second copy until the
@@ -27,6 +31,8 @@ Shape legend: R ranks, S slots per GPU, N nodes, G GPUs per node, E experts, B c
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -42,6 +48,9 @@ MAX_KICKS = 32
 # under the rank count: each move then sums over far fewer ranks than all of them. Below that the dense
 # scores below are cheaper (fewer, larger numpy operations).
 TOUCHED_WIDTH = 4
+# On the touched scores, candidates are scored exactly BATCH at a time, best bound first, until no bound left
+# can beat the best score found (_bounded_move).
+BATCH = 256
 
 
 def copies_per_rank(slots: np.ndarray, num_experts: int) -> np.ndarray:
@@ -104,7 +113,10 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
             best, best_excess = slots.copy(), excess
         if excess <= eps:
             break
-        move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT)
+        if pT is None and TOUCHED_WIDTH * int((h > 0).sum(0).max()) < R:
+            move = _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps)
+        else:
+            move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT)
         if move is None:
             if kicks >= max_kicks or not _kick(demand, slots, contrib, loads, gpus, pull):
                 break
@@ -211,37 +223,116 @@ def _moves_of(best, w: int, slots: np.ndarray) -> list[tuple[int, int, int]] | N
 def _best_move_touched(dT, h, contrib, loads, slots, gpus, target, eps):
     """_best_move under the even spread, each move scored on the ranks it touches (move_scores.py): the
     same candidates in the same order, the same rule."""
-    R, S = slots.shape
-    E = dT.shape[0]
     w = int(np.argmax(loads))
+    c = _candidates(h, slots, np.array([w]))
+    state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
+    reduced, gain_local = overload_change(state, loads, contrib, target, *c.moves())
+    best = None
+    for kind in range(len(KINDS)):
+        m = c.kind == kind
+        if m.any():
+            best = _better(best, reduced[m], gain_local[m], eps, KINDS[kind], c.i[m], c.j[m])
+    return _moves_of(best, w, slots)
+
+
+KINDS = ("swap", "spread", "shed")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Candidate moves of several overloaded ranks, [B] each: the rank `owner` whose slot i they change,
+    the kind (index into KINDS), j (the other slot for swap and spread, the new expert for shed), and the
+    two experts changed with the rank each loses a copy on and gains one on (-1: none)."""
+
+    owner: np.ndarray
+    kind: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    p: np.ndarray
+    lose_p: np.ndarray
+    get_p: np.ndarray
+    q: np.ndarray
+    lose_q: np.ndarray
+    get_q: np.ndarray
+
+    def moves(self) -> tuple[np.ndarray, ...]:
+        return self.p, self.lose_p, self.get_p, self.q, self.lose_q, self.get_q
+
+    def take(self, idx: np.ndarray) -> "Candidates":
+        return Candidates(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+
+def _candidates(h: np.ndarray, slots: np.ndarray, owners: np.ndarray) -> Candidates:
+    """Every valid swap, spread and shed touching a slot of each rank in owners [K]: owner by owner, in
+    _best_move's order within each kind."""
+    R, S = slots.shape
+    E = h.shape[1]
     total = h.sum(0)
     flat = slots.ravel()
-    slot_rank = np.repeat(np.arange(R), S)
+    parts = []
+    for w in owners:
+        i = np.repeat(np.arange(S), R * S)
+        j = np.tile(np.arange(R * S), S)
+        a, other, r2 = slots[w, i], flat[j], j // S
+        none_, at_w = np.full(len(i), -1), np.full(len(i), w)
+        i3 = np.repeat(np.arange(S), E)
+        f = np.tile(np.arange(E), S)
+        a3 = slots[w, i3]
+        none3, at_w3 = np.full(len(i3), -1), np.full(len(i3), w)
+        for kind, ii, jj, p, lp, gp, q, lq, gq, ok in (
+            (0, i, j, a, at_w, r2, other, r2, at_w, (r2 != w) & (a != other)),
+            (1, i, j, a, none_, r2, other, r2, none_, (r2 != w) & (a != other) & (total[other] >= 2)),
+            (2, i3, f, a3, at_w3, none3, f, none3, at_w3, (a3 != f) & (total[a3] >= 2)),
+        ):
+            k = np.flatnonzero(ok)
+            parts.append((np.full(len(k), w), np.full(len(k), kind), ii[k], jj[k], p[k], lp[k], gp[k], q[k], lq[k],
+                          gq[k]))
+    return Candidates(*(np.concatenate(col) for col in zip(*parts)))
+
+
+def _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, batch: int = 0):
+    """_best_move_touched's move (the same best score; between equal scores the first candidate), scoring
+    exactly only the candidates that could still beat the best one found. A move removes at most the
+    overload its touched ranks carry now, which with its local pairs (cheap, exact) bounds its score;
+    candidates are scored exactly `batch` (default BATCH) at a time, highest bound first, until the best
+    score found reaches the next bound. None when no candidate removes overload."""
+    batch = batch or BATCH
+    R, S = slots.shape
+    w = int(np.argmax(loads))
+    c = _candidates(h, slots, np.array([w]))
+    if len(c.owner) == 0:
+        return None
     state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
-    i = np.repeat(np.arange(S), R * S)  # w's slot
-    j = np.tile(np.arange(R * S), S)  # any slot
-    a, other, r2 = slots[w, i], flat[j], slot_rank[j]
-    i3 = np.repeat(np.arange(S), E)
-    f = np.tile(np.arange(E), S)
-    a3 = slots[w, i3]
-    none_ = np.full(len(i), -1)
-    at_w = np.full(len(i), w)
-    # (p, p loses on, p gains on, q, q loses on, q gains on, ok, w's slot, other index, kind)
-    cands = [
-        (a, at_w, r2, other, r2, at_w, (r2 != w) & (a != other), i, j, "swap"),
-        (a, none_, r2, other, r2, none_, (r2 != w) & (a != other) & (total[other] >= 2), i, j, "spread"),
-        (a3, np.full(len(i3), w), np.full(len(i3), -1), f, np.full(len(i3), -1), np.full(len(i3), w),
-         (a3 != f) & (total[a3] >= 2), i3, f, "shed"),
-    ]
-    best = None
-    for p, lp, gp, q, lq, gq, ok, ii, jj, kind in cands:
-        idx = np.flatnonzero(ok)
-        if len(idx) == 0:
-            continue
-        reduced, gain_local = overload_change(state, loads, contrib, target, p[idx], lp[idx], gp[idx], q[idx],
-                                              lq[idx], gq[idx])
-        best = _better(best, reduced, gain_local, eps, kind, ii[idx], jj[idx])
-    return _moves_of(best, w, slots)
+    over = np.maximum(loads - target, 0.0)
+    over_pad = np.append(over, 0.0)  # index R: no rank
+    on_holders = over_pad[state.holders].sum(1)  # [E] overload on the ranks holding each expert
+    bound = (on_holders[c.p] + on_holders[c.q] + over_pad[np.where(c.get_p >= 0, c.get_p, R)]
+             + over_pad[np.where(c.get_q >= 0, c.get_q, R)])
+    gain_local = ((state.remote[c.p] - state.remote_after(c.p, c.lose_p, c.get_p))
+                  + (state.remote[c.q] - state.remote_after(c.q, c.lose_q, c.get_q)))
+    ceiling = _score(bound, gain_local, eps)
+    order = np.argsort(-ceiling, kind="stable")
+    order = order[np.isfinite(ceiling[order])]
+    best, best_k = -np.inf, -1
+    for start in range(0, len(order), batch):
+        if ceiling[order[start]] < best:
+            break
+        chunk = np.sort(order[start : start + batch])
+        sub = c.take(chunk)
+        score = _score(*overload_change(state, loads, contrib, target, *sub.moves()), eps)
+        k = int(np.argmax(score))
+        if score[k] > best or (score[k] == best and chunk[k] < best_k):
+            best, best_k = float(score[k]), int(chunk[k])
+    if best_k < 0 or not np.isfinite(best):
+        return None
+    return _moves_of((best, KINDS[c.kind[best_k]], int(c.i[best_k]), int(c.j[best_k])), w, slots)
+
+
+def _score(reduced: np.ndarray, gain_local: np.ndarray, eps: float) -> np.ndarray:
+    """_better's score: overload removed per local share given up, -inf where nothing is removed."""
+    score = reduced / (np.maximum(-gain_local, 0.0) + eps)
+    score[reduced <= eps] = -np.inf
+    return score
 
 
 class _Half:
