@@ -37,7 +37,7 @@ import numpy as np
 
 from locus.engine.core.engine_core import EngineStats, ValidatedRequest
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
-from locus.engine.ep.ranks.messages import Add, Commands, Move, unpack_output
+from locus.engine.ep.ranks.messages import Add, Commands, Move, Report, unpack_output
 from locus.engine.ep.ranks.recovery import Recovery
 from locus.engine.ep.ranks.worker import Iteration, RankWorker, failure_cause
 from locus.engine.ep.placement_move import MoveStats
@@ -277,14 +277,16 @@ class EPDriver:
             self.replanner.after_iteration()
         return recovered + outputs
 
-    def read_reports(self, reports: dict, resumed: set[str]) -> tuple[list[RequestOutput], list, list]:
-        """Take the other ranks' reports into their records; returns their outputs (a request's streamed
-        tokens noted under elastic EP), prefill signatures and moves out, each by rank. A report read
-        already (resent after a regroup) gives nothing; `resumed`: requests a regroup resumed from what
-        they had streamed, whose tokens in these reports (made before it) are not theirs any more."""
+    def read_reports(self, reports: dict[int, list[Report]],
+                     resumed: set[str]) -> tuple[list[RequestOutput], list, list]:
+        """Take the other ranks' reports (each rank's oldest first) into their records; returns their
+        outputs (a request's streamed tokens noted under elastic EP), prefill signatures and moves out,
+        each by rank. A report read already (resent after a regroup) gives nothing; `resumed`: requests
+        a regroup resumed from what they had streamed, whose tokens in these reports (made before it)
+        are not theirs any more."""
         now = time.monotonic()
         outputs, prefills, moved = [], [], []
-        for rank, report in sorted(reports.items()):
+        for rank, report in ((rank, report) for rank, listed in sorted(reports.items()) for report in listed):
             record = self.ranks[rank]
             record.stats, record.counters, record.times = report.stats, report.counters, report.times
             record.epochs, record.move, record.expert_bytes = report.epochs, report.move, report.expert_bytes

@@ -111,6 +111,15 @@ def decode_report(data: bytes) -> Report:
                   load, {e: ExchangeCounters(*c) for e, c in epochs.items()}, window, move, seq, prefills, moved)
 
 
+def pack_reports(packed: list[bytes]) -> bytes:
+    """One rank's payload to rank 0: its reports (each from encode_report), oldest first."""
+    return encode(tuple(packed))
+
+
+def unpack_reports(data: bytes) -> list[Report]:
+    return [decode_report(r) for r in decode(data)]
+
+
 def pack_output(out: RequestOutput) -> tuple:
     """The part of a step's output rank 0 cannot know: what is new, and the whole output at the end."""
     choices = []

@@ -34,7 +34,7 @@ from locus.engine.ep.invariant import PlacementDisagreement
 from locus.engine.ep.ranks.launch import EPSetup, load_rank, rank_trace_path
 from locus.engine.ep.ranks.migrate import RequestMover, drop
 from locus.engine.observers.prefill_signatures import PrefillSignatures
-from locus.engine.ep.ranks.messages import Commands, Report, decode, decode_report, encode, pack_output
+from locus.engine.ep.ranks.messages import Commands, Report, decode, encode, pack_output, unpack_reports
 from locus.engine.ep.ranks.outbox import ReportOutbox
 from locus.engine.ep.ranks.parking import ParkedAdds
 from locus.engine.ep.placement_move import MoveStats, PlacementMove
@@ -57,7 +57,7 @@ class Iteration:
     stepped: bool = False  # every rank ran a step
     outputs: list[RequestOutput] = field(default_factory=list)  # this rank's own (rank 0 delivers them)
     errors: list[tuple[str, str]] = field(default_factory=list)  # this rank's refused adds
-    reports: dict[int, Report] = field(default_factory=dict)  # rank 0: the others' reports
+    reports: dict[int, list[Report]] = field(default_factory=dict)  # rank 0: the others' reports, oldest first
     transport: str = ""
     prefills: list = field(default_factory=list)  # rank 0: its own prefill signatures completed (Report.prefills)
     moved: list = field(default_factory=list)  # rank 0: its own moves out (Report.moved)
@@ -112,7 +112,7 @@ class RankWorker:
         the other ranks pass nothing."""
         outputs, errors = self._carry  # filled in place: what a failing iteration gathered stays here
         self._carry = ([], [])
-        received: dict[int, Report] = {}  # (rank 0) filled in place as well
+        received: dict[int, list[Report]] = {}  # (rank 0) filled in place as well
         try:
             return self._iterate(commands or {}, stop, outputs, errors, received)
         except BaseException:
@@ -120,7 +120,7 @@ class RankWorker:
             self._unread = received
             raise
 
-    def take_unread_reports(self) -> dict[int, Report]:
+    def take_unread_reports(self) -> dict[int, list[Report]]:
         """Rank 0: the reports that arrived in an iteration that then failed, by the rank (old numbering)
         that sent them. The others' outputs in them reached no one: a lost rank never sends them again,
         and a survivor whose step succeeded sends its next report instead (rank 0's driver reads them
@@ -129,7 +129,7 @@ class RankWorker:
         return unread
 
     def _iterate(self, commands: dict[int, Commands], stop: bool, outputs: list[RequestOutput],
-                 errors: list[tuple[str, str]], received: dict[int, Report]) -> Iteration:
+                 errors: list[tuple[str, str]], received: dict[int, list[Report]]) -> Iteration:
         """The iteration's phases (the module docstring's steps), each taking what the one before gave."""
         start = time.perf_counter()
         self._iterations += 1
@@ -158,7 +158,7 @@ class RankWorker:
         digest = self.runtime.served_digest()
         core = self.core
         if self.rank != 0:
-            report = self.outbox.waiting
+            report = self.outbox.payload()
             return Header(core.has_unfinished(), core.pending_tokens(), len(report), digest=digest), \
                 ({0: report} if report else {})
         outputs += self._apply(commands.get(0, Commands()), errors)
@@ -178,12 +178,12 @@ class RankWorker:
         return agreement, incoming, self.control.seconds - before
 
     def _take_in(self, incoming: dict[int, bytes], commands: dict[int, Commands], outputs: list[RequestOutput],
-                 errors: list[tuple[str, str]], received: dict[int, Report]) -> Commands | None:
+                 errors: list[tuple[str, str]], received: dict[int, list[Report]]) -> Commands | None:
         """Step 3: rank 0 decodes the others' reports (into `received`, which a failed iteration keeps);
         another rank applies the commands addressed to it. Returns this rank's commands (rank 0's own
         were applied before its header)."""
         if self.rank == 0:
-            received.update((r, decode_report(data)) for r, data in incoming.items())
+            received.update((r, unpack_reports(data)) for r, data in incoming.items())
             return commands.get(0)
         if 0 not in incoming:
             return None

@@ -138,7 +138,9 @@ def test_no_counter_of_ep_stats_or_metrics_runs_backwards_after_a_regroup():
 class ScriptedWorker(StandInWorker):
     """A stand-in whose iterations are scripted: each is {rank: [(request id, new token ids, finished)]},
     one report per rank numbered as its rank would; `fail=True`: those reports reach rank 0, then the
-    iteration fails (a rank died in its step). `resend=rank`: that rank's last report arrives again."""
+    iteration fails (a rank died in its step). `resend=rank`: that rank's last report arrives again, before
+    the one it packed since, if any; `undelivered=rank`: that rank's report of this iteration is sent but
+    never reaches rank 0."""
 
     def __init__(self, world: int, lost: list[int]):
         super().__init__(world, lost)
@@ -156,15 +158,20 @@ class ScriptedWorker(StandInWorker):
                                  seq=self.seqs[rank])
         return self.sent[rank]
 
-    def script(self, reports: dict[int, list], fail: bool = False, resend: tuple[int, ...] = ()):
-        received = {rank: self.report(rank, outputs) for rank, outputs in reports.items()}
-        received.update({rank: self.sent[rank] for rank in resend})
+    def script(self, reports: dict[int, list], fail: bool = False, resend: tuple[int, ...] = (),
+               undelivered: tuple[int, ...] = ()):
+        previous = dict(self.sent)
+        received = {rank: [self.report(rank, outputs)] for rank, outputs in reports.items()}
+        for rank in resend:
+            received[rank] = [previous[rank]] + received.get(rank, [])
+        for rank in undelivered:  # packed and sent by that rank, never received by rank 0
+            received.pop(rank, None)
         if fail:
             self.unread = received
             raise RuntimeError("Connection closed by peer")
         return Iteration(stop=False, stepped=True, reports=received)
 
-    def take_unread_reports(self) -> dict[int, Report]:
+    def take_unread_reports(self) -> dict[int, list[Report]]:
         unread, self.unread = self.unread, {}
         return unread
 
@@ -228,3 +235,19 @@ def test_a_survivors_report_of_the_failed_iteration_is_streamed_when_its_next_re
     assert driver.recoveries[-1]["readmitted"] == 1 and "e" not in driver.requests()
     after = worker.given[2]  # the commands of the first iteration after the regroup
     assert [(a.request_id, a.resumed.token_ids) for c in after.values() for a in c.adds] == [("c", [20, 21])]
+
+
+def test_a_report_lost_on_rank_0_s_side_of_the_exchange_is_read_before_the_survivor_s_next_one():
+    """Rank 0's control exchange fails while rank 1's succeeds: rank 1 counts its report (b's 11) as
+    sent, and its step of that iteration packs the next (b's 12) before the regroup. Rank 1 then sends
+    both, the older first (outbox.py), and the client gets every token in order."""
+    worker = ScriptedWorker(4, lost=[2])
+    driver = EPDriver(worker)
+    assert [admit(driver, rid, 20) for rid in "abcd"] == [0, 1, 2, 3]
+    got = run(driver, worker, [
+        {"reports": {1: [("b", [10], False)]}},
+        {"reports": {1: [("b", [11], False)]}, "fail": True, "undelivered": (1,)},
+        {"reports": {1: [("b", [12], False)]}, "resend": (1,)},
+        {"reports": {1: [("b", [13], False)]}},
+    ])
+    assert got["b"] == [10, 11, 12, 13]

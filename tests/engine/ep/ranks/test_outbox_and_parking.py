@@ -8,7 +8,7 @@ import time
 
 from locus.engine.core.engine_core import EngineStats
 from locus.engine.ep.counters import ExchangeCounters, StepTimes
-from locus.engine.ep.ranks.messages import Add, Report, decode_report
+from locus.engine.ep.ranks.messages import Add, Report, unpack_reports
 from locus.engine.ep.ranks.outbox import ReportOutbox
 from locus.engine.ep.ranks.parking import ParkedAdds
 from locus.engine.sampling.sampler import SamplingParams
@@ -19,19 +19,31 @@ def report(errors: list) -> Report:
     return Report([], errors, stats, ExchangeCounters(), StepTimes(), 0, None)
 
 
-def test_a_regroup_resends_the_last_report_sent_unless_a_newer_one_waits():
+def sent(box: ReportOutbox) -> list[tuple[int, list]]:
+    """(number, errors) of each report the next exchange carries."""
+    return [(r.seq, r.errors) for r in unpack_reports(box.payload())] if box.payload() else []
+
+
+def test_a_regroup_resends_the_reports_the_last_exchange_took_before_newer_ones():
     box = ReportOutbox()
     box.put(report([("a", "1")]))
     box.exchanged()
-    assert box.waiting == b""
+    assert sent(box) == []
     box.after_regroup()  # the failed exchange may have lost it: sent again, with its number
-    again = decode_report(box.waiting)
-    assert again.errors == [("a", "1")] and again.seq == 1
+    assert sent(box) == [(1, [("a", "1")])]
     box.exchanged()
-    box.put(report([("b", "2")]))  # this rank's step ran: its next report waits
+    # this rank's side of the exchange succeeded, rank 0's failed; this rank's step ran and packed its
+    # next report before the regroup: both go, the older first (rank 0 drops the one it has read)
+    box.put(report([("b", "2")]))
     box.after_regroup()
-    waiting = decode_report(box.waiting)
-    assert waiting.errors == [("b", "2")] and waiting.seq == 2
+    assert sent(box) == [(1, [("a", "1")]), (2, [("b", "2")])]
+    box.after_regroup()  # a second regroup before any exchange: nothing twice
+    assert sent(box) == [(1, [("a", "1")]), (2, [("b", "2")])]
+    box.exchanged()
+    box.put(report([("c", "3")]))
+    box.exchanged()
+    box.after_regroup()
+    assert sent(box) == [(3, [("c", "3")])]
 
 
 def test_a_parked_add_comes_out_once_its_grammar_compiled_with_its_failure():
