@@ -57,18 +57,17 @@ def test_the_bounded_move_is_the_move_every_candidate_scored_gives(seed, batch):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_bound_is_never_below_the_overload_a_move_removes(seed):
+    """And the local pairs that go with it are the exact scores' own."""
     rng = np.random.default_rng(10 + seed)
     N, G, S, E = 16, 8, 2, 128
     demand, slots = _skewed_layer(rng, N, G, S, E)
     dT, h, contrib, loads = _state(slots, demand, G)
     target = 1.05 * loads.mean()
-    R = N * G
     c = slot_search._candidates(h, slots, np.argsort(-loads)[:4])
     state = ExpertState.of(dT, np.ascontiguousarray(h.T), G)
-    reduced, _ = overload_change(state, loads, contrib, target, *c.moves())
-    over = np.append(np.maximum(loads - target, 0.0), 0.0)
-    bound = (over[state.holders].sum(1)[c.p] + over[state.holders].sum(1)[c.q] + over[np.where(c.get_p >= 0, c.get_p, R)]
-             + over[np.where(c.get_q >= 0, c.get_q, R)])
+    reduced, gain = overload_change(state, loads, contrib, target, *c.moves())
+    bound, gain_bound = slot_search.bounds(state, c, np.maximum(loads - target, 0.0))
+    np.testing.assert_allclose(gain_bound, gain, rtol=1e-12, atol=1e-9)
     assert (reduced <= bound * (1 + 1e-12) + 1e-9).all()
     assert (reduced > 0).any()
 
