@@ -11,6 +11,7 @@ only: it never imports locus.engine.
     admission.py  the grouper's choice and the assignment log
     intake.py     a client request read into what the grouper and the backend need
     relay.py      one request's trip: attempts, retry, the stream passed back, disconnects
+    upstream.py   the HTTP/1.1 client to the backends: pooled keep-alive connections, httptools' parser
     metrics.py    /metrics
     app.py        the HTTP app; setup.py assembling it from flags, every check first; cli.py `locus route`
 """

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 
-import aiohttp
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
@@ -24,6 +23,7 @@ from starlette.datastructures import Headers
 from locus.router.errors import error_response
 from locus.router.intake import Intake, Refused
 from locus.router.relay import Relay
+from locus.router.upstream import Upstream
 
 RELAYED = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # path -> Intake endpoint
 
@@ -34,19 +34,17 @@ def build_app(relay: Relay, intake: Intake, models: dict, on_shutdown=None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # keep-alive shorter than an engine's (uvicorn closes idle connections after 5 s), so that a
-        # request never goes out on a connection the backend is closing
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
-        relay.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=5.0), auto_decompress=False, read_bufsize=1 << 16)
-        poller = asyncio.ensure_future(pool.poll(relay.session))
+        # an idle connection is reused for less than an engine's keep-alive (uvicorn closes idle
+        # connections after 5 s), so that a request seldom goes out on a connection the backend is closing
+        relay.upstream = Upstream(connect_timeout=5.0, idle_timeout=3.0)
+        poller = asyncio.ensure_future(pool.poll(relay.upstream))
         try:
             yield
         finally:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
-            await relay.session.close()
+            relay.upstream.close()
             if on_shutdown is not None:
                 on_shutdown()
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from locus.errors import LocusError
+from locus.router.upstream import Upstream, UpstreamError
 
 KINDS = ("locus", "vllm", "sglang")
 PIN_HEADER = "X-Data-Parallel-Rank"
@@ -102,36 +103,35 @@ class BackendPool:
                 self.on_change(backend)
         backend.reason = None if up else reason
 
-    async def probe(self, session, backend: Backend) -> bool:
+    async def probe(self, client: Upstream, backend: Backend) -> bool:
         """Ask the backend's /health now; mark it up or down by the answer."""
-        import aiohttp
-
         try:
-            async with session.get(f"{backend.url}/health", timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                await r.read()
-                healthy = r.status == 200
-                reason = None if healthy else f"/health answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            status, _ = await client.get(backend.url, "/health", self.timeout)
+            healthy = status == 200
+            reason = None if healthy else f"/health answered {status}"
+        except UpstreamError as exc:
             healthy, reason = False, f"/health failed: {describe(exc)}"
         self.set_state(backend, healthy, reason)
         return healthy
 
-    async def probe_soon(self, session, backend: Backend) -> bool:
+    async def probe_soon(self, client: Upstream, backend: Backend) -> bool:
         """One probe at a time per backend: requests failing together share it."""
         task = self._probing.get(backend.index)
         if task is None or task.done():
-            task = asyncio.ensure_future(self.probe(session, backend))
+            task = asyncio.ensure_future(self.probe(client, backend))
             self._probing[backend.index] = task
         return await asyncio.shield(task)
 
-    async def poll(self, session) -> None:
+    async def poll(self, client: Upstream) -> None:
         """Probe every backend every `interval` seconds, for ever (cancelled at shutdown)."""
         while True:
-            await asyncio.gather(*(self.probe_soon(session, b) for b in self.backends))
+            await asyncio.gather(*(self.probe_soon(client, b) for b in self.backends))
             await asyncio.sleep(self.interval)
 
 
 def describe(exc: BaseException) -> str:
-    """An aiohttp or OS error in a few words (their str() is sometimes empty)."""
+    """An error in a few words: the client's own as it says it, another with its type (some str() are empty)."""
     text = str(exc).strip()
+    if isinstance(exc, UpstreamError):
+        return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -13,10 +13,10 @@ requests sent to it; per admission reason, where the grouper's choices came from
                                                      predicted-domain counts are how="predicted"
     locus_route_overflowed_total                     admissions whose preferred ranks were all full
     locus_route_overhead_seconds                     the router's own time on a stream's first token: from
-                                                     the request's arrival to its hand-over to the HTTP
-                                                     client, plus from the first chunk's arrival to its
-                                                     hand-over to the server (what it adds to TTFT, less
-                                                     the sockets' own time)
+                                                     the request's arrival to its last byte written to the
+                                                     backend's socket, plus from the read that brought the
+                                                     first chunk to its hand-over to the server (what it
+                                                     adds to TTFT, less the sockets' and the wake-ups' time)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class RouterMetrics:
                                   "that placed them.", ["how", "domain"], registry=r)
         self.overflowed = Counter("locus_route_overflowed", "Admissions whose preferred ranks were all full.", registry=r)
         self.overhead = Histogram("locus_route_overhead_seconds", "The router's own time on a stream's first token "
-                                  "(reading, tokenizing, admitting, relaying the first chunk).", registry=r,
+                                  "(reading, tokenizing, admitting, sending; reading and relaying the first chunk).", registry=r,
                                   buckets=OVERHEAD_BUCKETS)
         self._labels = {}
         self.rank: dict[int, RankSeries] = {}  # bound once: labels() takes a lock and a lookup per call

@@ -23,7 +23,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from starlette.responses import Response
 
 from locus.errors import LocusError
@@ -31,6 +30,7 @@ from locus.router.admission import Admissions, Placement, RoutedRequest
 from locus.router.backends import PIN_HEADER, Backend, BackendPool, describe
 from locus.router.errors import error_body, error_frame
 from locus.router.metrics import RouterMetrics
+from locus.router.upstream import Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("locus.router")
 ATTEMPTS = 2  # the first choice and one retry
@@ -66,7 +66,7 @@ class Relay:
 
     def __init__(self, pool: BackendPool, admissions: Admissions, metrics: RouterMetrics):
         self.pool, self.admissions, self.metrics = pool, admissions, metrics
-        self.session: aiohttp.ClientSession | None = None  # made on the server's loop (app.py)
+        self.upstream: Upstream | None = None  # made on the server's loop (app.py)
         self.arriving = 0  # requests come in whose intake is not done (app.py counts them)
 
     async def after_arrivals(self) -> None:
@@ -96,7 +96,7 @@ class Exchange(Response):
         self.background = None  # Starlette's Response protocol: no background task
         self.placement: Placement | None = None
         self.backend: Backend | None = None
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: UpstreamResponse | None = None
         self.streaming = False  # a stream's first event has gone to the client
 
     async def __call__(self, scope, receive, send) -> None:
@@ -176,10 +176,9 @@ class Exchange(Response):
         if pin is not None:
             headers = {**headers, PIN_HEADER: pin}
         await relay.after_arrivals()
-        before = time.perf_counter() - self.arrived  # the router's time before the backend has the request
         try:
-            self.upstream = response = await relay.session.post(backend.url + out.path, data=out.body, headers=headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self.upstream = response = await relay.upstream.request(backend.url, "POST", out.path, out.body, headers)
+        except UpstreamError as exc:
             await self.suspect(backend)
             raise Failure("connect", 502, f"the backend of rank {rank} ({backend.url}) could not be reached: "
                                           f"{describe(exc)}") from None
@@ -190,7 +189,7 @@ class Exchange(Response):
         if response.status != 200 or not out.stream:  # a whole answer (or a client error): read, then pass on
             try:
                 data = await response.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except UpstreamError as exc:
                 await self.suspect(backend)
                 raise Failure("connect", 502, f"the backend of rank {rank} ({backend.url}) failed before its "
                                               f"answer ended: {describe(exc)}") from None
@@ -199,8 +198,8 @@ class Exchange(Response):
             await send({"type": "http.response.body", "body": data})
             return
         try:
-            first = await response.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            first = await response.readany()
+        except UpstreamError as exc:
             first, error = b"", exc
         else:
             error = None
@@ -209,16 +208,18 @@ class Exchange(Response):
             why = describe(error) if error is not None else "the stream ended empty"
             raise Failure("connect", 502, f"the backend of rank {rank} ({backend.url}) failed before its first "
                                           f"byte: {why}")
-        got = time.perf_counter()
         await send({"type": "http.response.start", "status": 200,
                     "headers": answer_headers(response, self.request.request_id)})
+        # the router's own time: arrival to the request's last byte on the socket, and the first
+        # chunk's read to its hand-over to the server
+        before, got = response.sent - self.arrived, response.first_body
         await self.pump(send, first, lambda: relay.metrics.overhead.observe(before + time.perf_counter() - got))
 
     async def pump(self, send, first: bytes, first_sent) -> None:
         """Pass the stream on at event boundaries; a failure after the first byte is an error frame.
         `first_sent` is called once the first event is on its way to the client."""
         pending = first
-        content = self.upstream.content
+        content = self.upstream
         while True:
             cut = pending.rfind(b"\n\n")
             if cut >= 0:
@@ -239,7 +240,7 @@ class Exchange(Response):
                     return
             try:
                 chunk = await content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except UpstreamError as exc:
                 await self.fail_stream(send, describe(exc))
                 return
             if not chunk:
@@ -250,9 +251,9 @@ class Exchange(Response):
             return
         await send({"type": "http.response.body", "body": b""})
 
-    async def drain(self, content) -> None:
+    async def drain(self, content: UpstreamResponse) -> None:
         """Read what is left of an answer the client already has (nothing, normally), ignoring faults."""
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        with contextlib.suppress(UpstreamError):
             while await content.readany():
                 pass
 
@@ -270,12 +271,12 @@ class Exchange(Response):
     async def suspect(self, backend: Backend) -> None:
         """A transport error: ask the backend's /health now (it is taken out if that fails too)."""
         self.close_upstream()
-        await self.relay.pool.probe_soon(self.relay.session, backend)
+        await self.relay.pool.probe_soon(self.relay.upstream, backend)
 
-    async def read_quietly(self, response: aiohttp.ClientResponse) -> bytes:
+    async def read_quietly(self, response: UpstreamResponse) -> bytes:
         try:
             return await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except UpstreamError:
             return b""
 
     def close_upstream(self) -> None:
@@ -292,7 +293,7 @@ class Exchange(Response):
         self.placement = None
 
 
-def answer_headers(response: aiohttp.ClientResponse, request_id: str) -> list[tuple[bytes, bytes]]:
+def answer_headers(response: UpstreamResponse, request_id: str) -> list[tuple[bytes, bytes]]:
     kept = [(b"content-type", response.headers.get("content-type", "application/json").encode("latin-1"))]
     for name in ("cache-control", "x-accel-buffering"):
         if name in response.headers:
