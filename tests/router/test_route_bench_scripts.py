@@ -1,7 +1,7 @@
 """bench/route_load_tool.py (guidellm through the router, its token counts against the backends'),
-bench/route_bytes.py (what routing saved, replayed through the router's log) and bench/route_pairs.py
-(the TTFT the router adds, request by request): how each reads what it checks, and (slow) whole small
-runs. guidellm is not in the lock: its run is skipped without it
+bench/route_bytes.py (what routing saved, replayed through the router's log), bench/route_pairs.py
+(the TTFT the router adds, request by request) and bench/route_instant.py (the same against backends
+that answer at once): how each reads what it checks, and (slow) whole small runs. guidellm is not in the lock: its run is skipped without it
 (LOCUS_GUIDELLM names the executable, else `guidellm` on PATH)."""
 
 import json
@@ -80,3 +80,15 @@ def test_route_pairs_sends_every_prompt_to_both_targets(tmp_path):
     middle = sorted(r - d for d, r in pairs)[2:4]  # the median of six differences
     assert result["summary"]["added_ms_p50"] == pytest.approx(sum(middle) / 2)
     assert result["summary"]["router_own_ms_p50"] is not None
+
+
+@pytest.mark.slow
+def test_route_instant_sends_every_prompt_to_both_targets_and_reads_the_router_s_cost(tmp_path):
+    out = tmp_path / "instant.json"
+    run_bench("route_instant.py", "--pairs", "6", "--output-len", "4", "--out", str(out), timeout=900)
+    result = json.loads(out.read_text())
+    pairs, summary = result["pairs_ms"], result["summary"]
+    assert len(pairs) == summary["pairs"] == 6 and all(d > 0 and r > 0 for d, r in pairs)
+    middle = sorted(r - d for d, r in pairs)[2:4]  # the median of six differences
+    assert summary["added_ms_p50"] == pytest.approx(sum(middle) / 2)
+    assert summary["router_own_ms_p50"] > 0 and summary["router_cpu_ms_per_request"] is not None
