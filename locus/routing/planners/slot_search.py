@@ -303,7 +303,7 @@ def _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, batch: int = 
     if len(c.owner) == 0:
         return None
     state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
-    bound, gain_local = bounds(state, c, np.maximum(loads - target, 0.0))
+    bound, gain_local = bounds(state, c, np.maximum(loads - target, 0.0), contrib)
     ceiling = _score(bound, gain_local, eps)
     order = np.argsort(-ceiling, kind="stable")
     order = order[np.isfinite(ceiling[order])]
@@ -322,27 +322,28 @@ def _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, batch: int = 
     return _moves_of((best, KINDS[c.kind[best_k]], int(c.i[best_k]), int(c.j[best_k])), w, slots)
 
 
-def bounds(state: ExpertState, c: Candidates, over: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def bounds(state: ExpertState, c: Candidates, over: np.ndarray, contrib: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For candidates c: at least the overload each removes, and exactly the local pairs each gains, [B]
-    each, from the overload [R] of every rank now. A move removes at most the overload of the ranks whose
-    load it lowers, and a rank's load falls only where one of the two experts puts less on it: an expert
-    that only loses a copy puts more on every other rank (fewer copies share its load), so only on the
-    rank losing it; one that only gains a copy, on any rank holding it; one that moves, on the rank
-    losing it and on the ranks of the node it moves to, or on any rank holding it if that node held none
-    (the node's demand stops being remote, which lowers every copy's share)."""
+    each, from the overload [R] of every rank and each expert's load on it, contrib [E, R]. A rank's
+    overload falls by at most its overload, and by at most what the experts putting less on it put there
+    now; an expert puts less only on some ranks: one that only loses a copy puts more on every other rank
+    (fewer copies share its load), so less only on the rank losing it; one that only gains a copy, on the
+    ranks holding it; one that moves, on the rank losing it and on the ranks of the node it moves to, or on
+    every rank holding it if that node held none (the node's demand stops being remote, which lowers every
+    copy's share)."""
     R = len(over)
     E, N = state.x.shape
     G = R // N
-    over_pad = np.append(over, 0.0)  # index R: no rank
-    on_holders = over_pad[state.holders].sum(1)  # [E]
-    per_node = ((state.h > 0) * over[None, :]).reshape(E, N, G).sum(-1)  # [E, N] the same, node by node
+    most = np.minimum(over[None, :], contrib)  # [E, R] the most expert e's change can remove on rank r
+    most = np.concatenate([most, np.zeros((E, 1))], 1)  # column R: no rank
+    on_holders = most.sum(1)  # [E]
+    per_node = most[:, :R].reshape(E, N, G).sum(-1)  # [E, N]
     bound, gain_local = np.zeros(len(c.p)), np.zeros(len(c.p))
     for e, lose, get in ((c.p, c.lose_p, c.get_p), (c.q, c.lose_q, c.get_q)):
         ng = np.maximum(get, 0) // G
-        at_lose, at_get = over_pad[np.where(lose >= 0, lose, R)], over_pad[np.where(get >= 0, get, R)]
+        at_lose, at_get = most[e, np.where(lose >= 0, lose, R)], most[e, np.where(get >= 0, get, R)]
         everywhere = (get >= 0) & ((lose < 0) | (state.x[e, ng] == 0))
-        bound += np.where(get < 0, at_lose, np.where(everywhere, on_holders[e] + at_get,
-                                                     at_lose + per_node[e, ng] + at_get))
+        bound += np.where(get < 0, at_lose, np.where(everywhere, on_holders[e], at_lose + per_node[e, ng] + at_get))
         gain_local += state.remote[e] - state.remote_after(e, lose, get)
     return bound, gain_local
 

@@ -66,7 +66,7 @@ def test_the_bound_is_never_below_the_overload_a_move_removes(seed):
     c = slot_search._candidates(h, slots, np.argsort(-loads)[:4])
     state = ExpertState.of(dT, np.ascontiguousarray(h.T), G)
     reduced, gain = overload_change(state, loads, contrib, target, *c.moves())
-    bound, gain_bound = slot_search.bounds(state, c, np.maximum(loads - target, 0.0))
+    bound, gain_bound = slot_search.bounds(state, c, np.maximum(loads - target, 0.0), contrib)
     np.testing.assert_allclose(gain_bound, gain, rtol=1e-12, atol=1e-9)
     assert (reduced <= bound * (1 + 1e-12) + 1e-9).all()
     assert (reduced > 0).any()
