@@ -8,7 +8,8 @@ flips from round to round), on the same backends, with the same prompts. Prints 
 Issue 56's targets: the router adds at most 1 ms to TTFT at p50, and keeps at least 95% of the direct
 output throughput. Beside the side-by-side TTFT difference the table gives the router's own time on
 each stream's first token (its `locus_route_overhead_seconds` histogram: reading, tokenizing,
-admitting, handing the request to its HTTP client; then handing the first chunk on), which on a busy
+admitting, writing the request to the backend's socket; then reading the first chunk and handing it
+on), which on a busy
 machine is the part of the difference the router's code is responsible for, and the mean TTFT the
 backends measured themselves (Locus's `locus_time_to_first_token_seconds`): what the engines saw. Prompts are held-out text of mini's domains (--input-len tokens), half of them tagged
 with their domain (`"domain"` in the body), half untagged (placed by the plan's prompt predictor); the
