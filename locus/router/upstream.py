@@ -60,7 +60,7 @@ class Upstream:
         for name, value in (headers or {}).items():
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name} holds a line break")
-            head.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+            head.append(b"%s: %s\r\n" % (name.encode("latin-1"), _header_bytes(value)))
         if body or method == "POST":
             head.append(b"Content-Length: %d\r\n" % len(body))
         head.append(b"\r\n")
@@ -101,8 +101,9 @@ class Upstream:
         if origin is None:
             parts = urlsplit(base)
             tls = parts.scheme == "https"
+            host_header = parts.netloc.rsplit("@", 1)[-1]  # no user info
             origin = self._origins[base] = (parts.hostname, parts.port or (443 if tls else 80), tls,
-                                            parts.netloc.encode("idna"))
+                                            host_header.encode("idna"))
         return origin
 
     def _take(self, base: str) -> "_Connection | None":
@@ -339,6 +340,16 @@ class _Connection(asyncio.Protocol):
             self.head.set_exception(error)
         else:
             response._fail(error)
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header value as it goes on the wire: a value read from a client's headers (decoded as latin-1,
+    as ASGI servers do) goes back byte for byte; one that came from a JSON body (a request id) and
+    holds characters latin-1 lacks goes as UTF-8."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8")
 
 
 def _closed(exc: Exception | None, when: str) -> str:

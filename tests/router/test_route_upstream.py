@@ -83,6 +83,10 @@ def test_a_request_goes_out_whole_and_its_answer_comes_back_by_length():
         lines = head.split(b"\r\n")
         assert lines[0] == b"POST /v1/completions HTTP/1.1" and body == b'{"prompt": "x"}'
         assert b"X-Request-Id: q1" in lines and b"Content-Length: 15" in lines and lines[2:3] != [b""]
+        assert lines[1] == b"Host: " + base.split("//")[1].encode()
+        script.steps.append(ok(b"{}"))  # a request id from a JSON body may hold any character
+        await (await client.request(base, "POST", "/v1/completions", b"{}", {"X-Request-Id": "q-\u4e2d-\xe9"})).read()
+        assert b"X-Request-Id: q-\xe4\xb8\xad-\xc3\xa9" in script.requests[1].split(b"\r\n")
         client.close()
         script.stop()
     run(go())
