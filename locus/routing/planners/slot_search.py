@@ -104,9 +104,11 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
     dT = np.ascontiguousarray(demand.T)  # [E, N]
     pT = None if pull is None else np.ascontiguousarray(pull.transpose(1, 0, 2))  # [E, N(source), N(holder)]
     best, best_excess, kicks = slots.copy(), np.inf, 0
+    h = None
     for _ in range(max_steps):
-        h = copies_per_rank(slots, E)  # [R, E]
-        contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)  # [E, R]
+        if h is None:
+            h = copies_per_rank(slots, E)  # [R, E]
+            contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)  # [E, R]
         loads = contrib.sum(0)
         excess = np.maximum(loads - target, 0.0).sum()
         if excess < best_excess - eps:
@@ -121,9 +123,19 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
             if kicks >= max_kicks or not _kick(demand, slots, contrib, loads, gpus, pull):
                 break
             kicks += 1
+            h = None
             continue
+        changed = []
         for rank, slot, expert in move:
+            changed += [int(slots[rank, slot]), expert]
+            h[rank, slots[rank, slot]] -= 1
+            h[rank, expert] += 1
             slots[rank, slot] = expert
+        if pT is None:  # an expert's load depends on its own copies only: recompute the two that changed
+            changed = np.unique(changed)
+            contrib[changed] = contributions(dT[changed], np.ascontiguousarray(h[:, changed].T), gpus)
+        else:
+            contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)
     return best
 
 
