@@ -295,7 +295,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, metavar="GBPS",
                    help="predicted TPOT: the inter-node GB/s instead of the profile's (a shaped link's rate)")
     _dispatch_argument(p)
-    _caps_arguments(p)
+    _caps_arguments(p, auto=True)  # the locality plans' cap, as `locus plan` takes it (eplb: the balance-first plan)
     return p
 
 
@@ -303,8 +303,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from locus.routing.plan.caps import Caps
     from locus.routing.dispatch_rule import DEFAULT_RULE
     from locus.routing.planners.evaluate import evaluate_case, format_markdown, write_results
+    from locus.routing.planners.layer_caps import parse_expert_cap_mode
 
-    caps = Caps(args.expert_cap, args.attention_cap)
+    expert_cap, auto, eplb_share = parse_expert_cap_mode(args.expert_cap)
+    caps = Caps(expert_cap, args.attention_cap)
     if args.readme:  # fail before the work, not after it
         from locus.routing.planners.eval_readme import check_readme
 
@@ -316,8 +318,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     cases = [_synthetic_case(name, args) for name in names] + cases
     if not cases:
         raise LocusError("nothing to evaluate: give --cases or --trace")
-    settings = {"caps": caps.to_dict(), "seed": args.seed, "batch_tokens": args.batch_tokens,
-                "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
+    settings = {"caps": caps.to_dict(), "expert_cap": args.expert_cap, "seed": args.seed,
+                "batch_tokens": args.batch_tokens, "synth_requests": args.synth_requests, "synth_knobs": _knobs(args.synth_knob),
                 "dispatch": args.dispatch or DEFAULT_RULE, "replica_budget": args.replica_budget,
                 "load_model": _load_model(args)}
     tpot = _tpot_model(args)
@@ -331,7 +333,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         log(f"{case.name}: {case.trace}")
         results.append(evaluate_case(case, caps, seed=args.seed, batch_tokens=args.batch_tokens, log=log,
                                      dispatch=args.dispatch, replica_budget=args.replica_budget,
-                                     load_model=args.load_model, tpot=tpot))
+                                     load_model=args.load_model, tpot=tpot, expert_cap_auto=auto,
+                                     expert_cap_eplb_share=eplb_share))
     paths = _write(args.out, lambda out: write_results(results, settings, out))
     if args.readme:
         from locus.routing.planners.eval_readme import readme_table, update_readme

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from locus.errors import LocusError
 from locus.files import write_text_atomic
-from locus.routing.planners.evaluate import STEP_ROW, grouper_note, rule_note, tpot_note, tpot_text
+from locus.routing.planners.evaluate import STEP_ROW, cap_note, grouper_note, rule_note, tpot_note, tpot_text
 
 BEGIN = "<!-- plan-eval:begin (written by `locus plan evaluate --readme`; do not edit by hand) -->"
 END = "<!-- plan-eval:end -->"
@@ -22,7 +22,7 @@ SHOWN = ("round_robin", "eplb", "eplb (hierarchical", "locality placement only",
 def readme_table(results, settings: dict) -> str:
     """Markdown rows for every case: bytes, reduction, in-sample ceiling, balance, plan time."""
     note = rule_note(settings)
-    note = (f"{note[0].upper()}{note[1:]}; expert-load cap {settings['caps']['expert']:.2f}, attention cap "
+    note = (f"{note[0].upper()}{note[1:]}; expert-load cap {cap_note(settings)}, attention cap "
             f"{settings['caps']['attention']:.2f}; + grouper = {grouper_note(results)}; in-sample = the same planner "
             "planned on the replayed half itself (what a perfect forecast gives this heuristic under the same caps; "
             "not a result, and not a bound: docs/traces.md).")

@@ -13,6 +13,9 @@ evaluation's dispatch rule except EPLB's, which route by `position`, the rule EP
 Every row also carries its in-sample figure: the same planner planned on the replayed half itself, so a
 reader sees how much of the gap is forecasting and how much is structure.
 The reduction column compares with the eplb row that sends the fewest inter-node bytes.
+Every locality plan is made under the evaluation's expert cap: a number, `auto[:FLOOR]` or
+`eplb[:SHARE]` (`locus plan --expert-cap`, layer_caps.py; `eplb` is the balance-first cap for plans a live
+server admits by), parsed once where it enters (cli.py) and passed here as its parts.
 
 The grouper row is the live admission, not the planner's own offline view of it (every request admitted
 in trace order, none finishing, no stream cap: grouping/simulation.py), because the offline view credits
@@ -47,6 +50,7 @@ from locus.routing.replay.model_shape import load_model_shape
 from locus.routing.replay.report import json_safe
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.live import describe_arrivals, simulate_live
+from locus.routing.planners.layer_caps import parse_expert_cap_mode
 from locus.routing.planners.planner import PlanOptions, make_plan
 from locus.routing.planners.step_objective import StepObjective, plan_for_step_time
 from locus.routing.replay.simulator import parse_request_range, replay
@@ -107,10 +111,12 @@ class TpotModel:
 
 def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int = 4096, log: Log = print,
                   dispatch: str | None = None, replica_budget: str = "top", load_model: str | None = None,
-                  tpot: TpotModel | None = None) -> CaseResult:
+                  tpot: TpotModel | None = None, expert_cap_auto: bool = False,
+                  expert_cap_eplb_share: float | None = None) -> CaseResult:
     """Every row routes by `dispatch` (default dispatch_rule.DEFAULT_RULE) but EPLB's, which route by their
     own rule (`position`) and, where `dispatch` differs, once more by `dispatch`. With `tpot`, every row
-    also carries its predicted TPOT."""
+    also carries its predicted TPOT. `expert_cap_auto` / `expert_cap_eplb_share`: the expert cap's mode
+    (layer_caps.parse_expert_cap_mode's second and third parts), as `locus plan` takes them."""
     from locus.traces.reader import TraceReader
 
     reader = TraceReader(case.trace)
@@ -128,7 +134,8 @@ def evaluate_case(case: EvalCase, caps: Caps, seed: int = 0, batch_tokens: int =
     result = CaseResult(case, R, reader.num_tokens, plan_range, replay_range)
 
     options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
-                          load_model=load_model)
+                          load_model=load_model, expert_cap_auto=expert_cap_auto,
+                          expert_cap_eplb_share=expert_cap_eplb_share)
     reports, result.planning_summary, result.arrivals = _replays(reader, case, topology, plan_range, replay_range,
                                                                  balanced, options, batch_tokens, log, steps)
     # The honest ceiling: the same plans made on the replayed requests themselves (in-sample).
@@ -217,7 +224,7 @@ def _step_time_row(reader, case: EvalCase, topology, plan_range, replay_range, b
 def format_markdown(results: list[CaseResult], settings: dict) -> str:
     lines = ["# Planner evaluation (`locus plan evaluate`)", ""]
     lines.append(f"Plan on the first half of each trace's requests, replay the second half. Expert-load cap "
-                 f"{settings['caps']['expert']:.2f}, attention cap {settings['caps']['attention']:.2f}, seed "
+                 f"{cap_note(settings)}, attention cap {settings['caps']['attention']:.2f}, seed "
                  f"{settings['seed']}, replay steps of {settings['batch_tokens']} tokens, {rule_note(settings)}. "
                  "Imbalances are whole-replay "
                  f"max/mean over ranks; the reduction is against the eplb row with the fewest inter-node bytes. "
@@ -256,6 +263,19 @@ def grouper_note(results: list[CaseResult]) -> str:
                                                if len(arrivals) > 1 else "") for a in arrivals)
     return (f"the plan's grouper admitting requests as a live expert-parallel server does (`locus replay --assign "
             f"grouper`, no moves after prefill), {models}")
+
+
+def cap_note(settings: dict) -> str:
+    """The locality plans' expert cap, for the tables' headers: the number, or the mode as given
+    (settings["expert_cap"], absent from results written before the modes were taken)."""
+    text = settings.get("expert_cap")
+    cap, auto, share = parse_expert_cap_mode(text) if text is not None else (settings["caps"]["expert"], False, None)
+    if share is not None:
+        return (f"`{text}` (each layer searched at 1 + {share:g} x (EPLB's figure there - 1), at most {cap:.2f}; "
+                "one the search misses placed at the better of its own figure and EPLB's)")
+    if auto:
+        return f"`{text}` (each layer at the tightest cap the search meets, at least {cap:.2f}, at most EPLB's figure)"
+    return f"{cap:.2f}"
 
 
 def tpot_note(settings: dict) -> str:

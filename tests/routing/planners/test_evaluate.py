@@ -133,3 +133,41 @@ def test_evaluate_with_hardware_adds_the_predicted_tpot(tmp_path, capsys):
     capsys.readouterr()
     assert main([*base, "--out", str(out), "--concurrency", "8"]) == 2
     assert "--concurrency applies to the predicted TPOT: add --hardware PROFILE" in capsys.readouterr().err
+
+
+def test_evaluate_plans_the_locality_rows_under_the_eplb_expert_cap(tmp_path, capsys):
+    """--expert-cap eplb (layer_caps' mode, as `locus plan` takes it): the locality rows are the plan
+    `locus plan --expert-cap eplb` makes from the same half, not the fixed-cap one, and the tables say so."""
+    trace = synth_trace(tmp_path / "t", requests=200, seed=3, layers=tuple(range(12)))  # test_layer_caps' skewed case
+    base = ["plan", "evaluate", "--cases", "none", "--trace", f"skew={trace},2x2,9"]
+    assert main([*base, "--out", str(tmp_path / "fixed")]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{BEGIN}\n{END}\n")
+    assert main([*base, "--expert-cap", "eplb", "--out", str(tmp_path / "eplb"), "--readme", str(readme)]) == 0
+    doc = json.loads((tmp_path / "eplb" / "results.json").read_text())
+    assert doc["settings"]["expert_cap"] == "eplb" and doc["settings"]["caps"]["expert"] == 1.10
+    rows = {r["variant"]: r for r in doc["cases"][0]["rows"]}
+    fixed = {r["variant"]: r for r in json.loads((tmp_path / "fixed" / "results.json").read_text())["cases"][0]["rows"]}
+    placed = "locality placement only (balanced assignment)"
+    plan, report = tmp_path / "plan.json", tmp_path / "replay.json"
+    assert main(["plan", str(trace), "--topology", "2x2", "--slots", "9", "--requests", "0:0.5", "--expert-cap", "eplb",
+                 "-o", str(plan)]) == 0
+    assert main(["replay", str(trace), "--plan", str(plan), "--assign", "grouper", "--requests", "0.5:1",
+                 "--json", str(report)]) == 0
+    grouped = rows["locality placement + grouper"]
+    assert grouped["inter_node_bytes_per_token"] == json.loads(report.read_text())["inter_node_bytes_per_token"]
+    assert rows[placed]["expert_imbalance_mean"] != fixed[placed]["expert_imbalance_mean"]  # another placement
+    same = ("inter_node_bytes_per_token", "expert_imbalance_mean", "attention_imbalance")
+    assert [rows["eplb"][k] for k in same] == [fixed["eplb"][k] for k in same]  # EPLB takes no cap
+    assert "Expert-load cap `eplb` (each layer searched at 1 + 0.5 x" in (tmp_path / "eplb" / "results.md").read_text()
+    assert "expert-load cap `eplb` (each layer searched" in " ".join(readme.read_text().split())
+    assert "Expert-load cap 1.10," in (tmp_path / "fixed" / "results.md").read_text()
+
+
+def test_a_bad_expert_cap_mode_stops_evaluate_before_any_work(tmp_path, capsys):
+    args = ["plan", "evaluate", "--cases", "none", "--trace", f"x={tmp_path},2x2,3", "--out", str(tmp_path / "r")]
+    assert main([*args, "--expert-cap", "eplb:2"]) == 2
+    assert "--expert-cap 'eplb:2': the share of EPLB's slack must be in [0, 1]" in capsys.readouterr().err
+    assert main([*args, "--expert-cap", "tight"]) == 2
+    assert "--expert-cap must be a number or auto[:FLOOR] or eplb[:SHARE], not 'tight'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
