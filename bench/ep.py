@@ -8,7 +8,9 @@ sends the same fixed mixed-domain workload (three task families whose prompts us
 alphabets, tagged with the `x-locus-domain` header), reads `GET /ep/stats`, stops the server, and
 replays the trace it recorded with `locus replay T --plan P --assign recorded`. The plans are made
 from a planning trace recorded on the same model first (single process, other prompts of the same
-families), all with the same number of expert slots per rank. `--untagged` sends no domain header
+families), all with the same number of expert slots per rank; `--expert-cap` is passed to every
+`locus plan` (e.g. `eplb`, the balance-first cap for plans a live server admits by; default: none
+passed, the planner's own default). `--untagged` sends no domain header
 (as the `openai` client or any application does): a locality plan's grouper then places requests by
 its prompt predictor.
 
@@ -19,7 +21,8 @@ admission exactly) and `--arrivals closed --concurrency C` (the same grouper fed
 closed-loop client instead of the logged order: how far the model of arrivals is from the run).
 
 Printed per plan: inter-/intra-node bytes per token as measured by the ranks and as replayed (they
-must be equal, to the byte), output tokens per second over the workload, and the mean step time of
+must be equal, to the byte), the attention and expert imbalance of the recorded assignment (the replay's
+whole-run max/mean over ranks; expert: mean over layers / worst layer), output tokens per second over the workload, and the mean step time of
 the ranks split into compute, exchange (MoE all-to-all, less the expert compute) and control (gloo
 control collectives). On 2 shared cores the throughput and times are indicative only; the bytes are
 exact.
@@ -46,12 +49,15 @@ import httpx
 from serve_lib.common import BenchError
 from serve_lib.domain_text import DomainText
 
+from locus.errors import LocusError
+from locus.routing.planners.layer_caps import parse_expert_cap_mode
 from locus.traces.prompt_families import FAMILIES, family_prompt
 from serve_lib.table import print_table as markdown_table
 from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
 
 PROG = "bench/ep.py"
 PLANS = ("round_robin", "eplb", "locality", "locality_placement")
+IMBALANCES = ("attention_imbalance", "expert_imbalance_mean", "expert_imbalance_worst")  # of the recorded assignment
 
 
 
@@ -68,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--ep-timeout", type=float, default=120.0)
+    p.add_argument("--expert-cap", metavar="CAP|auto[:FLOOR]|eplb[:SHARE]",
+                   help="`locus plan --expert-cap` for every plan (default: not passed, the planner's default)")
     p.add_argument("--untagged", action="store_true", help="send no x-locus-domain header (tags withheld)")
     p.add_argument("--dispatch-format", default="model", choices=("model", "mxfp8", "mxint8"),
                    help="the servers' --ep-dispatch-format, replayed with the same (default: model)")
@@ -126,6 +134,28 @@ def record_planning_trace(model: str, path: Path, requests: int, output_len: int
     while core.has_unfinished():
         core.step()
     core.dump_recording()
+
+
+def plan_command(args: argparse.Namespace, name: str, planning: Path, plan: Path) -> list[str]:
+    """The `locus plan` arguments that make plan `name` from the planning trace."""
+    planner = "locality" if name == "locality_placement" else name
+    cap = ("--expert-cap", args.expert_cap) if args.expert_cap is not None else ()
+    return ["plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", planner,
+            *cap, "-o", str(plan)]
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The plans to run, once every flag is known good: a bad plan name or expert cap stops the bench
+    before the planning trace is recorded, not after."""
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    if bad := [p for p in plans if p not in PLANS]:
+        raise SystemExit(f"{PROG}: unknown plan(s) {bad}; choose from {', '.join(PLANS)}")
+    if args.expert_cap is not None:
+        try:
+            parse_expert_cap_mode(args.expert_cap)
+        except LocusError as exc:
+            raise SystemExit(f"{PROG}: {exc}") from None
+    return plans
 
 
 def locus(*args: str, timeout: float = 600) -> str:
@@ -189,13 +219,12 @@ def step_split(stats: dict, before: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    if bad := [p for p in plans if p not in PLANS]:
-        raise SystemExit(f"{PROG}: unknown plan(s) {bad}; choose from {', '.join(PLANS)}")
+    plans = check_args(args)
     text = prompt_source(args)
     work = Path(tempfile.mkdtemp(prefix="locus-bench-ep-"))
     prompts = text.source if text is not None else f"{len(FAMILIES)} families"
-    print(f"{PROG}: model {args.model}, {args.topology} ranks, {args.slots} slots per rank; workload: {args.requests} "
+    cap = f", expert cap {args.expert_cap}" if args.expert_cap is not None else ""
+    print(f"{PROG}: model {args.model}, {args.topology} ranks, {args.slots} slots per rank{cap}; workload: {args.requests} "
           f"requests x {args.output_len} tokens, {prompts}, concurrency {args.concurrency}; work dir {work}",
           flush=True)
     planning = work / "planning-trace"
@@ -203,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in plans:
         plan = work / f"{name}.json"
-        planner = "locality" if name == "locality_placement" else name
-        locus("plan", str(planning), "--topology", args.topology, "--slots", str(args.slots), "--planner", planner, "-o", str(plan))
+        locus(*plan_command(args, name, planning, plan))
         if name == "locality_placement":  # the same placement, no grouping: the server assigns balanced
             doc = json.loads(plan.read_text())
             doc.pop("grouping", None)
@@ -225,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "intra_per_token": stats["intra_node_bytes"] / max(tokens, 1),
             "replay_inter_per_token": replayed["inter_node_bytes"] / max(replayed["tokens"], 1),
             "replay_intra_per_token": replayed["intra_node_bytes"] / max(replayed["tokens"], 1),
+            **{k: replayed[k] for k in IMBALANCES},
             "out_tokens": run["out_tokens"], "seconds": run["seconds"], "out_tok_s": run["out_tokens"] / run["seconds"],
             **step_split(stats, run["before"]),
         }
@@ -257,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: list[dict]) -> None:
-    head = ("plan", "assign", "inter B/tok", "replay", "intra B/tok", "replay", "equal", "grouper replay (model)",
-            "out tok/s", "step ms", "compute", "exchange", "control")
+    head = ("plan", "assign", "inter B/tok", "replay", "intra B/tok", "replay", "equal", "attn imb.",
+            "expert imb. mean / worst", "grouper replay (model)", "out tok/s", "step ms", "compute", "exchange", "control")
 
     def simulated(r: dict) -> str:
         if "grouper_replay" not in r:
@@ -267,7 +296,8 @@ def print_table(results: list[dict]) -> None:
 
     rows = [(r["plan"], r["assignment"] + (", untagged" if r.get("untagged") else ""), f"{r['inter_per_token']:.1f}",
              f"{r['replay_inter_per_token']:.1f}", f"{r['intra_per_token']:.1f}", f"{r['replay_intra_per_token']:.1f}",
-             "yes" if r["equal"] else "NO", simulated(r), f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}",
+             "yes" if r["equal"] else "NO", f"{r['attention_imbalance']:.3f}",
+             f"{r['expert_imbalance_mean']:.3f} / {r['expert_imbalance_worst']:.3f}", simulated(r), f"{r['out_tok_s']:.1f}", f"{r['step_ms']:.1f}",
              f"{r['compute']:.0%}", f"{r['exchange']:.0%}", f"{r['control']:.0%}") for r in results]
     markdown_table(head, rows)
 
