@@ -1,5 +1,6 @@
 """bench/ep.py end to end on `tiny`: three plans served by 4 ranks as 2x2, each run's measured bytes
-equal to the replay of the trace it recorded (the script exits non-zero otherwise)."""
+equal to the replay of the trace it recorded (the script exits non-zero otherwise), with the recorded
+assignment's attention and expert imbalance."""
 
 from __future__ import annotations
 
@@ -22,4 +23,6 @@ def test_bench_ep_measures_what_the_replay_predicts(tmp_path):
     for r in results:
         assert r["equal"] and r["measured"] == {k: r["replayed"][k] for k in r["measured"]}
         assert r["tokens"] > 6 * 4 and r["out_tokens"] == 6 * 4 and r["step_ms"] > 0
+        # the recorded assignment's balance, from the same replay: max/mean over ranks, the worst layer at least the mean
+        assert r["attention_imbalance"] >= 1.0 and 1.0 <= r["expert_imbalance_mean"] <= r["expert_imbalance_worst"]
     assert "| locality" in stdout
