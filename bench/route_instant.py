@@ -27,19 +27,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from route import MINI, bodies_of, make_plan, overhead_between, overhead_snapshot, start, stop, wait_healthy  # noqa: E402
-from route_pairs import send_pairs  # noqa: E402
+from route_pairs import send_pairs, summarise_pairs, write_pairs  # noqa: E402
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.cpu import process_cpu_seconds  # noqa: E402
 from serve_lib.domain_text import DomainText  # noqa: E402
 from serve_lib.load import run_on_fastest_loop  # noqa: E402
 from serve_lib.raw_http import HttpTarget  # noqa: E402
-from serve_lib.report import source_revision  # noqa: E402
 from serve_lib.server import free_port  # noqa: E402
 from serve_lib.table import print_table  # noqa: E402
 
@@ -184,14 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             stop(proc)
-    ttft = np.array(pairs)
-    added = ttft[:, 1] - ttft[:, 0]
+    ttft, summary = summarise_pairs(pairs, own)
     cpu = 1000 * (cpu1 - cpu0) / len(pairs) if cpu0 is not None and cpu1 is not None else None
-    summary = {"pairs": len(pairs), "ttft_p50_ms_direct": float(np.median(ttft[:, 0])),
-               "ttft_p50_ms_router": float(np.median(ttft[:, 1])), "added_ms_p50": float(np.median(added)),
-               "added_ms_p25": float(np.percentile(added, 25)), "added_ms_p75": float(np.percentile(added, 75)),
-               "router_own_ms_p50": own["p50"] if own else None, "router_own_ms_mean": own["mean"] if own else None,
-               "router_cpu_ms_per_request": cpu}
+    summary["router_cpu_ms_per_request"] = cpu
     print_table(("pairs", "TTFT p50 direct ms", "TTFT p50 router ms", "added ms p50 (per pair)", "added p25 / p75",
                  "router's own ms p50", "router CPU ms / request", "load average"),
                 [(str(summary["pairs"]), f"{summary['ttft_p50_ms_direct']:.3f}", f"{summary['ttft_p50_ms_router']:.3f}",
@@ -199,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{summary['router_own_ms_p50']:.3f}" if summary["router_own_ms_p50"] is not None else "-",
                   f"{cpu:.2f}" if cpu is not None else "-", f"{loadavg[0]:.1f} -> {loadavg_after[0]:.1f}")])
     if args.out:
-        result = {"bench": "route_instant", "args": vars(args), "summary": summary, "pairs_ms": ttft.tolist(),
-                  "machine": {"cpus": os.cpu_count(), "loadavg_before": loadavg, "loadavg_after": loadavg_after},
-                  "source": source_revision()}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_pairs(args.out, "route_instant", args, summary, ttft, loadavg, loadavg_after)
     return 0
 
 

@@ -105,25 +105,36 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             stop(proc)
-    ttft = np.array(pairs)
-    added = ttft[:, 1] - ttft[:, 0]
-    summary = {"pairs": len(pairs), "ttft_p50_ms_direct": float(np.median(ttft[:, 0])),
-               "ttft_p50_ms_router": float(np.median(ttft[:, 1])), "added_ms_p50": float(np.median(added)),
-               "added_ms_p25": float(np.percentile(added, 25)), "added_ms_p75": float(np.percentile(added, 75)),
-               "router_own_ms_p50": own["p50"] if own else None, "router_own_ms_mean": own["mean"] if own else None}
+    ttft, summary = summarise_pairs(pairs, own)
     print_table(("pairs", "TTFT p50 direct ms", "TTFT p50 router ms", "added ms p50 (per pair)", "added p25 / p75",
                  "router's own ms p50"),
                 [(str(summary["pairs"]), f"{summary['ttft_p50_ms_direct']:.2f}", f"{summary['ttft_p50_ms_router']:.2f}",
                   f"{summary['added_ms_p50']:+.2f}", f"{summary['added_ms_p25']:+.2f} / {summary['added_ms_p75']:+.2f}",
                   f"{summary['router_own_ms_p50']:.3f}" if summary["router_own_ms_p50"] is not None else "-")])
     if args.out:
-        result = {"bench": "route_pairs", "args": vars(args), "summary": summary, "pairs_ms": ttft.tolist(),
-                  "machine": {"cpus": os.cpu_count(), "loadavg_before": loadavg, "loadavg_after": os.getloadavg()},
-                  "source": source_revision()}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_pairs(args.out, "route_pairs", args, summary, ttft, loadavg, os.getloadavg())
     return 0
+
+
+def summarise_pairs(pairs: list, own: dict | None) -> tuple[np.ndarray, dict]:
+    """Per-pair TTFTs [P, 2] (direct, router) in ms and their summary: each target's median, the
+    per-pair difference's median and quartiles, the router's own time on first tokens (`own`)."""
+    ttft = np.array(pairs)
+    added = ttft[:, 1] - ttft[:, 0]
+    return ttft, {"pairs": len(pairs), "ttft_p50_ms_direct": float(np.median(ttft[:, 0])),
+                  "ttft_p50_ms_router": float(np.median(ttft[:, 1])), "added_ms_p50": float(np.median(added)),
+                  "added_ms_p25": float(np.percentile(added, 25)), "added_ms_p75": float(np.percentile(added, 75)),
+                  "router_own_ms_p50": own["p50"] if own else None, "router_own_ms_mean": own["mean"] if own else None}
+
+
+def write_pairs(path: str, bench: str, args: argparse.Namespace, summary: dict, ttft: np.ndarray,
+                loadavg_before, loadavg_after) -> None:
+    result = {"bench": bench, "args": vars(args), "summary": summary, "pairs_ms": ttft.tolist(),
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": loadavg_before, "loadavg_after": loadavg_after},
+              "source": source_revision()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
