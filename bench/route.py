@@ -158,6 +158,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
         wait_until_ready(client, url, timeout, proc, str(log))
 
 
+def start_router(plan: Path, urls: list[str], logs: Path, procs: list,
+                 extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`locus route` under `plan` on a free port in front of the backends at `urls`, once healthy, and
+    appended to `procs` (stopped with them); returns the process and its URL. `extra`: more route flags."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = start(["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning", *extra,
+                    *(arg for u in urls for arg in ("--backend", u))], logs / "router.log")
+    procs.append(router)
+    wait_healthy(url, router, logs / "router.log")
+    return router, url
+
+
 def make_plan(root: Path, topology: str, text: DomainText) -> Path:
     """A locality plan from a mini recording of the planning prompts (never the measured ones)."""
     from locus.engine.frontend.llm import LLM
@@ -253,14 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "warning"], logs / f"backend-{i}.log", args.backend_threads))
         for i, (url, proc) in enumerate(zip(urls, procs)):
             wait_healthy(url, proc, logs / f"backend-{i}.log")
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        route_args = ["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning"]
-        for url in urls:
-            route_args += ["--backend", url]
-        router = start(route_args, logs / "router.log")
-        procs.append(router)
-        wait_healthy(router_url, router, logs / "router.log")
+        router, router_url = start_router(plan, urls, logs, procs)
         direct = [HttpTarget.of(f"{u}/v1/completions") for u in urls]
         routed = [HttpTarget.of(f"{router_url}/v1/completions")]
         backend_pids = [p.pid for p in procs[:-1]]

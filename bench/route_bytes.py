@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from route import MINI, bodies_of, make_plan, measure, start, stop, wait_healthy  # noqa: E402
+from route import MINI, bodies_of, make_plan, measure, start, start_router, stop, wait_healthy  # noqa: E402
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.domain_text import DomainText  # noqa: E402
 from serve_lib.raw_http import HttpTarget  # noqa: E402
@@ -83,14 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                logs / f"backend-{i}.log"))
         for i, (url, proc) in enumerate(zip(urls, procs)):
             wait_healthy(url, proc, logs / f"backend-{i}.log")
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
         route_log = logs / "route.jsonl"
-        router = start(["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning",
-                        "--assignment-log", str(route_log), *sum((["--backend", u] for u in urls), [])],
-                       logs / "router.log")
-        procs.append(router)
-        wait_healthy(router_url, router, logs / "router.log")
+        router, router_url = start_router(plan, urls, logs, procs, ["--assignment-log", str(route_log)])
         for url in urls:
             httpx.post(f"{url}/traces/start", json={"path": "routed"}, timeout=30).raise_for_status()
         bodies = bodies_of(text, args.requests, args.output_len, args.tagged, 0)

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from route import MINI, bodies_of, make_plan, overhead_between, overhead_snapshot, start, stop, wait_healthy  # noqa: E402
+from route import MINI, bodies_of, make_plan, overhead_between, overhead_snapshot, start_router, stop  # noqa: E402
 from route_pairs import send_pairs, summarise_pairs, write_pairs  # noqa: E402
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.cpu import process_cpu_seconds  # noqa: E402
@@ -159,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if backends.stdout.readline().strip() != "ready":
             raise BenchError(f"the instant backends did not start: {(logs / 'backends.log').read_text()[-2000:]}")
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        router = start(["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning",
-                        *sum((["--backend", u] for u in urls), [])], logs / "router.log")
-        procs.append(router)
-        wait_healthy(router_url, router, logs / "router.log")
+        router, router_url = start_router(plan, urls, logs, procs)
         direct = [HttpTarget.of(f"{u}/v1/completions") for u in urls]
         routed = HttpTarget.of(f"{router_url}/v1/completions")
         run_on_fastest_loop(send_pairs(direct, routed, bodies_of(text, 16, args.output_len, args.tagged, 10_000)))

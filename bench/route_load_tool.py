@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from route import MINI, make_plan, start, stop, wait_healthy  # noqa: E402
+from route import MINI, make_plan, start, start_router, stop, wait_healthy  # noqa: E402
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.domain_text import DomainText  # noqa: E402
 from serve_lib.report import source_revision  # noqa: E402
@@ -129,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "warning"], logs / f"backend-{i}.log"))
         for i, (url, proc) in enumerate(zip(urls, procs)):
             wait_healthy(url, proc, logs / f"backend-{i}.log")
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        router = start(["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning",
-                        *sum((["--backend", u] for u in urls), [])], logs / "router.log")
-        procs.append(router)
-        wait_healthy(router_url, router, logs / "router.log")
+        router, router_url = start_router(plan, urls, logs, procs)
         before = [counters(u) for u in urls]
         report = logs / "guidellm.json"
         command = guidellm_command(args, router_url, report)

@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from route import (MINI, bodies_of, make_plan, overhead_between, overhead_snapshot, start, stop,  # noqa: E402
+from route import (MINI, bodies_of, make_plan, overhead_between, overhead_snapshot, start, start_router, stop,  # noqa: E402
                    wait_healthy)
 from serve_lib.common import BenchError  # noqa: E402
 from serve_lib.domain_text import DomainText  # noqa: E402
@@ -86,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "warning"], logs / f"backend-{i}.log"))
         for i, (url, proc) in enumerate(zip(urls, procs)):
             wait_healthy(url, proc, logs / f"backend-{i}.log")
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        router = start(["route", "--plan", str(plan), "--port", str(port), "--log-level", "warning",
-                        *sum((["--backend", u] for u in urls), [])], logs / "router.log")
-        procs.append(router)
-        wait_healthy(router_url, router, logs / "router.log")
+        router, router_url = start_router(plan, urls, logs, procs)
         direct = [HttpTarget.of(f"{u}/v1/completions") for u in urls]
         routed = HttpTarget.of(f"{router_url}/v1/completions")
         run_on_fastest_loop(send_pairs(direct, routed, bodies_of(text, 2 * len(urls), 4, args.tagged, 10_000)))
