@@ -45,6 +45,30 @@ class ExpertState:
         holders[np.arange(width)[None, :] >= count[:, None]] = R
         return cls(dT, hT, x, (h3 > 0).sum(-1), np.where(x > 0, 0.0, dT).sum(-1), x.sum(-1), holders, count, gpus)
 
+    def refreshed(self, experts: np.ndarray) -> "ExpertState":
+        """The state after the caller changed experts' rows of h (in place): those rows recomputed, in place,
+        by the same operations as `of` (each row of `of` depends on its own expert only), so every figure
+        equals `of` on the new h; a new state when the most copies any expert has changes (holders' width)."""
+        E, R = self.h.shape
+        G = self.gpus
+        N = R // G
+        he = self.h[experts]
+        h3 = he.reshape(len(experts), N, G)
+        x = h3.sum(-1)
+        has = he > 0
+        count = has.sum(1)
+        self.holding[experts] = count
+        if max(int(self.holding.max()), 1) != self.holders.shape[1]:
+            return ExpertState.of(self.demand, self.h, G)
+        self.x[experts] = x
+        self.with_e[experts] = (h3 > 0).sum(-1)
+        self.remote[experts] = np.where(x > 0, 0.0, self.demand[experts]).sum(-1)
+        self.total[experts] = x.sum(-1)
+        holders = np.argsort(~has, axis=1, kind="stable")[:, : self.holders.shape[1]]
+        holders[np.arange(self.holders.shape[1])[None, :] >= count[:, None]] = R
+        self.holders[experts] = holders
+        return self
+
     def remote_after(self, e: np.ndarray, lose: np.ndarray, get: np.ndarray) -> np.ndarray:
         """Expert e's [B] remote demand after losing a copy on rank lose and gaining one on get [B] (-1:
         none): the gaining node stops being remote, the losing node may start."""

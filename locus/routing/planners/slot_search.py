@@ -108,15 +108,17 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
     for _ in range(max_steps):
         if h is None:
             h = copies_per_rank(slots, E)  # [R, E]
-            contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)  # [E, R]
+            hT = np.ascontiguousarray(h.T)  # [E, R], kept equal to h.T below
+            contrib = contributions(dT, hT, gpus, pT)  # [E, R]
+            state = ExpertState.of(dT, hT, gpus) if pT is None else None
         loads = contrib.sum(0)
         excess = np.maximum(loads - target, 0.0).sum()
         if excess < best_excess - eps:
             best, best_excess = slots.copy(), excess
         if excess <= eps:
             break
-        if pT is None and TOUCHED_WIDTH * int((h > 0).sum(0).max()) < R:
-            move = _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps)
+        if state is not None and TOUCHED_WIDTH * int(state.holding.max()) < R:
+            move = _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, state=state)
         else:
             move = _best_move(dT, h, contrib, loads, slots, gpus, target, excess, eps, pT)
         if move is None:
@@ -130,10 +132,13 @@ def enforce_cap(demand: np.ndarray, slots: np.ndarray, gpus: int, target: float,
             changed += [int(slots[rank, slot]), expert]
             h[rank, slots[rank, slot]] -= 1
             h[rank, expert] += 1
+            hT[slots[rank, slot], rank] -= 1
+            hT[expert, rank] += 1
             slots[rank, slot] = expert
         if pT is None:  # an expert's load depends on its own copies only: recompute the two that changed
             changed = np.unique(changed)
-            contrib[changed] = contributions(dT[changed], np.ascontiguousarray(h[:, changed].T), gpus)
+            contrib[changed] = contributions(dT[changed], hT[changed], gpus)
+            state = state.refreshed(changed)
         else:
             contrib = contributions(dT, np.ascontiguousarray(h.T), gpus, pT)
     return best
@@ -274,12 +279,12 @@ class Candidates:
         return Candidates(*(getattr(self, f.name)[idx] for f in fields(self)))
 
 
-def _candidates(h: np.ndarray, slots: np.ndarray, owners: np.ndarray) -> Candidates:
+def _candidates(h: np.ndarray, slots: np.ndarray, owners: np.ndarray, total: np.ndarray | None = None) -> Candidates:
     """Every valid swap, spread and shed touching a slot of each rank in owners [K]: owner by owner, in
-    _best_move's order within each kind."""
+    _best_move's order within each kind. total [E]: each expert's copies, h.sum(0) when not given."""
     R, S = slots.shape
     E = h.shape[1]
-    total = h.sum(0)
+    total = h.sum(0) if total is None else total
     flat = slots.ravel()
     parts = []
     for w in owners:
@@ -302,19 +307,21 @@ def _candidates(h: np.ndarray, slots: np.ndarray, owners: np.ndarray) -> Candida
     return Candidates(*(np.concatenate(col) for col in zip(*parts)))
 
 
-def _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, batch: int = 0):
+def _bounded_move(dT, h, contrib, loads, slots, gpus, target, eps, batch: int = 0, state: ExpertState | None = None):
     """_best_move_touched's move (the same best score; between equal scores the first candidate), scoring
     exactly only the candidates that could still beat the best one found. A move removes at most the
     overload its touched ranks carry now, which with its local pairs (cheap, exact) bounds its score;
     candidates are scored exactly `batch` (default BATCH) at a time, highest bound first, until the best
-    score found reaches the next bound. None when no candidate removes overload."""
+    score found reaches the next bound. None when no candidate removes overload. state: ExpertState.of(dT,
+    h.T) when the caller keeps one."""
     batch = batch or BATCH
     R, S = slots.shape
     w = int(np.argmax(loads))
-    c = _candidates(h, slots, np.array([w]))
+    if state is None:
+        state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
+    c = _candidates(h, slots, np.array([w]), state.total)
     if len(c.owner) == 0:
         return None
-    state = ExpertState.of(dT, np.ascontiguousarray(h.T), gpus)
     bound, gain_local = bounds(state, c, np.maximum(loads - target, 0.0), contrib)
     ceiling = _score(bound, gain_local, eps)
     order = np.argsort(-ceiling, kind="stable")

@@ -102,3 +102,31 @@ def test_touched_search_step_finds_the_dense_steps_best(seed):
         return (excess - over) / (lost + eps)
 
     assert score(touched) == pytest.approx(score(dense), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_refreshed_state_equals_the_state_built_afresh(seed):
+    """ExpertState.refreshed after random moves (the hot expert gaining and losing copies, so the holders'
+    width changes too) holds exactly the figures ExpertState.of computes on the new copies."""
+    rng = np.random.default_rng(200 + seed)
+    N, G, S, E = 3, 4, 3, 14
+    slots, demand = _layout(rng, N, G, S, E)
+    R = N * G
+    dT = np.ascontiguousarray(demand.T)
+    hT = np.ascontiguousarray(copies_per_rank(slots, E).T)
+    state = ExpertState.of(dT, hT, G)
+    widths = {state.holders.shape[1]}
+    for _ in range(40):
+        r, k = int(rng.integers(R)), int(rng.integers(S))
+        old, new = int(slots[r, k]), int(rng.choice([0, rng.integers(E)]))
+        if old == new or hT[old].sum() < 2:
+            continue
+        slots[r, k] = new
+        hT[old, r] -= 1
+        hT[new, r] += 1
+        state = state.refreshed(np.unique([old, new]))
+        widths.add(state.holders.shape[1])
+        fresh = ExpertState.of(dT, hT.copy(), G)
+        for name in ("x", "with_e", "remote", "total", "holders", "holding"):
+            np.testing.assert_array_equal(getattr(state, name), getattr(fresh, name), err_msg=name)
+    assert len(widths) > 1
