@@ -72,24 +72,27 @@ def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
 
 
 def transfer_effects_batch(demand: np.ndarray, x: np.ndarray, rho: np.ndarray, src: np.ndarray,
-                           dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moving one replica of each expert from node src[d] to node dst[d], for D (src, dst) pairs and every
-    expert at once, given rho = remote_share(demand, x) [E].
+                           dst: np.ndarray, experts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Moving one replica of an expert from node src[d] to node dst[d], for D (src, dst) pairs, given rho =
+    remote_share(demand, x) [E]; for every expert, or for the K experts [D, K] each pair names.
 
-    Returns (delta_load [D, E, N]: change of every node's load, delta_local [D, E]: change of local
-    pairs); rows of experts src[d] does not hold are meaningless (the caller masks them). Elementwise
-    only, so a pair's figures do not depend on which pairs share its batch.
+    Returns (delta_load [D, K, N]: change of every node's load, delta_local [D, K]: change of local
+    pairs), K = E without `experts`; rows of experts src[d] does not hold are meaningless (the caller masks
+    them). Elementwise only, so a (pair, expert)'s figures do not depend on what else shares its batch.
     """
-    copies = np.maximum(x.sum(0), 1)
-    x_src, x_dst = x[src], x[dst]  # [D, E]
+    if experts is None:
+        experts = np.broadcast_to(np.arange(x.shape[1]), (len(src), x.shape[1]))
+    copies = np.maximum(x.sum(0), 1)[experts]  # [D, K]
+    x_src, x_dst = x[src[:, None], experts], x[dst[:, None], experts]  # [D, K]
+    rho_k = rho[experts]
     drop = x_src == 1  # src loses its last copy: its demand turns remote
     gain = x_dst == 0  # dst's demand turns local
-    d_src, d_dst = demand[src], demand[dst]  # [D, E]
-    rho_new = rho + (d_src * drop - d_dst * gain) / copies
-    delta = x.T[None] * (rho_new - rho)[:, :, None]  # [D, E, N] third nodes: only the remote share changes
+    d_src, d_dst = demand[src[:, None], experts], demand[dst[:, None], experts]  # [D, K]
+    rho_new = rho_k + (d_src * drop - d_dst * gain) / copies
+    delta = x.T[experts] * (rho_new - rho_k)[:, :, None]  # [D, K, N] third nodes: only the remote share changes
     pairs = np.arange(len(src))
-    delta[pairs, :, src] = -d_src * drop + (x_src - 1) * rho_new - x_src * rho
-    delta[pairs, :, dst] = d_dst * gain + (x_dst + 1) * rho_new - x_dst * rho
+    delta[pairs, :, src] = -d_src * drop + (x_src - 1) * rho_new - x_src * rho_k
+    delta[pairs, :, dst] = d_dst * gain + (x_dst + 1) * rho_new - x_dst * rho_k
     return delta, d_dst * gain - d_src * drop
 
 
@@ -125,22 +128,20 @@ def best_swap(demand: np.ndarray, x: np.ndarray, loads: np.ndarray, excess: floa
     """
     dsts = np.array([n for n in range(demand.shape[0]) if n != src])
     D = len(dsts)
-    srcs = np.full(D, src)
-    # a: src -> dst and b: dst -> src, in one batch: [D, E, N], [D, E] each
-    delta, local = transfer_effects_batch(demand, x, remote_share(demand, x), np.concatenate([srcs, dsts]),
-                                          np.concatenate([dsts, srcs]))
-    da, la, db, lb = delta[:D], local[:D], delta[D:], local[D:]
     a = np.flatnonzero(x[src] >= 1)  # [A]
     held = x[dsts] >= 1  # [D, E]
     width = int(held.sum(1).max())
     order = np.argsort(~held, axis=1, kind="stable")[:, :width]  # [D, B] held experts first, ascending
     valid = np.take_along_axis(held, order, 1)  # [D, B]
-    rows = np.arange(D)[:, None]
-    over = loads + da[:, a][:, :, None, :] + db[rows, order][:, None, :, :]  # [D, A, B, N] new loads
+    # a: src -> dst and b: dst -> src, each for the experts its side holds: [D, A or B, N], [D, A or B]
+    rho = remote_share(demand, x)
+    da, la = transfer_effects_batch(demand, x, rho, np.full(D, src), dsts, np.broadcast_to(a, (D, len(a))))
+    db, lb = transfer_effects_batch(demand, x, rho, dsts, np.full(D, src), order)
+    over = loads + da[:, :, None, :] + db[:, None, :, :]  # [D, A, B, N] new loads
     np.subtract(over, limit, out=over)
     np.maximum(over, 0.0, out=over)
     reduced = excess - over.sum(-1)  # [D, A, B]
-    loss = -(la[:, a][:, :, None] + lb[rows, order][:, None, :])
+    loss = -(la[:, :, None] + lb[:, None, :])
     score = reduced / (np.maximum(loss, 0.0) + 1e-6 * scale)
     useless = (a[None, :, None] == order[:, None, :]) | ~valid[:, None, :]  # [D, A, B]
     useless |= reduced <= 1e-6 * scale

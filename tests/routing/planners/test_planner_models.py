@@ -118,3 +118,22 @@ def test_a_transfers_figures_do_not_depend_on_its_batch():
     moved[d, e] += 1
     k = int(np.flatnonzero((src == s) & (dst == d))[0])
     np.testing.assert_allclose(node_loads(demand, moved) - node_loads(demand, x), delta[k, e], atol=1e-9)
+
+
+def test_a_transfers_figures_for_named_experts_equal_the_full_batch():
+    # best_swap asks only for the experts each side holds; those rows must equal the all-experts batch's
+    # to the last bit, or its near ties would break differently.
+    rng = np.random.default_rng(4)
+    N, E = 8, 64
+    demand = rng.pareto(1.2, (N, E)) * 100
+    x = select_replicas(demand, E // N + 3)
+    rho = remote_share(demand, x)
+    src = np.array([s for s in range(N) for d in range(N) if d != s])
+    dst = np.array([d for s in range(N) for d in range(N) if d != s])
+    full_delta, full_local = transfer_effects_batch(demand, x, rho, src, dst)
+    experts = np.stack([rng.choice(E, 5, replace=False) for _ in src])
+    delta, local = transfer_effects_batch(demand, x, rho, src, dst, experts)
+    assert delta.shape == (len(src), 5, N) and local.shape == (len(src), 5)
+    rows = np.arange(len(src))[:, None]
+    assert delta.tobytes() == full_delta[rows, experts].tobytes()
+    assert local.tobytes() == full_local[rows, experts].tobytes()
