@@ -103,6 +103,9 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="locality: every replica of each expert group on one node, then locality within that "
                    "(bounds the nodes a token reaches by --topk-group; docs/planner.md)")
     p.add_argument("--rounds", type=int, default=2, help="locality: placement <-> grouper rounds (default 2)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="locality: worker processes placing a round's layers side by side (1: in this process; "
+                   "default: the CPUs this process may use, 1 for a small plan); the plan is the same for any N")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV cache bytes per token for the grouper's move cost "
                    "(default: the trace's recorded figure, else from the model name; see docs/planner.md)")
     p.add_argument("--predictor-tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
@@ -183,6 +186,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise LocusError(f"--slots must be at least 1, got {args.slots}")
     if args.rounds < 1:
         raise LocusError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.workers is not None and args.workers < 1:
+        raise LocusError(f"--workers must be at least 1, got {args.workers}")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
         raise LocusError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
     if args.predictor_tokens < 0 or args.predictor_experts < 1:
@@ -199,7 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
                           replica_budget=args.replica_budget, load_model=args.load_model,
                           predictor_tokens=args.predictor_tokens, predictor_experts=args.predictor_experts,
                           expert_cap_auto=auto, expert_cap_eplb_share=eplb_share,
-                          align_groups=groups if args.align_groups else None)
+                          align_groups=groups if args.align_groups else None, workers=args.workers)
     objective = _step_objective(args, reader, topology)
     if objective is not None and args.align_groups:
         raise LocusError("--align-groups is not a candidate of the step-time objective: drop --hardware, or "

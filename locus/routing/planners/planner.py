@@ -44,7 +44,8 @@ from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sa
 from locus.routing.planners.expected_load import rank_loads
 from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.planners.layer_caps import layer_caps
-from locus.routing.planners.locality import BUDGETS, place_layer, sketch_layer
+from locus.routing.planners.layer_pool import LayerPool, pool_workers
+from locus.routing.planners.locality import BUDGETS
 from locus.routing.planners.group_alignment import place_aligned
 from locus.routing.expert_groups import ExpertGroups
 from locus.routing.plan.placement import PlacementPlan, validate
@@ -88,6 +89,9 @@ class PlanOptions:
     expert_cap_eplb_share: float | None = None
     # locality: keep every replica of each expert group on one node (`--align-groups`, group_alignment.py)
     align_groups: ExpertGroups | None = None
+    # locality: worker processes placing a round's layers side by side (layer_pool.py; 1: in this process).
+    # None: the CPUs this process may use, or 1 for a small plan. The plan is the same for any count.
+    workers: int | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
         raise LocusError(f"planning range {start}:{stop} holds no requests")
     t0 = time.perf_counter()
     if name == "locality":
+        pool_workers(options.workers, 1, 1, 1)  # a bad count is refused before the work
         if load_model_for(options) not in LOAD_MODELS:
             raise LocusError(f"unknown load model {options.load_model!r}; choose one of {', '.join(LOAD_MODELS)}")
         signatures = _signatures(reader, start, stop)
@@ -178,8 +183,15 @@ def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
 
 def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
               sample: RoutingSample | None = None, predictor: TokenAffinity | None = None) -> PlanResult:
+    shape = (len(meta.moe_layers), topology.nodes, meta.num_experts)
+    with LayerPool(shape, pool_workers(options.workers, shape[0], topology.ranks, meta.num_experts)) as pool:
+        return _locality_rounds(meta, sig, topology, options, t0, sample, predictor, pool)
+
+
+def _locality_rounds(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
+                     sample: RoutingSample | None, predictor: TokenAffinity | None, pool: LayerPool) -> PlanResult:
     N, G = topology.nodes, topology.gpus_per_node
-    spec, prefill_node, decode_node, placed = _domain_layout(meta, sig, topology, options)
+    spec, prefill_node, decode_node, placed = _domain_layout(meta, sig, topology, options, pool)
     spec.predictor = predictor
     best = None
     rounds = max(1, options.rounds)
@@ -188,7 +200,7 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
             demand, slots, fallback, caps = placed
         else:
             demand = group_demand(sig, prefill_node, decode_node, N)  # [L, N, E]
-            slots, fallback, caps = _place(demand, meta, topology, options)
+            slots, fallback, caps = _place(demand, meta, topology, options, pool)
         pull = None
         if sample is not None:
             slots, pull = _calibrate(slots, demand, meta, topology, caps, fallback, sample, prefill_node, decode_node)
@@ -220,7 +232,7 @@ def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOpt
     return PlanResult(plan, summary, ranks)
 
 
-def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions):
+def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, pool: LayerPool):
     """The grouping spec and first-round nodes of the domain order that places best: the size order and the
     orders domain_layout.py scores lowest, each sketched (_sketch: the placement before the cap search) on its
     own grouping and scored by expected inter-node bytes, as the rounds are; ties keep the earlier (the size
@@ -241,10 +253,10 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
         if len(orders) > 1:
             demand = group_demand(sig, prefill_node, decode_node, topology.nodes)
             if options.expert_cap_eplb_share is not None:
-                placed = (demand, *_place(demand, meta, topology, options))
+                placed = (demand, *_place(demand, meta, topology, options, pool))
                 slots = placed[1]
             else:
-                slots = _sketch(demand, meta, topology, options)
+                slots = _sketch(demand, meta, topology, options, pool)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
             score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
@@ -288,11 +300,11 @@ def _initial_grouping(sig: RequestSignatures, topology: Topology, spec: Grouping
 LAYOUT_CANDIDATES = 3  # domain orders placed and scored: the size order and the two best by affinity
 
 
-def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
+def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions, pool: LayerPool):
     """Slots [L, R, S] meeting each layer's expert cap on `demand`, the layers that took EPLB's placement, and
     the caps [L] (layer_caps.py). The layers EPLB misses are searched first: under a fixed cap, one the search
     misses too stops the plan there, before the other layers' searches; under auto, its cap is the best
-    figure reached."""
+    figure reached. The layers are placed in `pool`'s workers and settled in that order as they come back."""
     if options.replica_budget not in BUDGETS:
         raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
     if options.align_groups is not None:
@@ -304,9 +316,10 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
                         options.expert_cap_eplb_share)
     slots = np.empty_like(limits.eplb_slots)
     missed = []
-    for l in limits.search_order():
-        placed = place_layer(demand[l], topology.gpus_per_node, topology.slots_per_gpu, limits.caps[l],
-                             options.replica_budget, meta.top_k)
+    order = limits.search_order()
+    placements = pool.place(demand, order, limits.caps.copy(), topology.gpus_per_node, topology.slots_per_gpu,
+                            options.replica_budget, meta.top_k)
+    for l, placed in zip(order, placements):
         if placed.met_cap or limits.settle(l, placed.imbalance):
             slots[l] = placed.slots
         else:
@@ -315,15 +328,15 @@ def _place(demand: np.ndarray, meta, topology: Topology, options: PlanOptions):
     return slots, [int(meta.moe_layers[l]) for l in sorted(missed)], limits.caps
 
 
-def _sketch(demand: np.ndarray, meta, topology: Topology, options: PlanOptions) -> np.ndarray:
+def _sketch(demand: np.ndarray, meta, topology: Topology, options: PlanOptions, pool: LayerPool) -> np.ndarray:
     """Slots [L, R, S] of each layer's placement before the cap search (locality.sketch_layer), to compare
     domain layouts; with --align-groups, _place itself."""
     if options.align_groups is not None:
-        return _place(demand, meta, topology, options)[0]
+        return _place(demand, meta, topology, options, pool)[0]
     if options.replica_budget not in BUDGETS:
         raise LocusError(f"unknown replica budget {options.replica_budget!r}; choose one of {', '.join(BUDGETS)}")
-    return np.stack([sketch_layer(demand[l], topology.gpus_per_node, topology.slots_per_gpu, options.caps.expert,
-                                  options.replica_budget, meta.top_k) for l in range(demand.shape[0])])
+    return pool.sketch(demand, options.caps.expert, topology.gpus_per_node, topology.slots_per_gpu,
+                       options.replica_budget, meta.top_k)
 
 
 def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, caps: np.ndarray, fallback: list[int],

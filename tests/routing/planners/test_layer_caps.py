@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-import locus.routing.planners.planner as planner_module
+import locus.routing.planners.layer_pool as layer_pool
 from locus.cli import main
 from locus.errors import LocusError
 from locus.routing.plan.caps import Caps
@@ -32,13 +32,13 @@ def skewed(tmp_path_factory):
 def searched(monkeypatch):
     """The MoE indices the locality search places, in order."""
     calls = []
-    place = planner_module.place_layer
+    place = layer_pool.place_layer
 
     def counting(demand, *args, **kwargs):
         calls.append(demand)
         return place(demand, *args, **kwargs)
 
-    monkeypatch.setattr(planner_module, "place_layer", counting)
+    monkeypatch.setattr(layer_pool, "place_layer", counting)
     return calls
 
 
@@ -139,9 +139,11 @@ def deepseek_like(tmp_path_factory):
 
 def test_an_unmeetable_cap_at_256_gpus_is_reported_after_one_layer_search(deepseek_like, searched):
     # 32 x 8 GPUs with one spare slot each and a cap neither EPLB nor the search reaches on any layer. The
-    # code before searched all 58 layers (seconds each at this size: minutes) before saying so.
+    # code before searched all 58 layers (seconds each at this size: minutes) before saying so. In this
+    # process (workers=1), where `searched` sees every search (test_layer_pool.py has the pool's case).
     with pytest.raises(LocusError) as err:
-        make_plan("locality", deepseek_like, Topology(32, 8, 2), (0, 60), PlanOptions(caps=Caps(expert=1.02)))
+        make_plan("locality", deepseek_like, Topology(32, 8, 2), (0, 60),
+                  PlanOptions(caps=Caps(expert=1.02), workers=1))
     text = str(err.value)
     assert "MoE layer 0: the expert-load cap 1.020 cannot be met with 2 slots per GPU" in text
     assert "EPLB misses it on 57 more layers too" in text
