@@ -1,8 +1,10 @@
 """Locality placement of one MoE layer: node-level replica choice, GPU packing, expert-load cap.
 
-    demand D[n, e] --select--> x[n, e] --balance nodes--> --pack GPUs--> slots [R, S] --enforce cap-->
+    demand D[n, e] --select--> x[n, e] --copies--> --balance nodes--> --pack GPUs--> slots [R, S] --enforce cap-->
 
-select / balance: replica_selection.py (or, budget "marginal", replica_budget.py); pack: gpu_packing.py; the cap: slot_search.py, checked with
+select / balance: replica_selection.py (or, budget "marginal", replica_budget.py); copies: replica_copies.py
+(more copies of experts too heavy to pack under the cap; the search falls back to the start without them
+when it misses the cap from it); pack: gpu_packing.py; the cap: slot_search.py, checked with
 expected_load.rank_loads (the dispatch rule's expected per-rank load). Balancing nodes first to a tighter
 limit than the cap leaves the GPU packing some room, so the cap search starts close. A layer the
 search cannot bring under the cap comes back with met_cap False, and the planner decides what to do
@@ -13,12 +15,14 @@ Shape legend: N nodes, G GPUs per node, S slots per GPU, C = G * S slots per nod
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from locus.routing.planners.gpu_packing import pack_replicas
 from locus.routing.planners.replica_budget import select_by_marginal_gain
+from locus.routing.planners.replica_copies import REPLICA_SHARE, spread_heavy_experts
 from locus.routing.planners.expected_load import rank_loads, replica_loads
 from locus.routing.plan.placement import node_replicas
 from locus.routing.planners.replica_selection import balance_nodes, select_replicas
@@ -42,29 +46,45 @@ BUDGETS = ("top", "marginal")  # replica_selection.select_replicas; replica_budg
 
 def place_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
                 top_k: int = 1) -> LayerPlacement:
-    """demand [N, E] -> the layer's slots [N * gpus, slots_per_gpu] and its expected figures."""
+    """demand [N, E] -> the layer's slots [N * gpus, slots_per_gpu] and its expected figures: the cap search
+    from each start sketch_starts gives, in order, until one meets the cap (else the least imbalanced)."""
     N, E = demand.shape
     total = float(demand.sum())
     mean_rank = total / (N * gpus)
-    slots = sketch_layer(demand, gpus, slots_per_gpu, cap, budget, top_k)
-    slots = enforce_cap(demand, slots, gpus, target=cap * mean_rank * (1 - 1e-9))
-    loads = rank_loads(slots[None], demand[None])[0]
-    imb = float(max_over_mean(loads))
-    x = node_replicas(slots[None], N, E)[0]
-    local = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
-    return LayerPlacement(slots, imb, local, imb <= cap)
+    best = None
+    for start in sketch_starts(demand, gpus, slots_per_gpu, cap, budget, top_k):
+        slots = enforce_cap(demand, start, gpus, target=cap * mean_rank * (1 - 1e-9))
+        loads = rank_loads(slots[None], demand[None])[0]
+        imb = float(max_over_mean(loads))
+        if best is None or imb < best.imbalance:
+            x = node_replicas(slots[None], N, E)[0]
+            local = float((demand * (x > 0)).sum() / total) if total > 0 else 1.0
+            best = LayerPlacement(slots, imb, local, imb <= cap)
+        if best.met_cap:
+            break
+    return best
 
 
 def sketch_layer(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
                  top_k: int = 1) -> np.ndarray:
-    """The layer's slots [N * gpus, slots_per_gpu] before the cap search: replicas chosen, nodes balanced,
-    GPUs packed."""
+    """The layer's slots [N * gpus, slots_per_gpu] before the cap search (sketch_starts' first)."""
+    return next(sketch_starts(demand, gpus, slots_per_gpu, cap, budget, top_k))
+
+
+def sketch_starts(demand: np.ndarray, gpus: int, slots_per_gpu: int, cap: float, budget: str = "top",
+                  top_k: int = 1) -> Iterator[np.ndarray]:
+    """Starts for the cap search, slots [N * gpus, slots_per_gpu] each: replicas chosen, nodes balanced, GPUs
+    packed. Where some replica is too heavy to pack under the cap (replica_copies.py), first with those
+    experts given more copies, then (computed only when asked for) without; else the one start."""
     N, E = demand.shape
     C = gpus * slots_per_gpu
     total = float(demand.sum())
     x = select_by_marginal_gain(demand, C, top_k) if budget == "marginal" else select_replicas(demand, C)
-    x = balance_nodes(demand, x, limit=(1 + NODE_HEADROOM * (cap - 1)) * total / N)
-    return pack_layer(demand, x, gpus, slots_per_gpu)[0]
+    limit = (1 + NODE_HEADROOM * (cap - 1)) * total / N
+    spread = spread_heavy_experts(demand, x, REPLICA_SHARE * cap * total / (N * gpus)) if total > 0 else x
+    if not np.array_equal(spread, x):
+        yield pack_layer(demand, balance_nodes(demand, spread, limit), gpus, slots_per_gpu)[0]
+    yield pack_layer(demand, balance_nodes(demand, x, limit), gpus, slots_per_gpu)[0]
 
 
 def pack_layer(demand: np.ndarray, x: np.ndarray, gpus: int, slots_per_gpu: int) -> tuple[np.ndarray, np.ndarray]:
