@@ -99,15 +99,22 @@ class NodeCostModel:
         tests/routing/grouping/test_node_cost.py holds them to it): the sums over layers and over nodes
         keep expected_bytes' memory layout, since numpy's summation order follows the layout."""
         node = np.asarray(node)
-        N = self.nodes
         out = np.empty(len(counts), dtype=np.float64)
         for n in np.unique(node):
-            route = np.ascontiguousarray(self.route[:, :, n * N : (n + 1) * N])  # [L, E, N(j)]
             rows = np.flatnonzero(node == n)
-            for a in range(0, len(rows), BATCH):
-                batch = rows[a : a + BATCH]
-                p = np.ascontiguousarray(self.distribution(counts[batch]).transpose(1, 2, 0))  # [L, E, b]
-                m = np.einsum("lek,leb->lkb", route, p)  # [L, N(j), b]; einsum's own loops, as above
-                sends = self._sends(m)  # [N(j), b]
-                out[batch] = np.ascontiguousarray(sends.T).sum(-1) * self.bytes_per_send  # float32 product
+            out[rows] = self.bytes_on_node(counts, rows, int(n))
+        return out
+
+    def bytes_on_node(self, counts: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+        """expected_bytes(counts[rows])[:, n], [len(rows)]: expected_bytes_on for the requests `rows` of node n
+        (each node's figures are independent of the others', so nodes may be scored in any order or apart)."""
+        N = self.nodes
+        route = np.ascontiguousarray(self.route[:, :, n * N : (n + 1) * N])  # [L, E, N(j)]
+        out = np.empty(len(rows), dtype=np.float64)
+        for a in range(0, len(rows), BATCH):
+            batch = rows[a : a + BATCH]
+            p = np.ascontiguousarray(self.distribution(counts[batch]).transpose(1, 2, 0))  # [L, E, b]
+            m = np.einsum("lek,leb->lkb", route, p)  # [L, N(j), b]; einsum's own loops, as above
+            sends = self._sends(m)  # [N(j), b]
+            out[a : a + BATCH] = np.ascontiguousarray(sends.T).sum(-1) * self.bytes_per_send  # float32 product
         return out

@@ -29,8 +29,11 @@ PrefillChunks = Iterable[tuple[int, int, np.ndarray]]  # (lo, hi, prefill counts
 
 
 def run_grouper(grouper: Grouper, ids, domains, tokens, prompt_tokens, prefill_chunks: PrefillChunks,
-                request_start: int = 0, policy: str = "grouper") -> Assignment:
-    """Admit and observe every request; chunks must cover 0..len(ids) in order."""
+                request_start: int = 0, policy: str = "grouper",
+                chunk_bytes: Iterator[np.ndarray] | None = None) -> Assignment:
+    """Admit and observe every request; chunks must cover 0..len(ids) in order. `chunk_bytes`: each chunk's
+    grouper.cost.expected_bytes(counts), in chunk order, computed elsewhere (the planner's worker pool);
+    None: computed here."""
     R = len(ids)
     ranks = np.empty(R, dtype=np.int64)
     decode = np.empty(R, dtype=np.int64)
@@ -40,7 +43,9 @@ def run_grouper(grouper: Grouper, ids, domains, tokens, prompt_tokens, prefill_c
     for lo, hi, counts in prefill_chunks:
         if lo != done:
             raise ValueError(f"prefill chunks must be consecutive: expected {done}, got {lo}")
-        node_bytes = grouper.cost.expected_bytes(counts) if grouper.cost is not None and grouper.moves and hi > lo else None
+        node_bytes = None
+        if grouper.cost is not None and grouper.moves and hi > lo:
+            node_bytes = grouper.cost.expected_bytes(counts) if chunk_bytes is None else next(chunk_bytes)
         for i in range(lo, hi):
             ranks[i] = grouper.admit(ids[i], domains[i], int(tokens[i]), int(prompt_tokens[i]))
             if node_bytes is not None and prompt_tokens[i] > 0:
@@ -93,7 +98,15 @@ def simulate_grouper(grouper: Grouper, reader, start: int, stop: int) -> Assignm
     )
 
 
-def signature_chunks(prefill: np.ndarray, size: int = 256) -> Iterator[tuple[int, int, np.ndarray]]:
+SIGNATURE_CHUNK = 256  # requests per signature_chunks chunk
+
+
+def signature_chunks(prefill: np.ndarray, size: int = SIGNATURE_CHUNK) -> Iterator[tuple[int, int, np.ndarray]]:
     """Chunks over in-memory prefill counts [R, L, E]."""
-    for lo in range(0, prefill.shape[0], size):
-        yield lo, min(lo + size, prefill.shape[0]), prefill[lo : lo + size]
+    for lo, hi in chunk_bounds(prefill.shape[0], size):
+        yield lo, hi, prefill[lo:hi]
+
+
+def chunk_bounds(rows: int, size: int = SIGNATURE_CHUNK) -> list[tuple[int, int]]:
+    """signature_chunks' (lo, hi) over `rows` requests, without reading the counts."""
+    return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]

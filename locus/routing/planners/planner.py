@@ -38,7 +38,7 @@ from locus.routing.planners.domain_layout import domain_orders
 from locus.routing.plan.caps import Caps
 from locus.routing.grouping.grouper import Grouper
 from locus.routing.plan.predictor import DEFAULT_TOKENS, DEFAULT_TOP_EXPERTS, TokenAffinity
-from locus.routing.grouping.simulation import run_grouper, signature_chunks
+from locus.routing.grouping.simulation import chunk_bounds, run_grouper, signature_chunks
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
 from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
 from locus.routing.planners.expected_load import rank_loads
@@ -184,7 +184,7 @@ def _needs_pull(options: PlanOptions, top_k: int, topology: Topology) -> bool:
 def _locality(meta, sig: RequestSignatures, topology: Topology, options: PlanOptions, t0: float,
               sample: RoutingSample | None = None, predictor: TokenAffinity | None = None) -> PlanResult:
     shape = (len(meta.moe_layers), topology.nodes, meta.num_experts)
-    with LayerPool(shape, pool_workers(options.workers, shape[0], topology.ranks, meta.num_experts)) as pool:
+    with LayerPool(shape, pool_workers(options.workers, shape[0], topology.ranks, meta.num_experts), sig) as pool:
         return _locality_rounds(meta, sig, topology, options, t0, sample, predictor, pool)
 
 
@@ -206,11 +206,11 @@ def _locality_rounds(meta, sig: RequestSignatures, topology: Topology, options: 
             slots, pull = _calibrate(slots, demand, meta, topology, caps, fallback, sample, prefill_node, decode_node)
         plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                              grouping=spec.to_dict(), provenance={"planner": "locality"})
-        score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
+        score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers, pool)
         if best is None or score < best[0]:
             best = (score, plan, demand, fallback, prefill_node, decode_node, pull, caps)
         if k + 1 < rounds:  # the grouper's online grouping under this plan is the next round's demand
-            assignment = _simulate(plan, sig, meta)
+            assignment = _simulate(plan, sig, meta, pool)
             prefill_node, decode_node = assignment.ranks // G, _decode_ranks(assignment) // G
     score, plan, demand, fallback, prefill_node, decode_node, pull, caps = best
     seconds = time.perf_counter() - t0
@@ -219,7 +219,7 @@ def _locality_rounds(meta, sig: RequestSignatures, topology: Topology, options: 
     summary = _summary("locality", meta, plan, spec, sig, topology, ranks, prefill_node, decode_node,
                        "domain tag + grouper" if any(sig.domains) else "signature clusters + grouper",
                        demand=demand, fallback=fallback, bytes_per_token=score, pull=pull)
-    summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology)
+    summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology, pool)
     summary.plan_seconds = seconds
     if options.expert_cap_eplb_share is not None:  # what the eplb mode chose, per MoE layer in plan order
         plan.provenance["expert_cap_eplb"] = {"share": float(options.expert_cap_eplb_share),
@@ -259,7 +259,7 @@ def _domain_layout(meta, sig: RequestSignatures, topology: Topology, options: Pl
                 slots = _sketch(demand, meta, topology, options, pool)
             plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                                  grouping=spec.to_dict(), provenance={"planner": "locality"})
-            score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers)
+            score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers, pool)
         else:
             score = 0.0
         if best is None or score < best[0]:
@@ -374,10 +374,15 @@ def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, 
     return best_slots, best_pull
 
 
-def _simulate(plan: PlacementPlan, sig: RequestSignatures, meta) -> Assignment:
+def _simulate(plan: PlacementPlan, sig: RequestSignatures, meta, pool: LayerPool) -> Assignment:
+    """The grouper run over the planning requests under `plan`; its per-chunk cost scores in `pool`'s workers
+    (they depend on the plan only, not on the grouper's state)."""
     grouper = Grouper.from_plan(plan, moe_layers=meta.moe_layers)
+    chunk_bytes = None
+    if grouper.cost is not None and grouper.moves:
+        chunk_bytes = pool.chunk_bytes(grouper.cost, sig, chunk_bounds(sig.num_requests))
     return run_grouper(grouper, sig.ids, sig.domains, sig.tokens, sig.prompt_tokens, signature_chunks(sig.prefill),
-                       request_start=sig.start)
+                       request_start=sig.start, chunk_bytes=chunk_bytes)
 
 
 def _decode_ranks(assignment: Assignment) -> np.ndarray:

@@ -82,25 +82,32 @@ class PlanSummary:
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def eplb_bytes_per_token(meta, spec, signatures, topology) -> float:
-    """Expected inter-node bytes per token of EPLB with balanced assignment on the same requests."""
+def eplb_bytes_per_token(meta, spec, signatures, topology, pool=None) -> float:
+    """Expected inter-node bytes per token of EPLB with balanced assignment on the same requests (`pool`: as
+    expected_bytes_per_token's)."""
     from locus.routing.replay.assignment import assign_balanced
     from locus.routing.planners.baselines import eplb
 
     plan = eplb(signatures.all_pairs(), meta.moe_layers, topology)
     node = assign_balanced(signatures.tokens, topology.ranks).ranks // topology.gpus_per_node
-    return expected_bytes_per_token(plan, spec, signatures, node, node, meta.moe_layers)
+    return expected_bytes_per_token(plan, spec, signatures, node, node, meta.moe_layers, pool)
 
 
 def expected_bytes_per_token(plan, spec, signatures, prefill_node: np.ndarray, decode_node: np.ndarray,
-                             moe_layers) -> float:
-    """node_cost's expected inter-node bytes per token over the planning requests (no prior mixed in)."""
+                             moe_layers, pool=None) -> float:
+    """node_cost's expected inter-node bytes per token over the planning requests (no prior mixed in).
+    `pool`: a planners.layer_pool.LayerPool holding these signatures, which scores each node's requests in
+    its workers (the same figures)."""
     cost = dataclasses.replace(NodeCostModel.from_plan(plan, spec, moe_layers), prior_tokens=0.0)
     total = 0.0
     prompt = signatures.prompt_tokens.astype(np.float64)
     decode = (signatures.tokens - signatures.prompt_tokens).astype(np.float64)
-    for counts, node, n in ((signatures.prefill, prefill_node, prompt), (signatures.decode, decode_node, decode)):
-        total += float((cost.expected_bytes_on(counts, node) * n).sum())  # [R] on each request's node
+    for phase, node, n in (("prefill", prefill_node, prompt), ("decode", decode_node, decode)):
+        if pool is None:
+            on_node = cost.expected_bytes_on(getattr(signatures, phase), node)  # [R] on each request's node
+        else:
+            on_node = pool.bytes_on(cost, signatures, phase, node)
+        total += float((on_node * n).sum())
     return total / max(float(signatures.tokens.sum()), 1.0)
 
 

@@ -28,11 +28,11 @@ def reader(tmp_path_factory):
 
 
 class CountingExecutor(ProcessPoolExecutor):
-    submitted = 0
+    submitted: list[str] = []  # the task functions, in submission order
 
-    def submit(self, *args, **kwargs):
-        CountingExecutor.submitted += 1
-        return super().submit(*args, **kwargs)
+    def submit(self, fn, *args, **kwargs):
+        CountingExecutor.submitted.append(fn.__name__)
+        return super().submit(fn, *args, **kwargs)
 
 
 def figures(result) -> dict:
@@ -53,14 +53,17 @@ def test_plans_are_the_same_for_any_worker_count(reader, monkeypatch, topology, 
     monkeypatch.setattr(layer_pool, "ProcessPoolExecutor", CountingExecutor)
     plans = {}
     for workers in (1, 2):
-        CountingExecutor.submitted = 0
+        CountingExecutor.submitted = []
         options = PlanOptions(caps=Caps(expert=cap), expert_cap_auto=auto, replica_budget=budget, workers=workers)
         plans[workers] = make_plan("locality", reader, topology, (0, 200), options)
-        # workers=1 places in this process; 2 sends the workers every layer of both rounds
+        # workers=1 places and scores in this process; 2 sends the workers every layer of both rounds, the
+        # layouts' sketches, each node's expected-bytes scores and the grouper's chunks
         if workers == 1:
-            assert CountingExecutor.submitted == 0
+            assert CountingExecutor.submitted == []
         else:
-            assert CountingExecutor.submitted >= 2 * len(reader.meta.moe_layers)
+            tasks = CountingExecutor.submitted
+            assert tasks.count("_place_task") >= 2 * len(reader.meta.moe_layers)
+            assert {"_sketch_task", "_bytes_on_task", "_chunk_bytes_task"} <= set(tasks)
     np.testing.assert_array_equal(plans[1].plan.slots, plans[2].plan.slots)
     assert figures(plans[1]) == figures(plans[2])
 
@@ -116,7 +119,7 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(monkeypatch):
     try:
         demand = demand_for()
         with LayerPool(demand.shape, 2) as pool:
-            with pytest.raises(LocusError, match="a planner worker process died while placing a round's layers"):
+            with pytest.raises(LocusError, match="a planner worker process died"):
                 list(pool.place(demand, range(4), np.full(4, 1.10), 2, 3, "top", 2))
     finally:
         signal.alarm(0)
