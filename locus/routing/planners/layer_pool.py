@@ -40,6 +40,7 @@ from locus.errors import LocusError
 from locus.routing.grouping.node_cost import NodeCostModel
 from locus.routing.grouping.signatures import RequestSignatures
 from locus.routing.planners.locality import LayerPlacement, place_layer, sketch_layer
+from locus.routing.planners.slot_search import enforce_cap
 
 # Below this many (layer, rank, expert) cells a plan's placement takes a few seconds at most, which
 # forking and feeding workers would not repay: the default (workers=None) places such plans in-process.
@@ -147,6 +148,17 @@ class LayerPool:
         tasks = [(l, float(cap), gpus, slots_per_gpu, budget, top_k) for l in range(L)]
         return np.stack(list(self._run(_sketch_task, tasks)))
 
+    def enforce(self, demand: np.ndarray, searches: list[tuple[int, np.ndarray, float, np.ndarray]],
+                gpus: int) -> Iterator[np.ndarray]:
+        """enforce_cap(demand[l], slots, gpus, target, pull=pull) for each (l, slots, target, pull) of
+        `searches` (the node-aware calibration's re-searches), yielded in that order."""
+        if self.workers <= 1:
+            for l, slots, target, pull in searches:
+                yield enforce_cap(demand[l], slots, gpus, target, pull=pull)
+            return
+        self._write_demand(demand)
+        yield from self._run(_enforce_task, [(l, slots, target, pull, gpus) for l, slots, target, pull in searches])
+
     def bytes_on(self, cost: NodeCostModel, signatures: RequestSignatures, phase: str,
                  node: np.ndarray) -> np.ndarray:
         """cost.expected_bytes_on(signatures.<phase>, node), [R] (phase "prefill" or "decode"): each node's
@@ -218,6 +230,11 @@ def _place_task(pool: int, layer: int, cap: float, gpus: int, slots_per_gpu: int
 def _sketch_task(pool: int, layer: int, cap: float, gpus: int, slots_per_gpu: int, budget: str,
                  top_k: int) -> np.ndarray:
     return sketch_layer(_SHARED[pool].demand[layer], gpus, slots_per_gpu, cap, budget, top_k)
+
+
+def _enforce_task(pool: int, layer: int, slots: np.ndarray, target: float, pull: np.ndarray,
+                  gpus: int) -> np.ndarray:
+    return enforce_cap(_SHARED[pool].demand[layer], slots, gpus, target, pull=pull)
 
 
 def _bytes_on_task(pool: int, fields: NodeCostModel, phase: str, rows: np.ndarray, n: int) -> np.ndarray:

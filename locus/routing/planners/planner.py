@@ -42,7 +42,6 @@ from locus.routing.grouping.simulation import chunk_bounds, run_grouper, signatu
 from locus.routing.plan.grouping_spec import GroupingSpec, domain_node_weights, kv_bytes_per_token, normalise_rows
 from locus.routing.planners.dispatch_pull import RoutingSample, measure_pull, sample_routings
 from locus.routing.planners.expected_load import rank_loads
-from locus.routing.planners.slot_search import enforce_cap
 from locus.routing.planners.layer_caps import layer_caps
 from locus.routing.planners.layer_pool import LayerPool, pool_workers
 from locus.routing.planners.locality import BUDGETS
@@ -203,7 +202,8 @@ def _locality_rounds(meta, sig: RequestSignatures, topology: Topology, options: 
             slots, fallback, caps = _place(demand, meta, topology, options, pool)
         pull = None
         if sample is not None:
-            slots, pull = _calibrate(slots, demand, meta, topology, caps, fallback, sample, prefill_node, decode_node)
+            slots, pull = _calibrate(slots, demand, meta, topology, caps, fallback, sample, prefill_node, decode_node,
+                                     pool)
         plan = PlacementPlan(meta.model, meta.num_experts, tuple(meta.moe_layers), topology, slots,
                              grouping=spec.to_dict(), provenance={"planner": "locality"})
         score = expected_bytes_per_token(plan, spec, sig, prefill_node, decode_node, meta.moe_layers, pool)
@@ -340,13 +340,13 @@ def _sketch(demand: np.ndarray, meta, topology: Topology, options: PlanOptions, 
 
 
 def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, caps: np.ndarray, fallback: list[int],
-               sample: RoutingSample, prefill_node: np.ndarray, decode_node: np.ndarray):
+               sample: RoutingSample, prefill_node: np.ndarray, decode_node: np.ndarray, pool: LayerPool):
     """The cap under the node-aware rule: measure where the rule sends remote pairs with the current slots
     (dispatch_pull.measure_pull, the rule itself on a sample of the planning requests), re-run the cap
     search under that split on the layers it puts over the cap, and measure those layers again, up to
     CALIBRATIONS times. Each layer keeps the slots with the lowest measured imbalance (the first ones met
     the cap under the even spread). EPLB fallback layers are left as they are. Returns (slots [L, R, S],
-    the pull measured for the returned slots [L, N, E, N])."""
+    the pull measured for the returned slots [L, N, E, N]). The re-searches of a step run in `pool`'s workers."""
     L = demand.shape[0]
     G = topology.gpus_per_node
     slots = slots.copy()
@@ -366,10 +366,13 @@ def _calibrate(slots: np.ndarray, demand: np.ndarray, meta, topology: Topology, 
         over = keep[todo] & (imb > caps[todo])
         if k == CALIBRATIONS or not over.any():
             break
+        searches = []
         for i in np.flatnonzero(over):  # from the current slots, under their own split
             l = todo[i]
             target = caps[l] * float(demand[l].sum()) / topology.ranks * (1 - 1e-9)
-            slots[l] = enforce_cap(demand[l], slots[l], G, target, pull=pull[i])
+            searches.append((l, slots[l], target, pull[i]))
+        for (l, *_), searched in zip(searches, list(pool.enforce(demand, searches, G))):
+            slots[l] = searched
         todo = todo[over]
     return best_slots, best_pull
 

@@ -48,6 +48,7 @@ def figures(result) -> dict:
     (Topology(4, 2, 5), 1.05, True, "top"),  # auto: caps settled from what each layer's search reached
     (Topology(4, 2, 5), 1.25, False, "top"),
     (Topology(2, 4, 5), 1.10, True, "marginal"),
+    (Topology(8, 2, 3), 1.05, True, "marginal"),  # the node-aware calibration re-searches layers
 ])
 def test_plans_are_the_same_for_any_worker_count(reader, monkeypatch, topology, cap, auto, budget):
     monkeypatch.setattr(layer_pool, "ProcessPoolExecutor", CountingExecutor)
@@ -64,6 +65,7 @@ def test_plans_are_the_same_for_any_worker_count(reader, monkeypatch, topology, 
             tasks = CountingExecutor.submitted
             assert tasks.count("_place_task") >= 2 * len(reader.meta.moe_layers)
             assert {"_sketch_task", "_bytes_on_task", "_chunk_bytes_task"} <= set(tasks)
+            assert ("_enforce_task" in tasks) == (topology.nodes == 8)
     np.testing.assert_array_equal(plans[1].plan.slots, plans[2].plan.slots)
     assert figures(plans[1]) == figures(plans[2])
 
