@@ -19,6 +19,11 @@ For a plan with a grouping, the grouper's own replay is printed too: `locus repl
 releases the server logged in the trace: equal to the measured bytes when the replay models the live
 admission exactly) and `--arrivals closed --concurrency C` (the same grouper fed by a modelled
 closed-loop client instead of the logged order: how far the model of arrivals is from the run).
+With `eplb` among the plans, each grouper row also gets the issue's balance reference on its own served
+requests (`eplb_balanced`: `locus replay T --plan EPLB --assign balanced`, EPLB's plan with each request
+on the rank with the fewest tokens, knowing every request's length): the EPLB server's own figures
+depend on when its requests finished, and move between runs of the same command by as much as the
+margins the targets ask about (docs/planner.md, "Live admission and balance").
 
 Printed per plan: inter-/intra-node bytes per token as measured by the ranks and as replayed (they
 must be equal, to the byte), the attention and expert imbalance of the recorded assignment (the replay's
@@ -270,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
                             "inter_vs_measured": sim["inter_node_bytes"] / max(stats["inter_node_bytes"], 1) - 1}
         results.append(row)
         print(f"{name}: done ({run['seconds']:.1f} s)", flush=True)
+    if "eplb" in plans:
+        for row in results:
+            if row["assignment"] == "grouper":
+                row["eplb_balanced"] = eplb_reference(work, row["plan"], args)
+                ref = row["eplb_balanced"]
+                print(f"{row['plan']}'s served requests under EPLB, balanced: {ref['inter_per_token']:.1f} B/token, "
+                      f"attention {ref['attention_imbalance']:.3f}, expert {ref['expert_imbalance_mean']:.3f} / "
+                      f"{ref['expert_imbalance_worst']:.3f}", flush=True)
     print_table(results)
     if args.out:
         out = Path(args.out)
@@ -283,6 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"kept {work}")
     return 0 if ok else 1
+
+
+def eplb_reference(work: Path, name: str, args: argparse.Namespace) -> dict:
+    """EPLB's plan over plan `name`'s served requests with balanced assignment: the balance reference."""
+    out = work / f"{name}-eplb-balanced.json"
+    locus("replay", str(work / f"{name}-trace"), "--plan", str(work / "eplb.json"), "--assign", "balanced",
+          "--dispatch-format", args.dispatch_format, "--combine-format", args.combine_format, "--json", str(out))
+    ref = json.loads(out.read_text())
+    return {"inter_per_token": ref["inter_node_bytes"] / max(ref["tokens"], 1), **{k: ref[k] for k in IMBALANCES}}
 
 
 def print_table(results: list[dict]) -> None:

@@ -26,3 +26,8 @@ def test_bench_ep_measures_what_the_replay_predicts(tmp_path):
         # the recorded assignment's balance, from the same replay: max/mean over ranks, the worst layer at least the mean
         assert r["attention_imbalance"] >= 1.0 and 1.0 <= r["expert_imbalance_mean"] <= r["expert_imbalance_worst"]
     assert "| locality" in stdout
+    # the grouper row's balance reference: EPLB's plan over the same served requests, balanced assignment
+    ref = results[2]["eplb_balanced"]
+    assert ref["inter_per_token"] > 0 and ref["attention_imbalance"] >= 1.0
+    assert 1.0 <= ref["expert_imbalance_mean"] <= ref["expert_imbalance_worst"]
+    assert "served requests under EPLB, balanced" in stdout
