@@ -291,8 +291,10 @@ class Replanner:
             raise LocusError("the routing window is empty: nothing to re-plan from yet")
         reader = TraceReader(path)
         planner = str(current.provenance.get("planner", "round_robin"))
+        # keep the running rule; plan in this process (workers=1): forking the serving process would take the
+        # cores its ranks serve on
         result = make_plan(planner, reader, current.topology, (0, len(reader.requests)),
-                           PlanOptions(dispatch=resolve_rule(current)), trace="live window")  # keep the running rule
+                           PlanOptions(dispatch=resolve_rule(current), workers=1), trace="live window")
         target = align(current, result.plan)
         check_target(current, target)
         # each plan with the assignment it serves by: its own grouper (what rank 0 admits with after
