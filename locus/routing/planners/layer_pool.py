@@ -42,8 +42,9 @@ from locus.routing.grouping.signatures import RequestSignatures
 from locus.routing.planners.locality import LayerPlacement, place_layer, sketch_layer
 from locus.routing.planners.slot_search import enforce_cap
 
-# Below this many (layer, rank, expert) cells a plan's placement takes a few seconds at most, which
-# forking and feeding workers would not repay: the default (workers=None) places such plans in-process.
+# Below this many (layer, rank, expert) cells (both presets at 4x8 and below) a plan's placement takes a
+# few seconds, where forking the planner and feeding workers buys little: the default (workers=None)
+# plans such plans in-process, as does any small test trace.
 POOL_MIN_CELLS = 1 << 19
 
 
