@@ -24,7 +24,7 @@ from locus.routing.planners.replica_selection import _cheapest, removal_costs
 
 # Heaviest replica allowed, as a share of the rank target: the rest of the target is left for the
 # replicas its GPU shares with it.
-REPLICA_SHARE = 0.9
+REPLICA_SHARE = 0.85
 
 
 def spread_heavy_experts(demand: np.ndarray, x: np.ndarray, limit: float, max_copies: int | None = None) -> np.ndarray:
