@@ -2,7 +2,8 @@
 its requests' expected inter-node bytes node by node.
 
 Within a round every layer is placed from its own node demand [N, E] and cap (locality.place_layer,
-or sketch_layer for the domain layouts' comparison), independently of the others, and the cap search
+sketch_layer for the domain layouts' comparison, slot_search.enforce_cap for the node-aware
+calibration's re-searches), independently of the others, and the cap search
 that is most of a plan's time runs on one core per layer. A LayerPool forks its workers once per plan
 (the fork start method, Linux) and every round's layers go through them.
 
@@ -46,7 +47,6 @@ from locus.routing.planners.slot_search import enforce_cap
 # few seconds, where forking the planner and feeding workers buys little: the default (workers=None)
 # plans such plans in-process, as does any small test trace.
 POOL_MIN_CELLS = 1 << 19
-
 
 
 class Shared(NamedTuple):
