@@ -95,16 +95,22 @@ def test_a_node_demand_no_placement_can_absorb_is_reported_as_missed():
     assert not layer.met_cap and layer.imbalance > 1.10
 
 
-def test_a_transfers_figures_do_not_depend_on_its_batch():
-    # balance_nodes scores all destination nodes in one batch; its near ties must break as they would
-    # with each (src, dst) pair scored alone, so a pair's figures must be the same to the last bit.
-    rng = np.random.default_rng(3)
+def _transfer_case(seed: int):
+    """8 nodes x 64 experts of heavy-tailed demand, its replicas, and every (src, dst) node pair."""
+    rng = np.random.default_rng(seed)
     N, E = 8, 64
     demand = rng.pareto(1.2, (N, E)) * 100
     x = select_replicas(demand, E // N + 3)
     rho = remote_share(demand, x)
     src = np.array([s for s in range(N) for d in range(N) if d != s])
     dst = np.array([d for s in range(N) for d in range(N) if d != s])
+    return rng, N, E, demand, x, rho, src, dst
+
+
+def test_a_transfers_figures_do_not_depend_on_its_batch():
+    # balance_nodes scores all destination nodes in one batch; its near ties must break as they would
+    # with each (src, dst) pair scored alone, so a pair's figures must be the same to the last bit.
+    _, N, E, demand, x, rho, src, dst = _transfer_case(3)
     delta, local = transfer_effects_batch(demand, x, rho, src, dst)
     assert delta.shape == (len(src), E, N) and local.shape == (len(src), E)
     for i in range(len(src)):
@@ -123,13 +129,7 @@ def test_a_transfers_figures_do_not_depend_on_its_batch():
 def test_a_transfers_figures_for_named_experts_equal_the_full_batch():
     # best_swap asks only for the experts each side holds; those rows must equal the all-experts batch's
     # to the last bit, or its near ties would break differently.
-    rng = np.random.default_rng(4)
-    N, E = 8, 64
-    demand = rng.pareto(1.2, (N, E)) * 100
-    x = select_replicas(demand, E // N + 3)
-    rho = remote_share(demand, x)
-    src = np.array([s for s in range(N) for d in range(N) if d != s])
-    dst = np.array([d for s in range(N) for d in range(N) if d != s])
+    rng, N, E, demand, x, rho, src, dst = _transfer_case(4)
     full_delta, full_local = transfer_effects_batch(demand, x, rho, src, dst)
     experts = np.stack([rng.choice(E, 5, replace=False) for _ in src])
     delta, local = transfer_effects_batch(demand, x, rho, src, dst, experts)
