@@ -34,39 +34,21 @@ class ExpertState:
 
     @classmethod
     def of(cls, dT: np.ndarray, hT: np.ndarray, gpus: int) -> "ExpertState":
-        E, R = hT.shape
-        N = R // gpus
-        h3 = hT.reshape(E, N, gpus)
-        x = h3.sum(-1)
-        has = hT > 0
-        count = has.sum(1)
-        width = max(int(count.max()), 1)
-        holders = np.argsort(~has, axis=1, kind="stable")[:, :width]
-        holders[np.arange(width)[None, :] >= count[:, None]] = R
-        return cls(dT, hT, x, (h3 > 0).sum(-1), np.where(x > 0, 0.0, dT).sum(-1), x.sum(-1), holders, count, gpus)
+        x, with_e, remote, total, holders, count = _expert_rows(dT, hT, gpus)
+        return cls(dT, hT, x, with_e, remote, total, holders, count, gpus)
 
     def refreshed(self, experts: np.ndarray) -> "ExpertState":
         """The state after the caller changed experts' rows of h (in place): those rows recomputed, in place,
-        by the same operations as `of` (each row of `of` depends on its own expert only), so every figure
-        equals `of` on the new h; a new state when the most copies any expert has changes (holders' width)."""
-        E, R = self.h.shape
-        G = self.gpus
-        N = R // G
-        he = self.h[experts]
-        h3 = he.reshape(len(experts), N, G)
-        x = h3.sum(-1)
-        has = he > 0
-        count = has.sum(1)
+        by `of`'s own rows (_expert_rows: each row depends on its own expert only), so every figure equals
+        `of` on the new h; a new state when the most copies any expert has changes (holders' width)."""
+        width = self.holders.shape[1]
+        x, with_e, remote, total, holders, count = _expert_rows(self.demand[experts], self.h[experts], self.gpus,
+                                                                width)
         self.holding[experts] = count
-        if max(int(self.holding.max()), 1) != self.holders.shape[1]:
-            return ExpertState.of(self.demand, self.h, G)
-        self.x[experts] = x
-        self.with_e[experts] = (h3 > 0).sum(-1)
-        self.remote[experts] = np.where(x > 0, 0.0, self.demand[experts]).sum(-1)
-        self.total[experts] = x.sum(-1)
-        holders = np.argsort(~has, axis=1, kind="stable")[:, : self.holders.shape[1]]
-        holders[np.arange(self.holders.shape[1])[None, :] >= count[:, None]] = R
-        self.holders[experts] = holders
+        if max(int(self.holding.max()), 1) != width:
+            return ExpertState.of(self.demand, self.h, self.gpus)
+        self.x[experts], self.with_e[experts], self.remote[experts] = x, with_e, remote
+        self.total[experts], self.holders[experts] = total, holders
         return self
 
     def remote_after(self, e: np.ndarray, lose: np.ndarray, get: np.ndarray) -> np.ndarray:
@@ -105,6 +87,22 @@ class ExpertState:
         spill = np.where(x_c > 0, per_rank * (G - with_c) / np.maximum(x_c, 1), 0.0)
         load = (h_c > 0) * per_rank + h_c * (spill + rho[:, None])
         return load, remote
+
+
+def _expert_rows(dT: np.ndarray, hT: np.ndarray, gpus: int, width: int | None = None):
+    """ExpertState's terms for K experts' rows, demand dT [K, N] and copies hT [K, R]: copies per node [K, N],
+    holding ranks per node [K, N], remote demand [K], copies [K], holders [K, width] (padded with R; width
+    default: the rows' most holders) and holding ranks [K]."""
+    K, R = hT.shape
+    h3 = hT.reshape(K, R // gpus, gpus)
+    x = h3.sum(-1)
+    has = hT > 0
+    count = has.sum(1)
+    if width is None:
+        width = max(int(count.max()), 1)
+    holders = np.argsort(~has, axis=1, kind="stable")[:, :width]
+    holders[np.arange(width)[None, :] >= count[:, None]] = R
+    return x, (h3 > 0).sum(-1), np.where(x > 0, 0.0, dT).sum(-1), x.sum(-1), holders, count
 
 
 def touched_ranks(state: ExpertState, p: np.ndarray, get_p: np.ndarray, q: np.ndarray, get_q: np.ndarray) -> np.ndarray:
