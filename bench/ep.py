@@ -55,7 +55,11 @@ from serve_lib.common import BenchError
 from serve_lib.domain_text import DomainText
 
 from locus.errors import LocusError
+from locus.routing.plan.placement import load_plan
 from locus.routing.planners.layer_caps import parse_expert_cap_mode
+from locus.routing.replay.assignment import assign_balanced, assign_recorded
+from locus.routing.replay.load_bootstrap import paired_bootstrap, request_rank_loads
+from locus.traces.reader import TraceReader
 from locus.traces.prompt_families import FAMILIES, family_prompt
 from serve_lib.table import print_table as markdown_table
 from serve_lib.server import free_port, start_server, stop_server, wait_until_ready
@@ -280,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
             if row["assignment"] == "grouper":
                 row["eplb_balanced"] = eplb_reference(work, row["plan"], args)
                 ref = row["eplb_balanced"]
+                d = ref["expert_difference"]
                 print(f"{row['plan']}'s served requests under EPLB, balanced: {ref['inter_per_token']:.1f} B/token, "
                       f"attention {ref['attention_imbalance']:.3f}, expert {ref['expert_imbalance_mean']:.3f} / "
-                      f"{ref['expert_imbalance_worst']:.3f}", flush=True)
+                      f"{ref['expert_imbalance_worst']:.3f}; {row['plan']}'s expert mean minus it {d['point']:+.4f} "
+                      f"(95 % over resampled served requests {d['ci95'][0]:+.4f} .. {d['ci95'][1]:+.4f})", flush=True)
     print_table(results)
     if args.out:
         out = Path(args.out)
@@ -299,12 +305,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def eplb_reference(work: Path, name: str, args: argparse.Namespace) -> dict:
-    """EPLB's plan over plan `name`'s served requests with balanced assignment: the balance reference."""
+    """EPLB's plan over plan `name`'s served requests with balanced assignment: the balance reference, and
+    the served run's expert imbalance minus it with its spread over resamples of the served requests
+    (`expert_difference`: how far that difference would move on another served set of this size)."""
     out = work / f"{name}-eplb-balanced.json"
-    locus("replay", str(work / f"{name}-trace"), "--plan", str(work / "eplb.json"), "--assign", "balanced",
+    trace, eplb_plan = work / f"{name}-trace", work / "eplb.json"
+    locus("replay", str(trace), "--plan", str(eplb_plan), "--assign", "balanced",
           "--dispatch-format", args.dispatch_format, "--combine-format", args.combine_format, "--json", str(out))
     ref = json.loads(out.read_text())
-    return {"inter_per_token": ref["inter_node_bytes"] / max(ref["tokens"], 1), **{k: ref[k] for k in IMBALANCES}}
+    reader = TraceReader(trace)
+    served_plan, reference_plan = load_plan(work / f"{name}.json"), load_plan(eplb_plan)
+    topology = served_plan.topology
+    served = assign_recorded(reader.requests, topology.ranks, 0, reader.meta.kv_bytes_per_token, topology.gpus_per_node)
+    balanced = assign_balanced([r.tokens for r in reader.requests], topology.ranks)
+    difference = paired_bootstrap(request_rank_loads(reader, served_plan, served),
+                                  request_rank_loads(reader, reference_plan, balanced))
+    return {"inter_per_token": ref["inter_node_bytes"] / max(ref["tokens"], 1), **{k: ref[k] for k in IMBALANCES},
+            "expert_difference": difference.as_dict()}
 
 
 def print_table(results: list[dict]) -> None:

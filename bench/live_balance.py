@@ -27,7 +27,10 @@ following the plan's domain weights exactly). Replay steps: the trace order, 409
         --trace maverick-8x8=results/tmp/traces/llama4-maverick-8000-seed0,8x8,3 --out results/live_balance.json
 
 The target's expert imbalance is the mean over layers (the issue's figure); `expert_within_target` also
-asks the worst layer to be at most EPLB's, and `expert_mean_within_target` the mean alone.
+asks the worst layer to be at most EPLB's, and `expert_mean_within_target` the mean alone. Each judged
+row also gives its expert imbalance minus EPLB's with a 95 % interval over `--draws` resamples of the
+held-out requests, the same draw for both (locus/routing/replay/load_bootstrap.py): how far the verdict
+would move on another held-out set of the same size.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +55,7 @@ from locus.routing.plan.topology import parse_topology  # noqa: E402
 from locus.routing.planners.layer_caps import parse_expert_cap_mode  # noqa: E402
 from locus.routing.planners.planner import PlanOptions, make_plan  # noqa: E402
 from locus.routing.replay.assignment import assign_balanced  # noqa: E402
+from locus.routing.replay.load_bootstrap import DEFAULT_DRAWS, paired_bootstrap, request_rank_loads  # noqa: E402
 from locus.routing.replay.simulator import parse_request_range, replay  # noqa: E402
 from locus.traces.reader import TraceReader  # noqa: E402
 
@@ -72,6 +78,9 @@ class Row:
     expert_within_target: bool | None = None  # grouper rows: mean and worst <= EPLB's
     expert_mean_within_target: bool | None = None  # grouper rows: mean over layers <= EPLB's
     expert_cap: str = "-"  # the locality plan's `--expert-cap` ("-": EPLB's row)
+    # grouper rows: this row's expert imbalance (mean over layers) minus EPLB's, on the held-out requests and
+    # its spread over resamples of them (load_bootstrap.paired_bootstrap: point, ci95, sd)
+    expert_difference: dict | None = None
 
 
 def parse_case(spec: str) -> tuple[str, str, str, int]:
@@ -83,7 +92,8 @@ def parse_case(spec: str) -> tuple[str, str, str, int]:
         raise LocusError(f"--trace {spec!r} is not NAME=DIR,NODESxGPUS,SLOTS (e.g. mini=results/tmp/mini,2x2,3)") from None
 
 
-def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=EXPERT_CAPS) -> list[Row]:
+def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=EXPERT_CAPS,
+             draws: int = DEFAULT_DRAWS) -> list[Row]:
     reader = TraceReader(path)
     count = len(reader.requests)
     plan_range, (start, stop) = parse_request_range("0:0.5", count), parse_request_range("0.5:1", count)
@@ -97,6 +107,14 @@ def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=E
         return Row(name, label, in_flight, r.inter_node_bytes_per_token, r.attention_imbalance,
                    r.step_attention_imbalance_mean, r.step_attention_imbalance_worst, r.expert_imbalance_mean,
                    r.expert_imbalance_worst, expert_cap=cap)
+
+    reference_loads = request_rank_loads(reader, eplb, balanced)  # [Q, L, R]
+
+    def judged(label: str, in_flight: str, plan, assignment, cap: str) -> Row:
+        r = _judged(row(label, in_flight, plan, assignment, cap), reference)
+        r.expert_difference = paired_bootstrap(request_rank_loads(reader, plan, assignment), reference_loads,
+                                               draws=draws).as_dict()
+        return r
 
     reference = row("eplb, balanced", "-", eplb, balanced)
     rows = [reference]
@@ -112,12 +130,72 @@ def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=E
                               [r.id for r in held_out], [r.domain for r in held_out], tokens,
                               [r.prompt_tokens for r in held_out], trace_prefill_chunks(reader, start, stop),
                               request_start=start)
-        rows.append(_judged(row("locality, planned grouping", f"every request ({stop - start}), offline", locality,
-                                planned, cap_text), reference))
+        rows.append(judged("locality, planned grouping", f"every request ({stop - start}), offline", locality,
+                           planned, cap_text))
         for arrivals, concurrency, label in clients:
             live = simulate_live(locality, reader, start, stop, arrivals=arrivals, concurrency=concurrency)
-            rows.append(_judged(row("locality + grouper", label, locality, live.assignment, cap_text), reference))
+            rows.append(judged("locality + grouper", label, locality, live.assignment, cap_text))
     return rows
+
+
+@dataclass
+class SetsRow:
+    """One plan's grouper against EPLB over disjoint served sets of the held-out requests."""
+
+    case: str
+    expert_cap: str
+    set_size: int
+    in_flight: int
+    differences: list[float]  # per set: the grouper's expert imbalance (mean over layers) minus EPLB's
+    bootstrap_sd: list[float]  # per set: the paired bootstrap's estimate of that difference's spread
+
+    @property
+    def over(self) -> int:
+        return sum(d > 0 for d in self.differences)
+
+
+def run_sets(name: str, path: str, topology_text: str, slots: int, sets: int, expert_caps=EXPERT_CAPS,
+             draws: int = DEFAULT_DRAWS) -> list[SetsRow]:
+    """The held-out half cut into `sets` disjoint served sets in trace order, each served alone by a
+    closed-loop client of 16 requests per rank: how the grouper-minus-EPLB expert imbalance spreads over
+    served sets of one size (what a live run of that many requests draws one value of)."""
+    reader = TraceReader(path)
+    count = len(reader.requests)
+    plan_range, (start, stop) = parse_request_range("0:0.5", count), parse_request_range("0.5:1", count)
+    size = (stop - start) // sets
+    if size < 1:
+        raise LocusError(f"{name}: {stop - start} held-out requests cannot make {sets} served sets")
+    topology = parse_topology(topology_text, reader.meta.num_experts, slots)
+    eplb = make_plan("eplb", reader, topology, plan_range, PlanOptions(caps=Caps(), seed=0), trace=path).plan
+    in_flight = 16 * topology.ranks
+    out = []
+    for cap_text in expert_caps:
+        cap, auto, share = parse_expert_cap_mode(cap_text)
+        options = PlanOptions(caps=Caps(expert=cap), seed=0, expert_cap_auto=auto, expert_cap_eplb_share=share)
+        locality = make_plan("locality", reader, topology, plan_range, options, trace=path).plan
+        diffs, sds = [], []
+        for lo in range(start, start + sets * size, size):
+            hi = lo + size
+            live = simulate_live(locality, reader, lo, hi, arrivals="closed", concurrency=in_flight)
+            balanced = assign_balanced([r.tokens for r in reader.requests[lo:hi]], topology.ranks, request_start=lo)
+            d = paired_bootstrap(request_rank_loads(reader, locality, live.assignment),
+                                 request_rank_loads(reader, eplb, balanced), draws=draws)
+            diffs.append(d.point)
+            sds.append(d.sd)
+        out.append(SetsRow(name, cap_text, size, in_flight, diffs, sds))
+    return out
+
+
+def print_sets(rows: list[SetsRow]) -> None:
+    print("| case | expert cap | served sets x requests | in flight | expert mean - eplb's, per set | mean | "
+          "sd over sets | bootstrap sd (mean) | sets over eplb |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d = np.asarray(r.differences)
+        spread = f"{d.std(ddof=1):.4f}" if len(d) > 1 else "-"
+        print(f"| {r.case} | {r.expert_cap} | {len(d)} x {r.set_size} | {r.in_flight} | "
+              f"{', '.join(f'{x:+.4f}' for x in d)} | {d.mean():+.4f} | {spread} | {np.mean(r.bootstrap_sd):.4f} | "
+              f"{r.over} of {len(d)} |")
 
 
 def _judged(r: Row, reference: Row) -> Row:
@@ -131,16 +209,18 @@ def _judged(r: Row, reference: Row) -> Row:
 def print_table(rows: list[Row]) -> None:
     print("| case | expert cap | assignment | in flight | inter-node B/token | attention imb. whole | per step mean / "
           f"worst | expert imb. mean / worst | attention <= eplb + {ATTENTION_MARGIN} | expert mean / also worst "
-          "<= eplb |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "<= eplb | expert mean - eplb's [95% over resampled requests] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mark = {None: "", True: "yes", False: "**no**"}
         expert = "" if r.expert_within_target is None else (
             f"{mark[r.expert_mean_within_target]} / {mark[r.expert_within_target]}")
+        d = r.expert_difference
+        spread = "" if d is None else f"{d['point']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
         print(f"| {r.case} | {r.expert_cap} | {r.assignment} | {r.in_flight} | {r.inter_node_bytes_per_token:,.1f} | "
               f"{r.attention_imbalance:.3f} | {r.step_attention_imbalance_mean:.3f} / "
               f"{r.step_attention_imbalance_worst:.3f} | {r.expert_imbalance_mean:.3f} / "
-              f"{r.expert_imbalance_worst:.3f} | {mark[r.attention_within_target]} | {expert} |")
+              f"{r.expert_imbalance_worst:.3f} | {mark[r.attention_within_target]} | {expert} | {spread} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,8 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-cap", action="append", metavar="CAP|auto[:FLOOR]|eplb[:SHARE]",
                    help=f"a locality plan's expert cap, as `locus plan --expert-cap` (repeatable; default "
                    f"{' and '.join(EXPERT_CAPS)})")
+    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
+                   help=f"resamples of the held-out requests behind each expert difference's interval (default {DEFAULT_DRAWS})")
+    p.add_argument("--served-sets", type=int, default=0, metavar="N",
+                   help="also cut each case's held-out half into N disjoint served sets and give the grouper-minus-"
+                   "EPLB expert imbalance of each (16 requests in flight per rank)")
     p.add_argument("--out", help="write the rows as JSON")
     args = p.parse_args(argv)
+    if args.served_sets < 0:
+        p.error(f"--served-sets must be at least 0, got {args.served_sets}")
+    if args.draws < 1:
+        p.error(f"--draws must be at least 1, got {args.draws}")
     cases = [parse_case(spec) for spec in args.trace]
     expert_caps = tuple(args.expert_cap or EXPERT_CAPS)
     for text in expert_caps:
@@ -159,12 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     started = time.perf_counter()
     for case in cases:
-        rows += run_case(*case, expert_caps=expert_caps)
+        rows += run_case(*case, expert_caps=expert_caps, draws=args.draws)
     print_table(rows)
+    sets: list[SetsRow] = []
+    if args.served_sets:
+        for case in cases:
+            sets += run_sets(*case, sets=args.served_sets, expert_caps=expert_caps, draws=args.draws)
+        print()
+        print_sets(sets)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         doc = {"benchmark": "live_balance", "attention_margin": ATTENTION_MARGIN, "expert_caps": list(expert_caps),
-               "seconds": round(time.perf_counter() - started, 1), "rows": [asdict(r) for r in rows]}
+               "draws": args.draws,
+               "seconds": round(time.perf_counter() - started, 1), "rows": [asdict(r) for r in rows],
+               "served_sets": [{**asdict(r), "over": r.over} for r in sets]}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

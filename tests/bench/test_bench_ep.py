@@ -31,3 +31,7 @@ def test_bench_ep_measures_what_the_replay_predicts(tmp_path):
     assert ref["inter_per_token"] > 0 and ref["attention_imbalance"] >= 1.0
     assert 1.0 <= ref["expert_imbalance_mean"] <= ref["expert_imbalance_worst"]
     assert "served requests under EPLB, balanced" in stdout
+    # the served run's expert imbalance minus the reference's, with its spread over resampled served requests
+    d = ref["expert_difference"]
+    assert d["point"] == pytest.approx(results[2]["expert_imbalance_mean"] - ref["expert_imbalance_mean"], abs=1e-12)
+    assert d["ci95"][0] <= d["point"] <= d["ci95"][1] and d["requests"] == 6
