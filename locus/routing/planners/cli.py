@@ -186,8 +186,6 @@ def run_plan(args: argparse.Namespace) -> int:
         raise LocusError(f"--slots must be at least 1, got {args.slots}")
     if args.rounds < 1:
         raise LocusError(f"--rounds must be at least 1, got {args.rounds}")
-    if args.workers is not None and args.workers < 1:
-        raise LocusError(f"--workers must be at least 1, got {args.workers}")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
         raise LocusError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
     if args.predictor_tokens < 0 or args.predictor_experts < 1:

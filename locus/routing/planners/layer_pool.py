@@ -69,11 +69,10 @@ def available_cpus() -> int:
 
 
 def pool_workers(requested: int | None, layers: int, ranks: int, experts: int) -> int:
-    """The worker processes for a plan of `layers` MoE layers: `requested` (at least 1), else the CPUs this
-    process may use, or 1 where the placement is small (POOL_MIN_CELLS); never more than the layers."""
+    """The worker processes for a plan of `layers` MoE layers: `requested` (at least 1: PlanOptions checks
+    it), else the CPUs this process may use, or 1 where the placement is small (POOL_MIN_CELLS); never more
+    than the layers."""
     if requested is not None:
-        if requested < 1:
-            raise LocusError(f"--workers must be at least 1, got {requested}")
         wanted = requested
     elif layers * ranks * experts < POOL_MIN_CELLS:
         wanted = 1

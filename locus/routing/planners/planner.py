@@ -92,6 +92,11 @@ class PlanOptions:
     # None: the CPUs this process may use, or 1 for a small plan. The plan is the same for any count.
     workers: int | None = None
 
+    def __post_init__(self):
+        # checked where the options are made, for the CLI and API callers alike, before any work
+        if self.workers is not None and self.workers < 1:
+            raise LocusError(f"--workers must be at least 1, got {self.workers}")
+
 
 @dataclass
 class PlanResult:
@@ -113,7 +118,6 @@ def make_plan(name: str, reader, topology: Topology, requests: tuple[int, int],
         raise LocusError(f"planning range {start}:{stop} holds no requests")
     t0 = time.perf_counter()
     if name == "locality":
-        pool_workers(options.workers, 1, 1, 1)  # a bad count is refused before the work
         if load_model_for(options) not in LOAD_MODELS:
             raise LocusError(f"unknown load model {options.load_model!r}; choose one of {', '.join(LOAD_MODELS)}")
         signatures = _signatures(reader, start, stop)

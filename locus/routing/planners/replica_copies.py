@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from locus.routing.planners.expected_load import replica_loads
-from locus.routing.planners.replica_selection import _cheapest, removal_costs
+from locus.routing.planners.replica_selection import cheapest_replica, removal_costs
 
 # Heaviest replica allowed, as a share of the rank target: the rest of the target is left for the
 # replicas its GPU shares with it.
@@ -48,7 +48,7 @@ def spread_heavy_experts(demand: np.ndarray, x: np.ndarray, limit: float, max_co
         n = int(np.argmax(gain))
         if not np.isfinite(gain[n]):
             break
-        x[n, _cheapest(demand, x, costs[n], n)] -= 1
+        x[n, cheapest_replica(demand, x, costs[n], n)] -= 1
         x[n, e] += 1
     return x
 

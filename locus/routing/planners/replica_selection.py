@@ -39,7 +39,7 @@ def select_replicas(demand: np.ndarray, capacity: int) -> np.ndarray:
             continue
         costs = removal_costs(demand, x)  # [N, E]
         n = int(np.argmax(demand[:, orphan] - costs.min(1)))
-        x[n, _cheapest(demand, x, costs[n], n)] -= 1
+        x[n, cheapest_replica(demand, x, costs[n], n)] -= 1
         x[n, orphan] += 1
     for n in range(N):  # capacity > E: the extra slots split the node's heaviest replicas
         while x[n].sum() < capacity:
@@ -54,7 +54,7 @@ def removal_costs(demand: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.where(removable, np.where(x == 1, demand, 0.0), np.inf)
 
 
-def _cheapest(demand: np.ndarray, x: np.ndarray, cost: np.ndarray, n: int) -> int:
+def cheapest_replica(demand: np.ndarray, x: np.ndarray, cost: np.ndarray, n: int) -> int:
     """Node n's cheapest replica to give up; among equally cheap ones the lightest, so that balance
     suffers least."""
     return int(np.lexsort((node_replica_loads(demand, x, n), cost))[0])
@@ -66,7 +66,7 @@ def split_replica(demand: np.ndarray, x: np.ndarray, n: int, e: int) -> bool:
     cost[e] = np.inf
     if not np.isfinite(cost).any():
         return False
-    x[n, _cheapest(demand, x, cost, n)] -= 1
+    x[n, cheapest_replica(demand, x, cost, n)] -= 1
     x[n, e] += 1
     return True
 
