@@ -226,9 +226,9 @@ def _locality_rounds(meta, sig: RequestSignatures, topology: Topology, options: 
     summary.eplb_inter_node_bytes_per_token = eplb_bytes_per_token(meta, spec, sig, topology, pool)
     summary.plan_seconds = seconds
     if options.expert_cap_eplb_share is not None:  # what the eplb mode chose, per MoE layer in plan order
-        plan.provenance["expert_cap_eplb"] = {"share": float(options.expert_cap_eplb_share),
-                                              "ceiling": float(options.caps.expert),
-                                              "layers": [round(float(c), 5) for c in caps]}
+        summary.expert_caps = {"share": float(options.expert_cap_eplb_share), "ceiling": float(options.caps.expert),
+                               "layers": [round(float(c), 5) for c in caps]}
+        plan.provenance["expert_cap_eplb"] = summary.expert_caps
     elif options.expert_cap_auto:  # what auto chose, per MoE layer in plan order
         summary.expert_caps = {"floor": float(options.caps.expert), "layers": [round(float(c), 5) for c in caps]}
         plan.provenance["expert_cap_auto"] = summary.expert_caps

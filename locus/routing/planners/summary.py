@@ -44,7 +44,8 @@ class PlanSummary:
     grouping: str  # how the planning requests were assigned to nodes
     fallback_layers: list[int] = field(default_factory=list)  # layers that took EPLB's balance instead
     eplb_inter_node_bytes_per_token: float | None = None  # expected, EPLB + balanced assignment, same data
-    expert_caps: dict | None = None  # `--expert-cap auto`: {"floor", "layers": the cap of every MoE layer}
+    # the cap of every MoE layer: `--expert-cap auto` {"floor", "layers"}, `eplb` {"share", "ceiling", "layers"}
+    expert_caps: dict | None = None
 
     @property
     def expected_reduction_vs_eplb(self) -> float | None:
@@ -68,7 +69,8 @@ class PlanSummary:
             ("plan time", f"{self.plan_seconds:.2f} s"),
         ]
         if self.expert_caps:
-            rows.append(("expert cap (auto, per layer)", _describe_caps(self.expert_caps)))
+            mode = "eplb" if "share" in self.expert_caps else "auto"
+            rows.append((f"expert cap ({mode}, per layer)", _describe_caps(self.expert_caps)))
         if self.fallback_layers:
             rows.append(("layers on EPLB balance", ", ".join(str(x) for x in self.fallback_layers)))
         reduction = self.expected_reduction_vs_eplb
@@ -130,7 +132,13 @@ def attention_imbalance(tokens: np.ndarray, prefill_rank: np.ndarray, decode_ran
 
 
 def _describe_caps(chosen: dict) -> str:
-    """`--expert-cap auto`'s choice in one line: the floor, and the layers (MoE index) raised above it."""
+    """The per-layer caps in one line. `--expert-cap auto`: the floor, and the layers (MoE index) raised above
+    it; `eplb[:SHARE]`: the share, and every layer's cap (MoE index: cap), each EPLB's figure or below."""
+    if "share" in chosen:
+        caps = chosen["layers"]
+        shown = ", ".join(f"{i}: {c:.3f}" for i, c in enumerate(caps[:8])) + (", ..." if len(caps) > 8 else "")
+        return (f"share {chosen['share']:g} of EPLB's slack, at most {chosen['ceiling']:.3f}; kept (MoE index: cap) "
+                f"{shown}; lowest {min(caps):.3f}, highest {max(caps):.3f}")
     floor, caps = chosen["floor"], chosen["layers"]
     raised = [(i, c) for i, c in enumerate(caps) if c > floor]
     if not raised:

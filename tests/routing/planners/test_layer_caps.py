@@ -205,9 +205,14 @@ def test_the_eplb_mode_never_stops_on_the_cap(skewed):
     assert (imbalance <= eplb_reach + 1e-5).all()
 
 
-def test_locus_plan_expert_cap_eplb(skewed, tmp_path):
+def test_locus_plan_expert_cap_eplb(skewed, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", str(skewed.path), "--topology", "2x2", "--slots", "9", "--requests", "0:100",
                  "--expert-cap", "eplb:0.25", "-o", str(out)]) == 0
     chosen = load_plan(out).provenance["expert_cap_eplb"]
     assert chosen["share"] == 0.25 and len(chosen["layers"]) == 12
+    # the summary says what each layer was planned at, as under auto
+    printed = capsys.readouterr().out
+    first = ", ".join(f"{i}: {c:.3f}" for i, c in enumerate(chosen["layers"][:8]))
+    assert "expert cap (eplb, per layer)" in printed and f"kept (MoE index: cap) {first}, ..." in printed
+    assert f"lowest {min(chosen['layers']):.3f}, highest {max(chosen['layers']):.3f}" in printed
