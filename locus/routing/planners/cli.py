@@ -386,7 +386,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/plan_sweep", help="directory for sweep.json, sweep.md, sweep.png")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per replay step (default 4096)")
     _dispatch_argument(p)
-    _caps_arguments(p)
+    _caps_arguments(p, auto=True)  # as `locus plan` takes it: auto and eplb plan every slot count
     return p
 
 
@@ -395,21 +395,25 @@ def run_sweep(args: argparse.Namespace) -> int:
     from locus.routing.plan.caps import Caps
     from locus.routing.planners.sweep import format_sweep, parse_slot_range, sweep, write_sweep
 
+    from locus.routing.planners.layer_caps import parse_expert_cap_mode
+
     slot_counts = parse_slot_range(args.slots)
+    expert_cap, auto, eplb_share = parse_expert_cap_mode(args.expert_cap)
     reader = _open_trace(args.trace)
-    caps = Caps(args.expert_cap, args.attention_cap)
+    caps = Caps(expert_cap, args.attention_cap)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows, skipped = sweep(reader, args.topology, slot_counts, caps, seed=args.seed, dispatch=args.dispatch,
                           batch_tokens=args.batch_tokens, log=log, replica_budget=args.replica_budget,
-                          load_model=args.load_model)
+                          load_model=args.load_model, expert_cap_auto=auto, expert_cap_eplb_share=eplb_share)
     for slots, reason in skipped:
         print(f"note: skipped {slots} slots/GPU: {reason}", file=sys.stderr)
     if not rows:
         raise LocusError(f"no slot count in {args.slots} holds every expert on {args.topology}")
     rule = args.dispatch or DEFAULT_RULE
     title = (f"{reader.meta.model} ({args.trace}), {args.topology}: planned on the first half, replayed the second; "
-             f"caps {caps.expert:.2f} / {caps.attention:.2f}, dispatch {rule}")
-    settings = {"trace": str(args.trace), "topology": args.topology, "caps": caps.to_dict(), "seed": args.seed,
+             f"expert cap {args.expert_cap}, attention cap {caps.attention:.2f}, dispatch {rule}")
+    settings = {"trace": str(args.trace), "topology": args.topology, "caps": caps.to_dict(),
+                "expert_cap": args.expert_cap, "seed": args.seed,
                 "dispatch": rule, "batch_tokens": args.batch_tokens, "replica_budget": args.replica_budget,
                 "load_model": _load_model(args)}
     paths = _write(args.out, lambda out: write_sweep(rows, title, out, settings))

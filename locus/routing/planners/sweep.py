@@ -5,7 +5,8 @@ on the first half of a trace's requests and replay the second half, as `locus pl
 per GPU buys in inter-node bytes and what it costs in balance.
 
 Rows: one per (slots, planner). Slot counts that cannot hold every expert once, or where the locality
-planner cannot meet the expert-load cap, are skipped with the reason (printed by the command).
+planner cannot meet a fixed expert-load cap, are skipped with the reason (printed by the command); under
+`--expert-cap auto` or `eplb` every slot count that holds the experts is planned.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ def parse_slot_range(text: str) -> list[int]:
 
 def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: int = 0,
           dispatch: str | None = None, batch_tokens: int = 4096, log: Log = print,
-          replica_budget: str = "top", load_model: str | None = None) -> tuple[list[SweepRow], list[tuple[int, str]]]:
-    """Rows for every usable slot count, and the (slot count, reason) of those skipped."""
+          replica_budget: str = "top", load_model: str | None = None, expert_cap_auto: bool = False,
+          expert_cap_eplb_share: float | None = None) -> tuple[list[SweepRow], list[tuple[int, str]]]:
+    """Rows for every usable slot count, and the (slot count, reason) of those skipped. `expert_cap_auto` /
+    `expert_cap_eplb_share`: the locality plans' `--expert-cap auto` / `eplb` (PlanOptions), which never
+    stop on the cap, so only slot counts too small for one copy of every expert are skipped."""
     meta = reader.meta
     R = len(reader.requests)
     plan_range, replay_range = parse_request_range("0:0.5", R), parse_request_range("0.5:1", R)
@@ -72,7 +76,8 @@ def sweep(reader, topology_text: str, slot_counts: list[int], caps: Caps, seed: 
             continue
         topology = parse_topology(topology_text, meta.num_experts, slots)
         options = PlanOptions(caps=caps, seed=seed, dispatch=dispatch, replica_budget=replica_budget,
-                              load_model=load_model)
+                              load_model=load_model, expert_cap_auto=expert_cap_auto,
+                              expert_cap_eplb_share=expert_cap_eplb_share)
         tokens = [r.tokens for r in reader.requests[replay_range[0] : replay_range[1]]]
         balanced = assign_balanced(tokens, topology.ranks, request_start=replay_range[0])
         # one rule for both rows (the title's): EPLB under its own `position` rule is `locus plan evaluate`'s row

@@ -37,3 +37,21 @@ def test_sweep_command_rows_skips_and_files(tmp_path, capsys):
     assert "| 8 | locality |" in captured.out and (out / "sweep.md").exists()
     pytest.importorskip("matplotlib")
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_under_auto_and_eplb_plans_every_slot_count_that_holds_the_experts(tmp_path, capsys):
+    trace = synth_trace(tmp_path / "t", requests=80, seed=1, experts=16)
+    for mode in ("auto", "eplb:0.5"):
+        out = tmp_path / mode.replace(":", "_")
+        # 4 slots on 2x2 hold each expert once: the fixed 1.10 cannot be met there (test above), these modes plan it
+        assert main(["plan", "sweep", str(trace), "--topology", "2x2", "--slots", "3,4,5", "--expert-cap", mode,
+                     "--out", str(out)]) == 0
+        captured = capsys.readouterr()
+        assert "skipped 3 slots/GPU: too few" in captured.err and "skipped 4" not in captured.err
+        doc = json.loads((out / "sweep.json").read_text())
+        assert [(r["slots"], r["planner"]) for r in doc["rows"]] == [(4, "eplb"), (4, "locality"), (5, "eplb"),
+                                                                     (5, "locality")]
+        assert doc["settings"]["expert_cap"] == mode and f"expert cap {mode}" in captured.out
+    assert main(["plan", "sweep", str(trace), "--topology", "2x2", "--expert-cap", "lots", "--out", str(tmp_path / "x")]) != 0
+    assert "--expert-cap must be a number or auto[:FLOOR] or eplb[:SHARE], not 'lots'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before any work
