@@ -69,9 +69,9 @@ def imbalances(loads: np.ndarray, ranks: np.ndarray, tokens: np.ndarray, R: int)
     """(expert mean over layers, worst layer, attention) of the whole run; loads [Q, R', L, R] per candidate
     rank (or [Q, L, R] as placed)."""
     placed = loads[np.arange(len(ranks)), ranks] if loads.ndim == 4 else loads
-    per_layer = max_over_mean(placed.sum(0).astype(np.float64), np.nan)
+    total = placed.sum(0).astype(np.float64)  # [L, R]
     attention = float(max_over_mean(np.bincount(ranks, weights=tokens, minlength=R)))
-    return expert_imbalance(placed), float(np.nanmax(per_layer)), attention
+    return expert_imbalance(total), float(np.nanmax(max_over_mean(total, np.nan))), attention
 
 
 def repick(nodes: np.ndarray, order: np.ndarray, tokens: np.ndarray, whole: np.ndarray, known: np.ndarray | None,

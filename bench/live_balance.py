@@ -51,7 +51,8 @@ from locus.routing.grouping.grouper import Grouper  # noqa: E402
 from locus.routing.grouping.live import simulate_live  # noqa: E402
 from locus.routing.grouping.simulation import run_grouper, trace_prefill_chunks  # noqa: E402
 from locus.routing.plan.caps import Caps  # noqa: E402
-from locus.routing.plan.topology import parse_topology  # noqa: E402
+from locus.routing.plan.placement import PlacementPlan  # noqa: E402
+from locus.routing.plan.topology import Topology, parse_topology  # noqa: E402
 from locus.routing.planners.layer_caps import parse_expert_cap_mode  # noqa: E402
 from locus.routing.planners.planner import PlanOptions, make_plan  # noqa: E402
 from locus.routing.replay.assignment import assign_balanced  # noqa: E402
@@ -92,23 +93,47 @@ def parse_case(spec: str) -> tuple[str, str, str, int]:
         raise LocusError(f"--trace {spec!r} is not NAME=DIR,NODESxGPUS,SLOTS (e.g. mini=results/tmp/mini,2x2,3)") from None
 
 
-def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=EXPERT_CAPS,
-             draws: int = DEFAULT_DRAWS) -> list[Row]:
+@dataclass
+class Case:
+    """A case's trace, its planning and held-out halves, and its plans (made once, for the table and the
+    served sets)."""
+
+    name: str
+    reader: TraceReader
+    topology: Topology
+    start: int  # the held-out half: requests start..stop
+    stop: int
+    eplb: PlacementPlan
+    locality: dict[str, PlacementPlan]  # by `--expert-cap`
+
+
+def plan_case(name: str, path: str, topology_text: str, slots: int, expert_caps=EXPERT_CAPS) -> Case:
+    """EPLB's plan and a locality plan per expert cap, on the first half of the trace's requests."""
     reader = TraceReader(path)
     count = len(reader.requests)
     plan_range, (start, stop) = parse_request_range("0:0.5", count), parse_request_range("0.5:1", count)
     topology = parse_topology(topology_text, reader.meta.num_experts, slots)
     eplb = make_plan("eplb", reader, topology, plan_range, PlanOptions(caps=Caps(), seed=0), trace=path).plan
+    locality = {}
+    for cap_text in expert_caps:
+        cap, auto, share = parse_expert_cap_mode(cap_text)
+        options = PlanOptions(caps=Caps(expert=cap), seed=0, expert_cap_auto=auto, expert_cap_eplb_share=share)
+        locality[cap_text] = make_plan("locality", reader, topology, plan_range, options, trace=path).plan
+    return Case(name, reader, topology, start, stop, eplb, locality)
+
+
+def run_case(case: Case, draws: int = DEFAULT_DRAWS) -> list[Row]:
+    reader, topology, start, stop = case.reader, case.topology, case.start, case.stop
     tokens = [r.tokens for r in reader.requests[start:stop]]
     balanced = assign_balanced(tokens, topology.ranks, request_start=start)
 
     def row(label: str, in_flight: str, plan, assignment, cap: str = "-") -> Row:
         r = replay(reader, plan, topology, assignment)
-        return Row(name, label, in_flight, r.inter_node_bytes_per_token, r.attention_imbalance,
+        return Row(case.name, label, in_flight, r.inter_node_bytes_per_token, r.attention_imbalance,
                    r.step_attention_imbalance_mean, r.step_attention_imbalance_worst, r.expert_imbalance_mean,
                    r.expert_imbalance_worst, expert_cap=cap)
 
-    reference_loads = request_rank_loads(reader, eplb, balanced)  # [Q, L, R]
+    reference_loads = request_rank_loads(reader, case.eplb, balanced)  # [Q, L, R]
 
     def judged(label: str, in_flight: str, plan, assignment, cap: str) -> Row:
         r = _judged(row(label, in_flight, plan, assignment, cap), reference)
@@ -116,15 +141,12 @@ def run_case(name: str, path: str, topology_text: str, slots: int, expert_caps=E
                                                draws=draws).as_dict()
         return r
 
-    reference = row("eplb, balanced", "-", eplb, balanced)
+    reference = row("eplb, balanced", "-", case.eplb, balanced)
     rows = [reference]
     held_out = reader.requests[start:stop]
     clients = [("closed", 16, "16"), ("closed", 16 * topology.ranks, f"16 per rank ({16 * topology.ranks})"),
                ("batch", 16, f"every request ({stop - start})")]
-    for cap_text in expert_caps:
-        cap, auto, share = parse_expert_cap_mode(cap_text)
-        options = PlanOptions(caps=Caps(expert=cap), seed=0, expert_cap_auto=auto, expert_cap_eplb_share=share)
-        locality = make_plan("locality", reader, topology, plan_range, options, trace=path).plan
+    for cap_text, locality in case.locality.items():
         rows.append(row("locality placement only", "-", locality, balanced, cap_text))
         planned = run_grouper(Grouper.from_plan(locality, moe_layers=reader.meta.moe_layers),
                               [r.id for r in held_out], [r.domain for r in held_out], tokens,
@@ -154,35 +176,27 @@ class SetsRow:
         return sum(d > 0 for d in self.differences)
 
 
-def run_sets(name: str, path: str, topology_text: str, slots: int, sets: int, expert_caps=EXPERT_CAPS,
-             draws: int = DEFAULT_DRAWS) -> list[SetsRow]:
+def run_sets(case: Case, sets: int, draws: int = DEFAULT_DRAWS) -> list[SetsRow]:
     """The held-out half cut into `sets` disjoint served sets in trace order, each served alone by a
     closed-loop client of 16 requests per rank: how the grouper-minus-EPLB expert imbalance spreads over
     served sets of one size (what a live run of that many requests draws one value of)."""
-    reader = TraceReader(path)
-    count = len(reader.requests)
-    plan_range, (start, stop) = parse_request_range("0:0.5", count), parse_request_range("0.5:1", count)
-    size = (stop - start) // sets
+    reader, topology, start = case.reader, case.topology, case.start
+    size = (case.stop - start) // sets
     if size < 1:
-        raise LocusError(f"{name}: {stop - start} held-out requests cannot make {sets} served sets")
-    topology = parse_topology(topology_text, reader.meta.num_experts, slots)
-    eplb = make_plan("eplb", reader, topology, plan_range, PlanOptions(caps=Caps(), seed=0), trace=path).plan
+        raise LocusError(f"{case.name}: {case.stop - start} held-out requests cannot make {sets} served sets")
     in_flight = 16 * topology.ranks
     out = []
-    for cap_text in expert_caps:
-        cap, auto, share = parse_expert_cap_mode(cap_text)
-        options = PlanOptions(caps=Caps(expert=cap), seed=0, expert_cap_auto=auto, expert_cap_eplb_share=share)
-        locality = make_plan("locality", reader, topology, plan_range, options, trace=path).plan
+    for cap_text, locality in case.locality.items():
         diffs, sds = [], []
         for lo in range(start, start + sets * size, size):
             hi = lo + size
             live = simulate_live(locality, reader, lo, hi, arrivals="closed", concurrency=in_flight)
             balanced = assign_balanced([r.tokens for r in reader.requests[lo:hi]], topology.ranks, request_start=lo)
             d = paired_bootstrap(request_rank_loads(reader, locality, live.assignment),
-                                 request_rank_loads(reader, eplb, balanced), draws=draws)
+                                 request_rank_loads(reader, case.eplb, balanced), draws=draws)
             diffs.append(d.point)
             sds.append(d.sd)
-        out.append(SetsRow(name, cap_text, size, in_flight, diffs, sds))
+        out.append(SetsRow(case.name, cap_text, size, in_flight, diffs, sds))
     return out
 
 
@@ -241,19 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--served-sets must be at least 0, got {args.served_sets}")
     if args.draws < 1:
         p.error(f"--draws must be at least 1, got {args.draws}")
-    cases = [parse_case(spec) for spec in args.trace]
+    specs = [parse_case(spec) for spec in args.trace]
     expert_caps = tuple(args.expert_cap or EXPERT_CAPS)
     for text in expert_caps:
         parse_expert_cap_mode(text)  # a bad one refused before any case runs
     rows: list[Row] = []
     started = time.perf_counter()
-    for case in cases:
-        rows += run_case(*case, expert_caps=expert_caps, draws=args.draws)
+    cases = []
+    for spec in specs:
+        cases.append(plan_case(*spec, expert_caps=expert_caps))
+        rows += run_case(cases[-1], draws=args.draws)
     print_table(rows)
     sets: list[SetsRow] = []
     if args.served_sets:
         for case in cases:
-            sets += run_sets(*case, sets=args.served_sets, expert_caps=expert_caps, draws=args.draws)
+            sets += run_sets(case, sets=args.served_sets, draws=args.draws)
         print()
         print_sets(sets)
     if args.out:

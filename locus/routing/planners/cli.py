@@ -393,9 +393,8 @@ def sweep_parser() -> argparse.ArgumentParser:
 def run_sweep(args: argparse.Namespace) -> int:
     from locus.routing.dispatch_rule import DEFAULT_RULE
     from locus.routing.plan.caps import Caps
-    from locus.routing.planners.sweep import format_sweep, parse_slot_range, sweep, write_sweep
-
     from locus.routing.planners.layer_caps import parse_expert_cap_mode
+    from locus.routing.planners.sweep import format_sweep, parse_slot_range, sweep, write_sweep
 
     slot_counts = parse_slot_range(args.slots)
     expert_cap, auto, eplb_share = parse_expert_cap_mode(args.expert_cap)

@@ -101,15 +101,15 @@ def expert_imbalance(loads: np.ndarray) -> float:
     """The whole-replay expert imbalance of per-request loads [Q, L, R] (or their sum [L, R]): per layer
     max / mean over ranks, averaged over the layers that carry load (as the replay reports it)."""
     total = loads.sum(0) if loads.ndim == 3 else loads
-    per_layer = max_over_mean(total.astype(np.float64), np.nan)
-    known = ~np.isnan(per_layer)
-    return float(per_layer[known].mean()) if known.any() else float("nan")
+    return float(_imbalances(total[None].astype(np.float64))[0])
 
 
 def _imbalances(totals: np.ndarray) -> np.ndarray:
-    """expert_imbalance of every draw's totals [n, L, R], [n]."""
+    """expert_imbalance of every draw's totals [n, L, R], [n]; nan for a draw no layer of which carries load."""
     per_layer = max_over_mean(totals, np.nan)  # [n, L]
-    return np.nanmean(per_layer, axis=1)
+    known = ~np.isnan(per_layer)
+    layers = known.sum(1)
+    return np.where(layers > 0, np.where(known, per_layer, 0.0).sum(1) / np.maximum(layers, 1), np.nan)
 
 
 def paired_bootstrap(a: np.ndarray, b: np.ndarray, draws: int = DEFAULT_DRAWS, seed: int = 0) -> ImbalanceDifference:
